@@ -1,0 +1,59 @@
+// The op schemas (one TORCH_LIBRARY for the whole library) and the Python module that loads them.
+//
+// Device implementations register themselves with TORCH_LIBRARY_IMPL in their own files:
+//   csrc/cpu/<op>_cpu.cpp    CPU kernels (always built)
+//   csrc/cuda/<op>_cuda.cu   CUDA bindings over the raw-pointer kernels in csrc/cuda/kernels (built with a CUDA torch)
+// Fake (meta) implementations for torch.compile live in sbd_ext/ops.py.
+#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <torch/library.h>
+#include <torch/headeronly/version.h>
+
+#include <string>
+
+#include "cpu/isa.h"
+
+TORCH_LIBRARY(sbd_ext, m) {
+  // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated: committed rows appended at
+  // cache_lens[b]); cache_lens, n_commit, n_valid [B] int32/int64. Returns [B, T, Hq, D] in q's dtype.
+  m.def(
+      "block_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_lens, "
+      "Tensor n_commit, Tensor n_valid, float scale) -> Tensor");
+  // logits [N, V] fp32/bf16/fp16 -> (entropy fp32 [N], max_prob fp32 [N], token int64 [N]).
+  m.def("entropy_sample(Tensor logits, float temperature, int seed, int offset) -> (Tensor, Tensor, Tensor)");
+  // tokens [B, K] int64 (mutated), proposals [B, K] int64, entropy / max_prob [B, K] fp32; rule "eb" | "entropy" |
+  // "confidence". Returns (n_revealed [B], n_remaining [B]) int64.
+  m.def(
+      "mask_replace(Tensor(a!) tokens, Tensor proposals, Tensor entropy, Tensor max_prob, int mask_id, str rule, "
+      "float threshold) -> (Tensor, Tensor)");
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict d;
+#ifdef SBD_EXT_WITH_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+#ifdef SBD_EXT_DEBUG
+  d["debug"] = true;
+#else
+  d["debug"] = false;
+#endif
+  d["cpu_isa"] = std::string(sbd_cpu::isa_name(sbd_cpu::active_isa()));
+  d["cpu_isas"] = sbd_cpu::available_isas();
+  d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+                       std::to_string(TORCH_VERSION_PATCH);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sbd_ext compiled kernels; the ops are reached through torch.ops.sbd_ext";
+  m.def("build_info", &build_info, "How this extension was built: CUDA kernels, CPU ISA variants, debug flags.");
+  m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
+        "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
+}

@@ -1,0 +1,127 @@
+"""Typed Python wrappers of the sbd_ext ops, and their fake (meta) implementations for torch.compile.
+
+The ops are defined once in csrc/ops.cpp (``torch.ops.sbd_ext.<name>``), implemented per device in
+csrc/cpu/<name>_cpu.cpp and csrc/cuda/<name>_cuda.cu, and have pure-PyTorch references of the same name in
+:mod:`sbd_ext.reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["block_attention", "entropy_sample", "mask_replace"]
+
+_U64 = 1 << 64
+
+
+def _as_int64(x: int, name: str) -> int:
+    """Map a seed/offset in [-2^63, 2^64) onto the int64 the schema carries (same 64 bits)."""
+    x = int(x)
+    if not -(1 << 63) <= x < _U64:
+        raise ValueError(f"{name} must fit in 64 bits, got {x}")
+    return x - _U64 if x >= (1 << 63) else x
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    n_commit: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of T new rows over a KV cache plus themselves, appending the committed rows' K/V in place.
+
+    Args:
+        q: [B, Hq, T, D] queries (fp32, bf16 or fp16; any strides with a unit last stride).
+        k, v: [B, Hkv, T, D] keys / values of the same T new rows, Hq = g * Hkv (GQA).
+        k_cache, v_cache: [B, Hkv, S, D] caches, same dtype as q; rows [0, cache_lens[b]) are valid.
+            Mutated: rows [cache_lens[b], cache_lens[b] + n_commit[b]) receive the committed rows' K/V.
+        cache_lens: [B] int32/int64, valid cache rows per sequence.
+        n_commit: [B] committed (causal) new rows per sequence, at the front; default T (plain causal).
+        n_valid: [B] valid new rows per sequence; rows [n_commit, n_valid) are a set block that attends
+            bidirectionally to every valid new row; rows >= n_valid are padding (output 0). Default T.
+        scale: softmax scale, default D ** -0.5.
+
+    Returns:
+        [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32.
+    The lengths are not updated: after the last layer the caller adds n_commit to cache_lens.
+    """
+    B, T = q.shape[0], q.shape[2] if q.dim() == 4 else 0
+    if n_commit is None:
+        n_commit = torch.full((B,), T, dtype=torch.int32, device=q.device)
+    if n_valid is None:
+        n_valid = torch.full((B,), T, dtype=torch.int32, device=q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return torch.ops.sbd_ext.block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, float(scale))
+
+
+def entropy_sample(
+    logits: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy, max-probability and chosen token of each row of logits, in one pass over the vocabulary.
+
+    Args:
+        logits: [N, V] fp32, bf16 or fp16, unit stride along V. -inf entries are banned tokens.
+        temperature: 0 picks the argmax (first maximum); T > 0 draws from softmax(logits / T) by Gumbel-max.
+        seed, offset: the Philox stream; the draw of row r is a pure function of (seed, offset, r), identical
+            on CPU and CUDA. Advance ``offset`` between calls that must draw independently.
+
+    Returns:
+        (entropy fp32 [N] in nats, max_prob fp32 [N], token int64 [N]), the first two of softmax(logits) at
+        temperature 1. A row with a NaN or +inf logit, or with all logits -inf, is invalid: NaN, NaN, -1.
+    """
+    return torch.ops.sbd_ext.entropy_sample(
+        logits, float(temperature), _as_int64(seed, "seed"), _as_int64(offset, "offset")
+    )
+
+
+def mask_replace(
+    tokens: torch.Tensor,
+    proposals: torch.Tensor,
+    entropy: torch.Tensor,
+    max_prob: torch.Tensor,
+    mask_id: int,
+    rule: str = "eb",
+    threshold: float = 0.35,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reveal masked positions of each block in place, by an acceptance rule.
+
+    Args:
+        tokens: [B, K] int64 block tokens, ``mask_id`` where still masked. Mutated in place.
+        proposals: [B, K] int64 proposed token per position (from :func:`entropy_sample`; -1 = invalid row).
+        entropy, max_prob: [B, K] fp32 statistics of each position's distribution.
+        mask_id: the mask token id.
+        rule: ``"eb"`` entropy-bounded (paper Eq. 8, threshold = gamma); ``"entropy"`` reveal H < gamma;
+            ``"confidence"`` reveal max_prob > tau (threshold = tau). At least one candidate is revealed.
+        threshold: gamma (>= 0) or tau.
+
+    Returns:
+        (n_revealed [B], n_remaining [B]) int64, on tokens' device. No host synchronisation happens inside.
+        A sequence with masked positions left but none revealed has only invalid (NaN-logit) proposals.
+    """
+    return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, int(mask_id), rule, float(threshold))
+
+
+# ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
+@torch.library.register_fake("sbd_ext::block_attention")
+def _block_attention_fake(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale):
+    B, Hq, T, D = q.shape
+    return q.new_empty((B, T, Hq, D))
+
+
+@torch.library.register_fake("sbd_ext::entropy_sample")
+def _entropy_sample_fake(logits, temperature, seed, offset):
+    N = logits.shape[0]
+    f = logits.new_empty((N,), dtype=torch.float32)
+    return f, torch.empty_like(f), logits.new_empty((N,), dtype=torch.int64)
+
+
+@torch.library.register_fake("sbd_ext::mask_replace")
+def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, threshold):
+    B = tokens.shape[0]
+    return tokens.new_empty((B,)), tokens.new_empty((B,))

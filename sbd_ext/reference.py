@@ -1,0 +1,191 @@
+"""Pure-PyTorch references of the three sbd_ext ops.
+
+These are the definitions the kernels are tested against: plain tensor code, fp32 math (fp64 where a
+comparison with a user threshold decides a discrete outcome), no cleverness. They take and return the same
+tensors as the ops in :mod:`sbd_ext.ops` and are shared by the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RULES = ("eb", "entropy", "confidence")
+
+
+# --------------------------------------------------------------------------------------------------------
+# block_attention
+# --------------------------------------------------------------------------------------------------------
+def block_attention_mask(
+    cache_lens: torch.Tensor, n_commit: torch.Tensor, n_valid: torch.Tensor, T: int, S: int
+) -> torch.Tensor:
+    """Boolean mask [B, T, S + T]: may new row i of sequence b attend to key column c?
+
+    Columns 0..S-1 are cache slots, S..S+T-1 the new rows of this forward. Row i < n_commit[b] is committed
+    (causal over the new rows), n_commit[b] <= i < n_valid[b] is a set-block row (sees every valid new row),
+    rows >= n_valid[b] are padding (see nothing).
+    """
+    dev = cache_lens.device
+    lens = cache_lens.long().view(-1, 1, 1)
+    c = n_commit.long().view(-1, 1, 1)
+    nv = n_valid.long().view(-1, 1, 1)
+    i = torch.arange(T, device=dev).view(1, T, 1)
+    col_cache = torch.arange(S, device=dev).view(1, 1, S)
+    col_new = torch.arange(T, device=dev).view(1, 1, T)
+    row_valid = i < nv
+    cache_ok = (col_cache < lens) & row_valid
+    new_ok = (col_new < nv) & row_valid & ((i >= c) | (col_new <= i))
+    return torch.cat([cache_ok, new_ok], dim=-1)
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    n_commit: torch.Tensor,
+    n_valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense masked softmax in fp32; appends committed K/V to the caches in place.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D]; cache_lens, n_commit, n_valid [B].
+    Returns [B, T, Hq, D] in q's dtype; padding rows are zero.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    g = Hq // Hkv
+    keys = torch.cat([k_cache.float(), k.float()], dim=2).repeat_interleave(g, dim=1)  # [B, Hq, S+T, D]
+    vals = torch.cat([v_cache.float(), v.float()], dim=2).repeat_interleave(g, dim=1)
+    mask = block_attention_mask(cache_lens, n_commit, n_valid, T, S)  # [B, T, S+T]
+    scores = torch.einsum("bhtd,bhsd->bhts", q.float(), keys) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
+    out = torch.einsum("bhts,bhsd->bthd", probs, vals)
+    for b in range(B):
+        L, c = int(cache_lens[b]), int(n_commit[b])
+        k_cache[b, :, L : L + c] = k[b, :, :c].to(k_cache.dtype)
+        v_cache[b, :, L : L + c] = v[b, :, :c].to(v_cache.dtype)
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# entropy_sample
+# --------------------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a constant a < 2^32 and int64 tensor b < 2^32, without overflow."""
+    a1, a0 = a >> 16, a & 0xFFFF
+    p0 = a0 * b  # < 2^48
+    p1 = a1 * b  # < 2^48
+    lo = (((p1 & 0xFFFF) << 16) + p0) & _M32
+    hi = (p1 + (p0 >> 16)) >> 16
+    return hi & _M32, lo
+
+
+def _philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+    """Philox4x32-10 on int64 tensors holding uint32 values; the twin of csrc/include/sbd/philox.h."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + 0x9E3779B9) & _M32
+        k1 = (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(n_rows: int, vocab: int, seed: int, offset: int, device=None) -> torch.Tensor:
+    """Uniforms in (0, 1), [n_rows, vocab] fp32: the draws entropy_sample uses for (seed, offset)."""
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    n_quads = (vocab + 3) // 4
+    quad = torch.arange(n_quads, dtype=torch.int64, device=device).view(1, -1).expand(n_rows, -1)
+    row = torch.arange(n_rows, dtype=torch.int64, device=device).view(-1, 1).expand(-1, n_quads)
+    c2 = torch.full_like(quad, offset & _M32)
+    c3 = torch.full_like(quad, offset >> 32)
+    words = torch.stack(_philox4x32_10(quad, row, c2, c3, seed & _M32, seed >> 32), dim=-1)
+    words = words.reshape(n_rows, n_quads * 4)[:, :vocab]
+    return ((words >> 8).float() + 0.5) * (1.0 / 16777216.0)
+
+
+def entropy_sample(
+    logits: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy (nats) and max probability of softmax(logits) and the chosen token, per row.
+
+    logits [N, V] (fp32/bf16/fp16). Token: argmax (first maximum) when temperature == 0, else the Gumbel-max
+    sample argmax(logits / T - log(-log(u))) with u from Philox(seed, offset). A row with a NaN or +inf logit,
+    or with every logit -inf, is invalid: entropy and max_prob NaN, token -1.
+    Returns (entropy fp32 [N], max_prob fp32 [N], token int64 [N]).
+    """
+    x = logits.float()
+    N, V = x.shape
+    invalid = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+    xs = x.masked_fill(invalid[:, None], 0.0)
+    p = torch.softmax(xs, dim=-1)
+    ent = torch.special.entr(p).sum(-1)
+    pmax = p.max(-1).values
+    if temperature == 0.0:
+        token = xs.argmax(-1)
+    else:
+        u = philox_uniform(N, V, seed, offset, device=x.device)
+        token = (xs / temperature - torch.log(-torch.log(u))).argmax(-1)
+    nan = torch.full_like(ent, float("nan"))
+    return (
+        torch.where(invalid, nan, ent),
+        torch.where(invalid, nan, pmax),
+        torch.where(invalid, torch.full_like(token, -1), token),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# mask_replace
+# --------------------------------------------------------------------------------------------------------
+def mask_replace(
+    tokens: torch.Tensor,
+    proposals: torch.Tensor,
+    entropy: torch.Tensor,
+    max_prob: torch.Tensor,
+    mask_id: int,
+    rule: str,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reveal masked positions of each block in place by an acceptance rule; see csrc/include/sbd/accept.h.
+
+    tokens [B, K] int64 (modified in place), proposals [B, K] int64, entropy / max_prob [B, K] fp32.
+    rule: "eb" (threshold = gamma), "entropy" (gamma) or "confidence" (tau).
+    Returns (n_revealed [B], n_remaining [B]) int64.
+    """
+    if rule not in RULES:
+        raise ValueError(f"mask_replace: rule must be one of {RULES}, got {rule!r}")
+    B, K = tokens.shape
+    n_rev = torch.zeros(B, dtype=torch.int64)
+    n_rem = torch.zeros(B, dtype=torch.int64)
+    reveal_all = torch.zeros(B, K, dtype=torch.bool)
+    for b in range(B):
+        masked = tokens[b] == mask_id
+        score = max_prob[b] if rule == "confidence" else entropy[b]
+        cand = masked & (proposals[b] >= 0) & (proposals[b] != mask_id) & ~torch.isnan(score)
+        idx = torch.nonzero(cand).flatten()
+        reveal = torch.zeros(K, dtype=torch.bool)
+        if idx.numel() > 0:
+            key = -max_prob[b, idx] if rule == "confidence" else entropy[b, idx]
+            order = idx[torch.sort(key, stable=True).indices]  # candidates, best first; ties by position
+            h = entropy[b, order].double().clamp_min(0.0)
+            if rule == "eb":
+                before = torch.cat([h.new_zeros(1), torch.cumsum(h, 0)[:-1]])  # sum of those ranked before
+                chosen = order[before <= threshold]
+            elif rule == "entropy":
+                chosen = order[entropy[b, order].double() < threshold]
+            else:
+                chosen = order[max_prob[b, order].double() > threshold]
+            reveal[order[0]] = True
+            reveal[chosen] = True
+        reveal_all[b] = reveal
+        n_rev[b] = int(reveal.sum())
+        n_rem[b] = int(masked.sum()) - n_rev[b]
+    tokens[reveal_all.to(tokens.device)] = proposals[reveal_all.to(proposals.device)]
+    return n_rev.to(tokens.device), n_rem.to(tokens.device)

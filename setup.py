@@ -1,0 +1,148 @@
+"""Build of the sbd_ext C++/CUDA extension (sbd_ext._C) against the torch that is installed.
+
+Environment variables:
+  SBD_EXT_CUDA        auto (default) | 1 | 0. auto builds the CUDA kernels when torch is a CUDA build and nvcc
+                      is found; 1 requires them (fails if impossible); 0 builds the CPU kernels only.
+  SBD_EXT_CUDA_ARCH   CUDA architectures, TORCH_CUDA_ARCH_LIST syntax (default "8.0;9.0a").
+  SBD_EXT_DEBUG       1 builds with -O0 -g and host-side asserts.
+  SBD_EXT_NATIVE      1 adds -march=native to the (ISA-independent) C++ sources.
+  MAX_JOBS            parallel compile jobs (ninja), as for every torch extension.
+
+CPU kernels (csrc/cpu/*_kernel.cpp) are compiled once per instruction set (DEFAULT, and AVX2 / AVX512 on x86-64)
+into namespaces sbd_cpu::<ISA>; the bindings pick the widest one the running CPU supports (csrc/cpu/isa.h), as
+ATen does for its own kernels. The rest of the extension is compiled for the baseline ISA, so the wheel runs on
+any x86-64 machine.
+"""
+
+import glob
+import os
+import platform
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:  # pragma: no cover - only on a machine without torch
+    sys.exit(
+        "sbd_ext builds against the torch that is installed, and none is. Install it first:\n"
+        "  pip install torch==2.13.0        # CPU machine (the pinned wheel)\n"
+        "  pip install torch                # or your CUDA build of torch\n"
+        "then: pip install .   (or pip install --no-build-isolation .)"
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cuda_wanted() -> bool:
+    mode = os.environ.get("SBD_EXT_CUDA", "auto").lower()
+    if mode in ("0", "off", "false", "no"):
+        return False
+    have = torch.version.cuda is not None and CUDA_HOME is not None
+    if mode in ("1", "on", "true", "yes"):
+        if not have:
+            sys.exit(
+                "SBD_EXT_CUDA=1 but the CUDA kernels cannot be built: "
+                f"torch {torch.__version__} is {'a CUDA' if torch.version.cuda else 'a CPU-only'} build and "
+                f"nvcc is {'at ' + CUDA_HOME if CUDA_HOME else 'not found (set CUDA_HOME)'}."
+            )
+        return True
+    if not have:
+        print(
+            "sbd_ext: building the CPU kernels only "
+            f"(torch {torch.__version__} has no CUDA or nvcc was not found); set SBD_EXT_CUDA=1 to require CUDA.",
+            file=sys.stderr,
+        )
+    return have
+
+
+# Per-ISA flags; the macros select at::vec's implementation (ATen/cpu/vec/vec.h).
+ISA_FLAGS = {
+    "DEFAULT": [],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mbmi2",
+               "-DCPU_CAPABILITY_AVX512"],
+}
+
+
+def _isas():
+    return ["DEFAULT", "AVX2", "AVX512"] if platform.machine().lower() in ("x86_64", "amd64") else ["DEFAULT"]
+
+
+class BuildExtWithISA(BuildExtension):
+    """BuildExtension plus the per-ISA compilation of the CPU kernel sources (see the module docstring)."""
+
+    def build_extension(self, ext):
+        from torch.utils.cpp_extension import include_paths
+
+        kernels = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*_kernel.cpp")))
+        headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
+        newest_input = max(os.path.getmtime(f) for f in kernels + headers + [__file__])
+        out_dir = os.path.join(os.path.abspath(self.build_temp), "isa")
+        os.makedirs(out_dir, exist_ok=True)
+        cxx = os.environ.get("CXX", "c++")
+        debug = os.environ.get("SBD_EXT_DEBUG", "0") == "1"
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        base = ["-std=c++20", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        base += ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+        base += [f"-I{p}" for p in ext.include_dirs + include_paths()]
+        jobs, objects = [], []
+        for src in kernels:
+            stem = os.path.splitext(os.path.basename(src))[0]
+            for isa in _isas():
+                wrapper = os.path.join(out_dir, f"{stem}.{isa}.cpp")
+                obj = os.path.join(out_dir, f"{stem}.{isa}.o")
+                objects.append(obj)
+                if os.path.exists(obj) and os.path.getmtime(obj) > newest_input:
+                    continue
+                with open(wrapper, "w") as f:
+                    f.write(f'#define CPU_CAPABILITY {isa}\n#include "{src}"\n')
+                jobs.append([cxx, "-c", wrapper, "-o", obj, *base, *ISA_FLAGS[isa]])
+        workers = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for cmd, res in zip(jobs, pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), jobs)):
+                if res.returncode != 0:
+                    sys.stderr.write(res.stdout + res.stderr)
+                    raise RuntimeError(f"compiling {cmd[2]} failed")
+        ext.extra_objects = list(ext.extra_objects or []) + objects
+        ext.define_macros = list(ext.define_macros or []) + [(f"SBD_EXT_HAVE_{isa}", "1") for isa in _isas()]
+        super().build_extension(ext)
+
+
+def _extension():
+    debug = os.environ.get("SBD_EXT_DEBUG", "0") == "1"
+    with_cuda = _cuda_wanted()
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    sources = [f for f in sources if not f.endswith("_kernel.cpp")]  # built per ISA by BuildExtWithISA
+    cxx = ["-O0", "-g", "-DSBD_EXT_DEBUG"] if debug else ["-O3"]
+    # AVX-512/AVX2 code paths come from ATen's vectorised types (at::vec), which pick the widest ISA the
+    # compiler is allowed; -march=native would make the wheel unportable, so it is opt-in.
+    if os.environ.get("SBD_EXT_NATIVE", "0") == "1":
+        cxx.append("-march=native")
+    cxx += ["-fopenmp"]
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    kwargs = dict(
+        name="sbd_ext._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        extra_link_args=["-fopenmp"],
+    )
+    if not with_cuda:
+        kwargs["extra_compile_args"] = {"cxx": cxx}
+        return CppExtension(**kwargs)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("SBD_EXT_CUDA_ARCH", "8.0;9.0a"))
+    kwargs["sources"] += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]
+    nvcc += ["--expt-relaxed-constexpr", "-DSBD_EXT_WITH_CUDA"]
+    kwargs["extra_compile_args"] = {"cxx": cxx + ["-DSBD_EXT_WITH_CUDA"], "nvcc": nvcc}
+    return CUDAExtension(**kwargs)
+
+
+setup(
+    packages=find_packages(include=["sbd_ext", "sbd_ext.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtWithISA.with_options(use_ninja=True)},
+)
