@@ -22,9 +22,10 @@ TOL = {
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, atol=None, rtol=None,
                  msg: str = ""):
     """torch.testing.assert_close with the table's tolerances and a report of how many elements differ and where."""
-    a_tol, r_tol = TOL[dtype or expected.dtype] if (atol is None or rtol is None) else (atol, rtol)
     actual, expected = actual.detach().cpu(), expected.detach().cpu()
+    assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
     if actual.is_floating_point():
+        a_tol, r_tol = TOL[dtype or expected.dtype] if (atol is None or rtol is None) else (atol, rtol)
         a, e = actual.double(), expected.double()
         bad = ~torch.isclose(a, e, atol=a_tol, rtol=r_tol, equal_nan=True)
         if bad.any():

@@ -1,0 +1,75 @@
+// entropy_sample on the CPU: checks, work split over (row, vocabulary chunk), and the merge of chunk states.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "checks.h"
+#include "cpu/entropy_sample_kernel.h"
+
+namespace sbd_ext {
+
+void check_entropy_sample(const at::Tensor& logits, double temperature) {
+  constexpr const char* op = "entropy_sample";
+  check_dtype(op, "logits", logits, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_dim(op, "logits", logits, 2, "[N, V]");
+  TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": logits must have a non-empty vocabulary dimension, got shape ",
+                    logits.sizes());
+  check_inner_contiguous(op, "logits", logits);
+  TORCH_CHECK_VALUE(temperature >= 0.0 && std::isfinite(temperature), op,
+                    ": temperature must be a finite number >= 0 (0 = greedy), got ", temperature);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tensor& logits, double temperature,
+                                                                  int64_t seed, int64_t offset) {
+  check_entropy_sample(logits, temperature);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor entropy = at::empty({N}, f32), max_prob = at::empty({N}, f32);
+  at::Tensor token = at::empty({N}, logits.options().dtype(at::kLong));
+  if (N == 0) return {entropy, max_prob, token};
+
+  sbd_cpu::EntropySampleParams p;
+  p.logits = logits.data_ptr();
+  p.row_stride = logits.stride(0);
+  p.N = N;
+  p.V = V;
+  p.dtype = logits.scalar_type() == at::kFloat      ? sbd_cpu::LogitsDtype::kFloat32
+            : logits.scalar_type() == at::kBFloat16 ? sbd_cpu::LogitsDtype::kBFloat16
+                                                     : sbd_cpu::LogitsDtype::kFloat16;
+  p.temperature = static_cast<float>(temperature);
+  p.seed = static_cast<uint64_t>(seed);
+  p.offset = static_cast<uint64_t>(offset);
+
+  const int64_t chunks = (V + sbd_cpu::kVocabChunk - 1) / sbd_cpu::kVocabChunk;
+  std::vector<sbd::EntropyState> states(static_cast<size_t>(N * chunks));
+  std::vector<sbd::ArgmaxState> bests(static_cast<size_t>(N * chunks));
+  at::parallel_for(0, N * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / chunks, c = i % chunks;
+      const int64_t j0 = c * sbd_cpu::kVocabChunk, j1 = std::min(V, j0 + sbd_cpu::kVocabChunk);
+      SBD_CPU_DISPATCH(entropy_sample_chunk, p, row, j0, j1, &states[i], &bests[i]);
+    }
+  });
+
+  float* ent = entropy.data_ptr<float>();
+  float* pmax = max_prob.data_ptr<float>();
+  int64_t* tok = token.data_ptr<int64_t>();
+  for (int64_t row = 0; row < N; ++row) {  // merge in chunk order: deterministic whatever the thread count
+    sbd::EntropyState st = states[row * chunks];
+    sbd::ArgmaxState am = bests[row * chunks];
+    for (int64_t c = 1; c < chunks; ++c) {
+      st.merge(states[row * chunks + c]);
+      am.merge(bests[row * chunks + c]);
+    }
+    ent[row] = st.entropy();
+    pmax[row] = st.max_prob();
+    tok[row] = st.ok() ? am.index : -1;
+  }
+  return {entropy, max_prob, token};
+}
+
+TORCH_LIBRARY_IMPL(sbd_ext, CPU, m) { m.impl("entropy_sample", &entropy_sample_cpu); }
+
+}  // namespace sbd_ext
