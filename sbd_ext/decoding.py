@@ -561,18 +561,26 @@ class _Seq:
         self.block = block
         self.pending = []
         stop = next((j for j in range(k) if block[j] in s.stop_ids and block[j] != s.mask_id), None)
-        if stop is not None and all(t != s.mask_id for t in block[:stop]):
+        stopped = stop is not None and all(t != s.mask_id for t in block[:stop])
+        if stopped:
             keep = stop + 1
         elif n_rem == 0:
             keep = k
         else:
             keep = None
-        shown = revealed if keep is None else [j for j in revealed if j < keep]
-        self.trace.append((f, [self.block_start + j for j in shown], [block[j] for j in shown]))
+        start = self.block_start
+        self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
         if keep is None:
             return
+        if keep < k:
+            # Stopped at a stop token: drop the positions after it from this block's trace entries too.
+            end = start + keep
+            self.trace = [
+                (g, [p for p in pos if p < end], [t for p, t in zip(pos, tok, strict=True) if p < end])
+                for g, pos, tok in self.trace
+            ]
         self.gen.extend(block[:keep])
-        if keep < k or len(self.gen) >= s.max_new_tokens:
+        if stopped or len(self.gen) >= s.max_new_tokens:
             self.done = True
             self.block = []
             return
