@@ -1,0 +1,184 @@
+"""mask_replace against sbd_ext.reference.mask_replace, and each acceptance rule's defining property."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from utils import assert_close
+
+import sbd_ext
+from sbd_ext import reference as R
+
+MASK = 99
+
+
+def _case(B, K, seed, p_mask=0.7, ties=False, invalid=0.0, nan=0.0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (B, K), generator=g)
+    tokens[torch.rand(B, K, generator=g) < p_mask] = MASK
+    proposals = torch.randint(0, 50, (B, K), generator=g)
+    proposals[torch.rand(B, K, generator=g) < invalid] = -1
+    ent = torch.rand(B, K, generator=g) * 2
+    if ties:
+        ent = (ent * 4).round() / 4  # many equal entropies: the tie order by position matters
+    ent[torch.rand(B, K, generator=g) < nan] = float("nan")
+    pmax = torch.rand(B, K, generator=g)
+    if ties:
+        pmax = (pmax * 4).round() / 4
+    return tokens, proposals, ent, pmax
+
+
+def _run_both(tokens, proposals, ent, pmax, rule, thr, device):
+    t_ours = tokens.clone().to(device)
+    counts = sbd_ext.mask_replace(t_ours, proposals.to(device), ent.to(device), pmax.to(device), MASK, rule, thr)
+    t_ref = tokens.clone()
+    ref_counts = R.mask_replace(t_ref, proposals, ent, pmax, MASK, rule, thr)
+    return t_ours.cpu(), [c.cpu() for c in counts], t_ref, ref_counts
+
+
+@pytest.mark.parametrize("B", [1, 3, 64])
+@pytest.mark.parametrize("K", [1, 4, 16, 33])
+@pytest.mark.parametrize("rule, thr", [("eb", 0.0), ("eb", 0.35), ("eb", 1.5), ("entropy", 0.5), ("confidence", 0.6)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_matches_reference(device, B, K, rule, thr, ties):
+    case = _case(B, K, seed=B * 1000 + K, ties=ties, invalid=0.1, nan=0.05)
+    t_ours, counts, t_ref, ref_counts = _run_both(*case, rule, thr, device)
+    assert_close(t_ours, t_ref, msg="tokens")
+    assert_close(counts[0], ref_counts[0], msg="n_revealed")
+    assert_close(counts[1], ref_counts[1], msg="n_remaining")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    K=st.integers(1, 24),
+    ent=st.lists(st.floats(0, 3, width=32), min_size=24, max_size=24),
+    masked=st.lists(st.booleans(), min_size=24, max_size=24),
+    gamma=st.floats(0, 4),
+)
+def test_eb_rule_property(K, ent, masked, gamma):
+    """EB reveals exactly the largest entropy-sorted prefix whose entropies, all but the last, sum to <= gamma."""
+    e = torch.tensor(ent[:K]).view(1, K)
+    m = torch.tensor(masked[:K]).view(1, K)
+    tokens = torch.where(m, torch.tensor(MASK), torch.tensor(7))
+    proposals = torch.arange(K).view(1, K)
+    t = tokens.clone()
+    n_rev, n_rem = sbd_ext.mask_replace(t, proposals, e, torch.rand(1, K), MASK, "eb", gamma)
+    revealed = (tokens == MASK) & (t != MASK)
+    n_masked = int(m.sum())
+    assert int(n_rev) == int(revealed.sum()) and int(n_rem) == n_masked - int(n_rev)
+    assert torch.equal(t[revealed], proposals[revealed])  # revealed positions get their proposal
+    assert torch.equal(t[~m], tokens[~m])  # known tokens untouched
+    if n_masked == 0:
+        assert int(n_rev) == 0
+        return
+    order = sorted(range(K), key=lambda i: (float(e[0, i]), i))
+    order = [i for i in order if m[0, i]]
+    s = int(n_rev)
+    assert s >= 1
+    assert set(order[:s]) == set(revealed[0].nonzero().flatten().tolist())
+    sums = [sum(float(e[0, j]) for j in order[:r]) for r in range(len(order) + 1)]
+    assert sums[s - 1] <= gamma + 1e-6  # the revealed prefix obeys the bound (all but its largest entropy)
+    if s < len(order):
+        assert sums[s] > gamma - 1e-6  # and is the largest such prefix
+
+
+@settings(max_examples=100, deadline=None)
+@given(K=st.integers(1, 16), vals=st.lists(st.floats(0, 1, width=32), min_size=16, max_size=16), thr=st.floats(0, 1))
+def test_threshold_rules_property(K, vals, thr):
+    v = torch.tensor(vals[:K]).view(1, K)
+    tokens = torch.full((1, K), MASK)
+    proposals = torch.arange(K).view(1, K) + 1
+    # entropy threshold: every H < gamma, else exactly the argmin
+    t = tokens.clone()
+    sbd_ext.mask_replace(t, proposals, v, torch.zeros(1, K), MASK, "entropy", thr)
+    expect = v[0].double() < thr  # the op compares the fp32 value with the threshold exactly (in fp64)
+    if not expect.any():
+        expect[int(torch.argmin(v[0]))] = True
+    assert torch.equal(t[0] != MASK, expect)
+    # confidence threshold: every p > tau, else exactly the argmax
+    t = tokens.clone()
+    sbd_ext.mask_replace(t, proposals, torch.zeros(1, K), v, MASK, "confidence", thr)
+    expect = v[0].double() > thr
+    if not expect.any():
+        expect[int(torch.argmax(v[0]))] = True
+    assert torch.equal(t[0] != MASK, expect)
+
+
+def test_no_masked_and_all_masked(device):
+    tokens = torch.tensor([[1, 2, 3, 4], [MASK] * 4], device=device)
+    prop = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]], device=device)
+    ent = torch.tensor([[0.0] * 4, [0.5, 0.01, 0.2, 3.0]], device=device)
+    n_rev, n_rem = sbd_ext.mask_replace(tokens, prop, ent, torch.ones_like(ent), MASK, "eb", 0.25)
+    assert tokens[0].tolist() == [1, 2, 3, 4]
+    # sorted: 0.01 (pos 1), 0.2 (pos 2), 0.5 (pos 0), 3.0: prefix sums 0, 0.01, 0.21, 0.71 -> reveal 3 positions
+    assert tokens[1].tolist() == [9, 10, 11, MASK]
+    assert n_rev.tolist() == [0, 3] and n_rem.tolist() == [0, 1]
+
+
+def test_invalid_proposals_are_never_revealed(device):
+    """A NaN-logit row proposes -1: never written; with nothing else left, the call reveals 0 (caller errors)."""
+    tokens = torch.full((1, 3), MASK, device=device)
+    prop = torch.tensor([[-1, 4, -1]], device=device)
+    ent = torch.tensor([[float("nan"), 0.3, float("nan")]], device=device)
+    n_rev, n_rem = sbd_ext.mask_replace(tokens, prop, ent, torch.ones_like(ent), MASK, "eb", 0.0)
+    assert tokens.tolist() == [[MASK, 4, MASK]] and n_rev.item() == 1 and n_rem.item() == 2
+    n_rev, n_rem = sbd_ext.mask_replace(tokens, prop, ent, torch.ones_like(ent), MASK, "eb", 10.0)
+    assert n_rev.item() == 0 and n_rem.item() == 2
+    # a proposal equal to the mask id is not a reveal either
+    tokens = torch.full((1, 2), MASK, device=device)
+    n_rev, _ = sbd_ext.mask_replace(
+        tokens, torch.tensor([[MASK, MASK]], device=device), torch.zeros(1, 2), torch.ones(1, 2), MASK, "entropy", 1.0
+    )
+    assert n_rev.item() == 0
+
+
+def test_non_contiguous_views(device):
+    tokens, prop, ent, pmax = _case(4, 16, seed=3)
+    big = torch.full((4, 32), 5, dtype=torch.int64, device=device)
+    big[:, ::2] = tokens.to(device)
+    view = big[:, ::2]  # stride 2 along K
+    ent_t = ent.t().contiguous().t().to(device)  # column-major
+    sbd_ext.mask_replace(view, prop.to(device), ent_t, pmax.to(device), MASK, "eb", 0.3)
+    ref = tokens.clone()
+    R.mask_replace(ref, prop, ent, pmax, MASK, "eb", 0.3)
+    assert torch.equal(view.cpu(), ref)
+    assert (big[:, 1::2] == 5).all()  # the interleaved columns outside the view are untouched
+
+
+def test_opcheck_and_compile():
+    tokens, prop, ent, pmax = _case(3, 8, seed=1)
+    torch.library.opcheck(torch.ops.sbd_ext.mask_replace.default, (tokens.clone(), prop, ent, pmax, MASK, "eb", 0.3))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(tokens, prop, ent, pmax):
+        n_rev, n_rem = torch.ops.sbd_ext.mask_replace(tokens, prop, ent, pmax, MASK, "confidence", 0.5)
+        return n_rev + n_rem
+
+    t = tokens.clone()
+    total = step(t, prop, ent, pmax)
+    ref = tokens.clone()
+    R.mask_replace(ref, prop, ent, pmax, MASK, "confidence", 0.5)
+    assert torch.equal(t, ref) and torch.equal(total, (tokens == MASK).sum(1))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: a.update(tokens=a["tokens"].int()), "tokens must have dtype"),
+        (lambda a: a.update(proposals=a["proposals"].float()), "proposals must have dtype"),
+        (lambda a: a.update(entropy=a["entropy"].double()), "entropy must have dtype"),
+        (lambda a: a.update(max_prob=a["max_prob"].half()), "max_prob must have dtype"),
+        (lambda a: a.update(tokens=a["tokens"].flatten()), r"tokens must be 2-D \[B, K\]"),
+        (lambda a: a.update(proposals=a["proposals"][:, :3]), "proposals.size"),
+        (lambda a: a.update(entropy=a["entropy"][:1]), "entropy.size"),
+        (lambda a: a.update(rule="greedy"), "rule must be one of"),
+        (lambda a: a.update(threshold=-0.1), "gamma must be >= 0"),
+        (lambda a: a.update(threshold=float("nan")), "threshold must be a number"),
+    ],
+)
+def test_bad_inputs(change, match):
+    tokens, prop, ent, pmax = _case(2, 4, seed=0)
+    args = dict(tokens=tokens, proposals=prop, entropy=ent, max_prob=pmax, mask_id=MASK, rule="eb", threshold=0.3)
+    change(args)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        sbd_ext.mask_replace(**args)
