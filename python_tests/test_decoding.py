@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sbd_models import MASK_ID, VOCAB, random_prompts, tiny_llama
+from sbd_models import (
+    MASK_ID,
+    VOCAB,
+    random_prompts,
+    single_thread,  # noqa: F401  (fixture)
+    tiny_llama,
+)
 from transformers import DynamicCache
 from utils import assert_close
 
 import sbd_ext
+import sbd_ext.hf
 from sbd_ext.decoding import SBDCache, generate, generate_reference, set_sbd_metadata
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(
+        not sbd_ext.hf.kernel_available(torch.device("cpu")), reason="the block_attention CPU kernel is not built"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sbd_models import VOCAB, random_prompts, tiny_llama
+from sbd_models import (
+    VOCAB,
+    random_prompts,
+    single_thread,  # noqa: F401  (fixture)
+    tiny_llama,
+)
 from transformers import AttentionInterface, DynamicCache, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from utils import assert_close
@@ -15,6 +20,13 @@ import sbd_ext.hf
 
 # fp32 logits of "sbd" vs "sdpa" (same weights): both accumulate in fp32, in different orders.
 FP32_TOL = (2e-5, 1e-4)
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(
+        not sbd_ext.hf.kernel_available(torch.device("cpu")), reason="the block_attention CPU kernel is not built"
+    ),
+]
 
 
 @pytest.fixture

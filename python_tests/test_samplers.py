@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sbd_models import single_thread  # noqa: F401  (fixture)
 
 from sbd_ext import reference
 from sbd_ext.decoding import sample_block
@@ -15,6 +17,8 @@ from sbd_ext.decoding import sample_block
 # A revealed/not-revealed decision this close to the threshold may go either way (the kernel sums in double in
 # position order, a restatement in sorted order): the checks accept both sides there.
 EPS = 1e-6
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @st.composite
