@@ -118,6 +118,15 @@ def test_matches_reference_decoder(model, block_size, sampler, temperature):
         assert (got.tokens_per_forward > 1).all()  # several positions per forward, not NTP in disguise
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 1)])
+def test_matches_reference_decoder_gqa_ratios(n_heads, n_kv_heads):
+    m = tiny_llama(n_heads=n_heads, n_kv_heads=n_kv_heads, layers=3, seed=2)
+    ids, mask = random_prompts([9, 4, 6], seed=6)
+    kw = dict(block_size=5, threshold=1.0, max_new_tokens=17)
+    got, want = generate(m, ids, mask, **kw), generate_reference(m, ids, mask, **kw)
+    assert torch.equal(got.sequences, want.sequences) and got.trace == want.trace
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ntp_matches_reference_decoder(model, temperature):
     ids, mask = random_prompts([4, 7], seed=5)
@@ -313,6 +322,8 @@ def test_error_bad_types_and_devices(model):
         generate(model, ids.to("meta"), max_new_tokens=4)
     with pytest.raises(TypeError, match="torch.Tensor"):
         generate(model, [[1, 2, 3]], max_new_tokens=4)
+    with pytest.raises(TypeError, match="fp32, bf16 or fp16"):
+        generate(tiny_llama(dtype=torch.float64), ids, max_new_tokens=4)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,11 @@ Decoding (per sequence; sequences of a batch advance independently)
   kept, as HF ``generate`` keeps EOS). The last block is shortened to the remaining budget.
 * NTP mode (``mode="ntp"``) runs through the same cache and kernels: one token per forward from the model's
   next-token head (output at t-1), argmax or a sample via ``entropy_sample``; the mask token is not banned there.
+* The counts and block tokens are read back once per forward (one device-to-host copy) to decide block completion
+  and stopping. A sequence that still has masked positions but revealed none (NaN logits) raises an error.
+* :func:`generate` needs the ``"sbd"`` attention; a model set to another implementation is switched with
+  ``model.set_attn_implementation("sbd")`` for the call and switched back afterwards.
+* Finished sequences stay in the batch as padding rows (``n_valid = 0``) until every sequence is done.
 """
 
 from __future__ import annotations
@@ -744,6 +749,10 @@ def generate(
         strict_block_size=strict_block_size,
     )
     device, dtype = _model_device_dtype(model)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"SBD decoding runs fp32, bf16 or fp16 models; this one is {dtype} (use model.to(torch.float32))"
+        )
     if not kernel_available(device):
         raise RuntimeError(f"sbd_ext has no block_attention kernel for device {device} in this build")
     B, K = len(s.prompts), s.block_size
