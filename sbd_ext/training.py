@@ -22,13 +22,14 @@ How the custom mask reaches the attention function (transformers 5.x): ``create_
 is, whatever ``config._attn_implementation`` is, and the model hands it unchanged to every layer's attention
 function. Each implementation wants a different kind of mask, which :func:`mask_format_for` picks:
 
-==================  =========================================================================================
-``"sdpa"``          boolean [B, 1, 2L, 2L], True = may attend (``F.scaled_dot_product_attention(attn_mask=)``)
-``"eager"``         additive float [B, 1, 2L, 2L] in the model dtype, 0 or dtype-min (added to the scores)
-``"flex_attention"``  ``BlockMask`` from ``create_block_mask`` with :func:`sbd_mask_mod`
-``"sbd"`` / others  boolean, as for SDPA (sbd_ext's backend falls back to SDPA for a custom 4D mask)
-``flash_attention*``  refused: FlashAttention takes no arbitrary mask
-==================  =========================================================================================
+- ``"sdpa"``: boolean [B, 1, 2L, 2L], True = may attend (``F.scaled_dot_product_attention(attn_mask=...)``);
+- ``"eager"``: additive float [B, 1, 2L, 2L] in the model dtype, 0 or dtype-min (added to the scores; a boolean
+  mask would be added as 0/1, silently wrong);
+- ``"flex_attention"``: a ``BlockMask`` from ``create_block_mask`` with :func:`sbd_mask_mod` (its ``shape`` is 4D,
+  so it passes the same early exit); on the CPU torch 2.13 has no FlexAttention backward (forward only);
+- ``"sbd"`` (sbd_ext's backend) and any other registered implementation: boolean, as for SDPA (the sbd backend
+  falls back to SDPA for a custom 4D mask);
+- ``flash_attention_*``: refused, FlashAttention takes no arbitrary mask.
 
 SBD metadata recorded in ``model.config`` (read by the decoding side):
 
@@ -175,14 +176,18 @@ def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_ra
 # --------------------------------------------------------------------------------------------------------
 # the mask
 # --------------------------------------------------------------------------------------------------------
-def sbd_mask_mod(seq_len: int, block_size: int, lengths: torch.Tensor | None = None) -> Callable:
+def sbd_mask_mod(seq_len: int, block_size: int, lengths: torch.Tensor | None = None, device=None) -> Callable:
     """The SBD mask as a FlexAttention ``mask_mod(b, h, q, kv) -> bool`` over the 2L input.
 
     ``lengths`` [B] (optional): valid tokens per right-padded sequence; key positions at or past it, in either half,
     are masked out. Works on broadcast index tensors too, which is how the dense masks are built from the same
-    predicate.
+    predicate. With ``device``, L and k are captured as 0-dim tensors instead of Python ints: torch.compile (which
+    transformers wraps flex_attention in) then sees them as graph inputs rather than constants, so a new k each
+    step does not recompile the attention kernel.
     """
     L, k = int(seq_len), int(block_size)
+    if device is not None:
+        L, k = torch.tensor(L, device=device), torch.tensor(k, device=device)
 
     def mask_mod(b, h, q, kv):
         q_clean, kv_clean = q < L, kv < L
@@ -212,8 +217,9 @@ def sbd_attention_mask(
 
     - ``"bool"``: [B, 1, 2L, 2L] bool, True = may attend (SDPA);
     - ``"additive"``: [B, 1, 2L, 2L] ``dtype``, 0 where allowed and ``finfo(dtype).min`` elsewhere (eager);
-    - ``"block"``: a FlexAttention ``BlockMask`` of shape (B, 1, 2L, 2L).
-    B is ``len(lengths)`` when given, else ``batch_size`` (default 1). Every query row keeps at least one key as
+    - ``"block"``: a FlexAttention ``BlockMask`` of shape (B, 1, 2L, 2L), B = 1 without ``lengths``.
+    B is ``len(lengths)`` when given, else ``batch_size`` (default 1); without ``lengths`` the dense masks are one
+    [1, 1, 2L, 2L] mask expanded over the batch. Every query row keeps at least one key as
     long as each sequence has at least one token (its first clean token / the first noisy token of block 0), so no
     softmax row is empty.
     """
@@ -229,22 +235,24 @@ def sbd_attention_mask(
         B = lengths.shape[0]
     else:
         B = 1 if batch_size is None else int(batch_size)
+    device = torch.device("cpu") if device is None else torch.device(device)
     T = 2 * int(seq_len)
-    mask_mod = sbd_mask_mod(seq_len, block_size, lengths)
 
     if mask_format == "block":
         if not HAS_FLEX_ATTENTION:
             raise RuntimeError("mask_format='block' needs torch.nn.attention.flex_attention (torch >= 2.5)")
-        return create_block_mask(mask_mod, B, None, T, T, device=device if device is not None else "cpu")
+        mask_mod = sbd_mask_mod(seq_len, block_size, lengths, device=device)
+        # Without padding one (1, 1, T, T) mask serves the whole batch (flex_attention broadcasts B=1).
+        return create_block_mask(mask_mod, B if lengths is not None else 1, None, T, T, device=device)
 
+    # Without padding the mask is built once and expanded over the batch (stride 0): T^2, not B * T^2, elements.
     idx = torch.arange(T, device=device)
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    allowed = mask_mod(b, None, idx.view(1, 1, T, 1), idx.view(1, 1, 1, T))
-    allowed = allowed.expand(B, 1, T, T)
-    if mask_format == "bool":
-        return allowed.contiguous()
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
+    nb = B if lengths is not None else 1
+    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+    allowed = sbd_mask_mod(seq_len, block_size, lengths)(b, None, idx.view(1, 1, T, 1), idx.view(1, 1, 1, T))
+    if mask_format == "additive":
+        allowed = torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+    return allowed.expand(B, 1, T, T)
 
 
 def mask_format_for(attn_implementation: str | None) -> str:
@@ -374,7 +382,15 @@ def sbd_batch(
     ntp[:, :-1] = labels[:, 1:]
     mlm = labels.masked_fill(~masked, IGNORE_INDEX)
 
-    attn = sbd_attention_mask(L, k, lengths, mask_format=mask_format, dtype=dtype, device=dev)
+    attn = sbd_attention_mask(
+        L,
+        k,
+        lengths if attention_mask is not None else None,
+        batch_size=B,
+        mask_format=mask_format,
+        dtype=dtype,
+        device=dev,
+    )
     return SBDBatch(
         input_ids=torch.cat([input_ids, noisy], dim=1),
         position_ids=torch.cat([pos, pos]).view(1, 2 * L).expand(B, 2 * L),
@@ -397,7 +413,7 @@ def sbd_loss(
     *,
     mask_token_id: int | None = None,
     block_size: int | None = None,
-    block_size_range=DEFAULT_BLOCK_SIZE_RANGE,
+    block_size_range=None,
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
@@ -409,11 +425,12 @@ def sbd_loss(
 
     loss = mean NTP cross-entropy over the clean half + mean cross-entropy over the masked noisy positions (each a
     token-level mean over the batch; 0 for a part with no token). ``mask_token_id`` defaults to
-    ``model.config.mask_token_id``; ``block_size`` k, when None, is drawn uniformly in ``block_size_range``
-    (inclusive) from ``generator``. ``mask_format`` defaults to what ``config._attn_implementation`` needs
-    (:func:`mask_format_for`). With ``return_parts`` returns ``(loss, parts)``, parts a dict of detached
-    ``ntp_loss``, ``mask_loss``, ``mask_accuracy`` (fraction of masked positions whose argmax is right),
-    ``num_masked`` tensors and the int ``block_size``.
+    ``model.config.mask_token_id``. ``block_size`` k, when None, is drawn uniformly in ``block_size_range``
+    (inclusive; default ``model.config.sbd_block_size_range``, else (2, 16)) from ``generator``, which also draws
+    eta and the masks (see :func:`sbd_batch` for ``attention_mask``, ``labels``, ``eta``). ``mask_format`` defaults
+    to what ``config._attn_implementation`` needs (:func:`mask_format_for`). With ``return_parts`` returns
+    ``(loss, parts)``, parts a dict of detached ``ntp_loss``, ``mask_loss``, ``mask_accuracy`` (fraction of masked
+    positions whose argmax is right), ``num_masked`` tensors and the int ``block_size``.
     """
     hf = _unwrap(model)
     config = getattr(hf, "config", None)
@@ -424,7 +441,12 @@ def sbd_loss(
                 "sbd_loss: no mask_token_id given and model.config.mask_token_id is not set "
                 "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
             )
-    k = _draw_block_size(block_size_range, generator) if block_size is None else int(block_size)
+    if block_size is None:
+        if block_size_range is None:
+            block_size_range = getattr(config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
+        k = _draw_block_size(block_size_range, generator)
+    else:
+        k = int(block_size)
     if mask_format is None:
         mask_format = mask_format_for(getattr(config, "_attn_implementation", None))
     dtype = hf.get_input_embeddings().weight.dtype if hasattr(hf, "get_input_embeddings") else torch.float32
