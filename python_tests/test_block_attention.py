@@ -53,7 +53,8 @@ def isa_device(device, cpu_isa):
 
 
 # (B, Hkv, g, T, D, cache_lens, n_commit, n_valid): batch 1 and 3, D 64 / 128 (and an odd 40), GQA ratios 1, 3, 4,
-# T = 1, 4, 16 and the 2k layout (k committed rows + k block rows), cache lengths 0, 1, 257, padding rows.
+# T = 1, 4, 16 and the 2k layout (k committed rows + k block rows), cache lengths 0, 1, 257, padding rows, and
+# long T (a prompt prefill through the same op).
 CASES = [
     (1, 2, 1, 1, 64, [0], [1], [1]),  # NTP decode on an empty cache, MHA
     (1, 2, 1, 1, 128, [257], [1], [1]),  # NTP decode over a cache
@@ -67,6 +68,8 @@ CASES = [
     (3, 1, 3, 4, 128, [257, 0, 1], [2, 0, 4], [4, 2, 4]),
     (3, 2, 1, 8, 64, [1, 257, 0], [4, 8, 0], [8, 8, 0]),  # 2k layout k = 4; the last sequence is all padding
     (3, 1, 4, 6, 40, [257, 1, 0], [3, 3, 0], [6, 6, 5]),  # odd head dim
+    (1, 1, 4, 300, 64, [0], [300], [300]),  # a causal prefill: several lane panels, key blocks skipped causally
+    (2, 2, 2, 200, 64, [5, 0], [120, 200], [190, 200]),  # long mixed rows
 ]
 
 

@@ -166,19 +166,28 @@ Buffer alloc_floats(int64_t n) {
   return Buffer(static_cast<float*>(ptr));
 }
 
+// QT and O^T are stored tile by tile, [lanes / kTileLanes][D][kTileLanes], so that the part of QT one micro-kernel
+// call streams (D x kTileLanes fp32, 32 KB on AVX-512) is contiguous rather than rows a power-of-two stride apart
+// (which would map onto half of the L1 sets).
+inline int64_t tiled_lanes(int64_t lanes) { return (lanes + kTileLanes - 1) / kTileLanes * kTileLanes; }
+inline int64_t tiled_index(int64_t D, int64_t d, int64_t m) {
+  return ((m / kTileLanes) * D + d) * kTileLanes + m % kTileLanes;
+}
+
 // Per-thread working set, sized for the largest panel.
 struct Workspace {
-  Buffer qt, ot, st, kf, vf, lim, run_m, run_l, alpha;
+  Buffer qt, ot, st, kf, vf, lim, run_m, run_l, alpha, tile_lim;
   explicit Workspace(const BlockAttentionParams& p)
-      : qt(alloc_floats(p.D * p.panel_lanes)),
-        ot(alloc_floats(p.D * p.panel_lanes)),
+      : qt(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
+        ot(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
         st(alloc_floats(kBlock * kTileLanes)),
         kf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
         vf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
         lim(alloc_floats(p.panel_lanes)),
         run_m(alloc_floats(p.panel_lanes)),
         run_l(alloc_floats(p.panel_lanes)),
-        alpha(alloc_floats(kTileLanes)) {}
+        alpha(alloc_floats(kTileLanes)),
+        tile_lim(alloc_floats(tiled_lanes(p.panel_lanes) / kTileLanes)) {}
 };
 
 // The lanes of one unit and where its keys come from.
@@ -227,8 +236,10 @@ class UnitRunner {
     if (with_new) {
       const T* kn = static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh;
       const T* vn = static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh;
-      for (int64_t j = 0; j < u.nv; j += kBlock)
-        block(u, kn + j * p_.k_st, p_.k_st, vn + j * p_.v_st, p_.v_st, std::min(kBlock, u.nv - j), j);
+      // Causal skip: no lane of this unit sees a new row past new_end (matters when T is long, e.g. a prefill).
+      const int64_t new_end = max_lim_ >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim_) + 1;
+      for (int64_t j = 0; j < new_end; j += kBlock)
+        block(u, kn + j * p_.k_st, p_.k_st, vn + j * p_.v_st, p_.v_st, std::min(kBlock, new_end - j), j);
     }
     if (p_.n_splits == 1) {
       write_output(u);
@@ -255,24 +266,29 @@ class UnitRunner {
     return static_cast<T*>(p_.out) + ((u.b * p_.T + t) * p_.Hq + u.kvh * u.g + h) * p_.D;
   }
 
-  // QT [D][mp] = scale * q of the unit's lanes (zero beyond them); lim = causal limit per lane; state reset.
+  // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
+  // the padding lanes up to mp), and its max per tile and over the unit; state reset.
   void pack_queries(const Unit& u) {
     const int64_t D = p_.D, mp = u.mp, c = p_.n_commit[u.b];
     float* qt = ws_.qt.get();
+    max_lim_ = -1.f;
     for (int64_t m = 0; m < mp; ++m) {
       const int64_t lane = u.lane0 + m;
       if (m < u.lanes) {
         const int64_t h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
-        for (int64_t d = 0; d < D; ++d) qt[d * mp + m] = static_cast<float>(q[d]) * p_.scale;
+        for (int64_t d = 0; d < D; ++d) qt[tiled_index(D, d, m)] = static_cast<float>(q[d]) * p_.scale;
         // A committed row sees new rows 0..t, a set-block row every valid new row.
         ws_.lim[m] = t < c ? static_cast<float>(t) : INFINITY;
       } else {
-        for (int64_t d = 0; d < D; ++d) qt[d * mp + m] = 0.f;
-        ws_.lim[m] = INFINITY;
+        for (int64_t d = 0; d < D; ++d) qt[tiled_index(D, d, m)] = 0.f;
+        ws_.lim[m] = -1.f;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
+      float& tl = ws_.tile_lim[m / kTileLanes];
+      tl = m % kTileLanes == 0 ? ws_.lim[m] : std::max(tl, ws_.lim[m]);
+      max_lim_ = std::max(max_lim_, ws_.lim[m]);
     }
   }
 
@@ -296,40 +312,43 @@ class UnitRunner {
     }
     float* st = ws_.st.get();
     for (int64_t m0 = 0; m0 < mp; m0 += kTileLanes) {
+      // A tile none of whose lanes sees these new rows is left as is (alpha = 1, p = 0). Never the unit's first
+      // block: that is a cache block, or new rows from 0, which every valid lane sees.
+      if (j0 > ws_.tile_lim[m0 / kTileLanes]) continue;
       const int64_t rm = std::min<int64_t>(kRM, (mp - m0) / W);
       for (int64_t n = 0; n < nb; n += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, nb - n);
-        micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0, mp, st + n * kTileLanes, kTileLanes, D,
-                                 nullptr);
+        micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0 * D, kTileLanes, st + n * kTileLanes,
+                                 kTileLanes, D, nullptr);
       }
       softmax_tile(st, kTileLanes, nb, rm, j0 >= 0 ? ws_.lim.get() + m0 : nullptr, j0, ws_.run_m.get() + m0,
                    ws_.run_l.get() + m0, ws_.alpha.get());
       for (int64_t d = 0; d < D; d += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, D - d);
-        micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + d * mp + m0, mp, nb,
-                                 first_ ? nullptr : ws_.alpha.get());
+        micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + m0 * D + d * kTileLanes, kTileLanes,
+                                 nb, first_ ? nullptr : ws_.alpha.get());
       }
     }
     first_ = false;
   }
 
   void write_output(const Unit& u) {
-    const int64_t D = p_.D, mp = u.mp;
+    const int64_t D = p_.D;
     for (int64_t m = 0; m < u.lanes; ++m) {
       const int64_t lane = u.lane0 + m;
       const sbd::SoftmaxState s{ws_.run_m[m], ws_.run_l[m]};
       const float inv = first_ ? 0.f : s.inv_sum();
       T* o = out_row(u, lane % u.nv, lane / u.nv);
-      const float* ot = ws_.ot.get() + m;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ot[d * mp] * inv);
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ws_.ot[tiled_index(D, d, m)] * inv);
     }
   }
 
   void write_partial(const Unit& u, int64_t unit) {
-    const int64_t D = p_.D, pl = p_.panel_lanes, mp = u.mp;
+    const int64_t D = p_.D, pl = p_.panel_lanes;
     float* part = p_.partials + unit * p_.partial_floats();
     if (!first_)
-      for (int64_t d = 0; d < D; ++d) std::memcpy(part + d * pl, ws_.ot.get() + d * mp, u.lanes * sizeof(float));
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t m = 0; m < u.lanes; ++m) part[d * pl + m] = ws_.ot[tiled_index(D, d, m)];
     for (int64_t m = 0; m < u.lanes; ++m) {
       part[D * pl + m] = first_ ? -INFINITY : ws_.run_m[m];
       part[(D + 1) * pl + m] = first_ ? 0.f : ws_.run_l[m];  // l = 0 marks an empty split: its acc is not read
@@ -339,6 +358,7 @@ class UnitRunner {
   const BlockAttentionParams& p_;
   Workspace& ws_;
   bool first_ = true;  // no key block processed yet: O^T holds no data
+  float max_lim_ = -1.f;
 };
 
 template <typename T>
