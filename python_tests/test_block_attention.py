@@ -164,6 +164,19 @@ def test_non_contiguous_inputs(isa_device):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
+def test_new_rows_already_in_cache(isa_device):
+    """k / v as views of the cache rows the append targets (a caller that writes K/V into its cache first)."""
+    B, Hkv, g, T, D, S, L = 2, 2, 2, 6, 64, 32, 9
+    q, _, _, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=isa_device)
+    k, v = kc[:, :, L : L + T], vc[:, :, L : L + T]
+    lens, commit, valid = lengths([L, L], isa_device), lengths([6, 2], isa_device), lengths([6, 5], isa_device)
+    expect_k, expect_v = kc.clone(), vc.clone()
+    ref = reference.block_attention(q, k.clone(), v.clone(), expect_k, expect_v, lens, commit, valid, 0.125)
+    out = sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125)
+    assert_close(out, ref)
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+
+
 @pytest.mark.parametrize("threads", [3, 8])
 def test_cache_splits(isa_device, threads):
     """Batch 1 with one kv head and a long cache: the cache is split across threads and the partial states

@@ -93,7 +93,9 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     p.partials = partials.data_ptr<float>();
   }
 
-  at::parallel_for(0, p.n_units(), 1, [&](int64_t u0, int64_t u1) { SBD_CPU_DISPATCH(block_attention_units, p, u0, u1); });
+  // Panels of one (b, kv head) are adjacent units, so a thread often rereads the same K/V from its cache.
+  at::parallel_for(0, p.n_units(), 1,
+                   [&](int64_t u0, int64_t u1) { SBD_CPU_DISPATCH(block_attention_units, p, u0, u1); });
   if (p.n_splits > 1)
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { SBD_CPU_DISPATCH(block_attention_merge, p, i0, i1); });
   return out;

@@ -2,7 +2,7 @@
 //
 // Work unit = (b, kv head, panel of query lanes, cache split). The g = Hq / Hkv query heads of the kv head times
 // the n_valid[b] valid new rows are packed into one tile of "lanes" (GQA packing: every K/V row loaded is used by
-// all g heads), stored transposed and pre-scaled, QT [D][lanes]. The keys are walked in blocks of kBlock rows:
+// all g heads), stored transposed and pre-scaled: QT [D][lanes]. The keys are walked in blocks of kBlock rows:
 // the unit's cache range, then (last split only) the valid new rows, the only block that needs a mask. Per block
 // and per tile of kTileLanes lanes:
 //   S^T [keys][lanes] = K_blk . QT                     (micro-kernel: broadcast a K element, FMA a lane vector)
@@ -49,8 +49,9 @@ constexpr int kRI = 4;
 constexpr int kRM = 2;
 #endif
 constexpr int64_t kTileLanes = int64_t{kRM} * W;
-// Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) stays in L1 between the
-// two products; a multiple of kRI so the QK product has no ragged edge except at the end of a range.
+// Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) is reread from L1/L2 by the
+// second product, and the rescale of O^T is paid once per block. 48 and 96 time the same within noise on the
+// 2-core AVX-512 EPYC (Llama shapes, fp32), 192 was slower; a multiple of kRI so only a range's end is ragged.
 constexpr int64_t kBlock = 16 * kRI;
 
 // C[i][0 : RM*W) = (cscale ? C[i] * cscale : 0) + sum_k A[i * a_i + k * a_k] * Bt[k * ldb + (0 : RM*W)], i < RI.
@@ -138,20 +139,16 @@ void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, const float* 
   }
 }
 
+// bf16 / fp16 row -> fp32.
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t n) {
   int64_t d = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  } else {
-    for (; d + W <= n; d += W) {
-      Vec x;
-      at::vec::load_to_float<T>(src + d, x);
-      x.store(dst + d);
-    }
-    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  for (; d + W <= n; d += W) {
+    Vec x;
+    at::vec::load_to_float<T>(src + d, x);
+    x.store(dst + d);
   }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
 struct AlignedFree {
@@ -250,16 +247,23 @@ class UnitRunner {
 
  private:
   // Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid.
+  // Other units only read cache rows [0, cache_lens[b]), so the append races with nothing. k / v may already be
+  // views of those cache rows (a caller that writes K/V into its cache first): then there is nothing to copy.
   void append_and_pad(const Unit& u) {
     const int64_t len = p_.cache_lens[u.b], c = p_.n_commit[u.b], D = p_.D;
     for (int64_t t = 0; t < c; ++t) {
-      std::memcpy(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
-                  static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D * sizeof(T));
-      std::memcpy(static_cast<T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh + (len + t) * p_.vc_st,
-                  static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh + t * p_.v_st, D * sizeof(T));
+      copy_row(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
+               static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D);
+      copy_row(static_cast<T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh + (len + t) * p_.vc_st,
+               static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh + t * p_.v_st, D);
     }
-    for (int64_t t = u.nv; t < p_.T; ++t)
-      std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+    if (u.g > 0)
+      for (int64_t t = u.nv; t < p_.T; ++t)
+        std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+  }
+
+  static void copy_row(T* dst, const T* src, int64_t n) {
+    if (dst != src) std::memcpy(dst, src, n * sizeof(T));
   }
 
   T* out_row(const Unit& u, int64_t t, int64_t h) const {
