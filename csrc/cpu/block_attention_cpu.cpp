@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "block_attention_checks.h"
@@ -93,9 +94,12 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     p.partials = partials.data_ptr<float>();
   }
 
-  // Panels of one (b, kv head) are adjacent units, so a thread often rereads the same K/V from its cache.
-  at::parallel_for(0, p.n_units(), 1,
-                   [&](int64_t u0, int64_t u1) { SBD_CPU_DISPATCH(block_attention_units, p, u0, u1); });
+  // One worker per thread, each taking units from a shared counter until none is left: a thread that the OS
+  // delays (a busy machine) or that drew the longer units does not hold the others up, as a static split would.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, p.n_units()), 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) SBD_CPU_DISPATCH(block_attention_units, p, next);
+  });
   if (p.n_splits > 1)
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { SBD_CPU_DISPATCH(block_attention_merge, p, i0, i1); });
   return out;

@@ -394,22 +394,25 @@ void merge_item(const BlockAttentionParams& p, int64_t item) {
 }
 
 template <typename T>
-void run_units(const BlockAttentionParams& p, int64_t u0, int64_t u1) {
+void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
   Workspace ws(p);
   UnitRunner<T> runner(p, ws);
-  for (int64_t unit = u0; unit < u1; ++unit) runner.run(unit);
+  const int64_t n = p.n_units();
+  for (int64_t unit = next.fetch_add(1, std::memory_order_relaxed); unit < n;
+       unit = next.fetch_add(1, std::memory_order_relaxed))
+    runner.run(unit);
 }
 
 }  // namespace
 
-void block_attention_units(const BlockAttentionParams& p, int64_t u0, int64_t u1) {
+void block_attention_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
   switch (p.dtype) {
     case AttnDtype::kFloat32:
-      return run_units<float>(p, u0, u1);
+      return run_units<float>(p, next);
     case AttnDtype::kBFloat16:
-      return run_units<c10::BFloat16>(p, u0, u1);
+      return run_units<c10::BFloat16>(p, next);
     case AttnDtype::kFloat16:
-      return run_units<c10::Half>(p, u0, u1);
+      return run_units<c10::Half>(p, next);
   }
 }
 
