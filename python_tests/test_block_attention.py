@@ -87,6 +87,18 @@ def test_fp32_matches_reference(isa_device, case):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
+def test_online_softmax_rescaling(isa_device):
+    """Peaked softmax whose running max keeps growing from key block to key block (the alpha rescale path)."""
+    B, Hkv, g, T, D, S = 2, 1, 4, 8, 64, 700
+    q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=isa_device, seed=3)
+    ramp = torch.linspace(0.2, 3.0, S, device=isa_device).view(1, 1, S, 1)
+    kc = kc.abs() * ramp  # later cache rows score higher for positive q
+    q = q.abs() * 2.0
+    L, C, V = lengths([650, 333], isa_device), lengths([3, 8], isa_device), lengths([8, 8], isa_device)
+    out, ref, _, _ = run_both(q, k, v, kc, vc, L, C, V)
+    assert_close(out, ref)
+
+
 def test_int64_lengths_and_default_arguments(isa_device):
     q, k, v, kc, vc = make_inputs(2, 2, 2, 5, 64, 20, device=isa_device)
     lens = lengths([3, 0], isa_device, torch.int64)
