@@ -79,14 +79,16 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t max_lanes = g * *std::max_element(valid.begin(), valid.end());
   p.n_panels = std::max<int64_t>(1, (max_lanes + kMaxPanelLanes - 1) / kMaxPanelLanes);
   p.panel_lanes = std::max<int64_t>(16, ((max_lanes + p.n_panels - 1) / p.n_panels + 15) / 16 * 16);
-  // Cache splits (flash decoding) only when there are fewer items than threads, e.g. batch 1 with few kv heads.
-  // The split count depends on the thread count, so the rounding of the result does too (within fp32 noise).
+  // Cache splits (flash decoding) when the items alone would leave threads idle: fewer items than threads (batch 1
+  // with few kv heads), or a few items that do not divide evenly (3 kv heads on 2 threads: 2 + 1 items is 67%
+  // busy, 2 splits make 3 + 3 units). The split count depends on the thread count, so the rounding of the
+  // result does too (within fp32 noise).
   const int64_t threads = at::get_num_threads(), items = p.n_items();
+  const int64_t max_splits =
+      std::clamp<int64_t>(*std::max_element(lens.begin(), lens.end()) / kMinSplitRows, 1, kMaxSplits);
   p.n_splits = 1;
-  if (items < threads) {
-    const int64_t max_len = *std::max_element(lens.begin(), lens.end());
-    p.n_splits = std::clamp<int64_t>(std::min((threads + items - 1) / items, max_len / kMinSplitRows), 1, kMaxSplits);
-  }
+  while (p.n_splits < max_splits && (items * p.n_splits) % threads != 0 && items * p.n_splits < 4 * threads)
+    ++p.n_splits;
   at::Tensor partials;
   p.partials = nullptr;
   if (p.n_splits > 1) {
