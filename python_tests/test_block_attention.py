@@ -190,11 +190,13 @@ def test_new_rows_already_in_cache(isa_device):
 
 
 @pytest.mark.parametrize("threads", [3, 8])
-def test_cache_splits(isa_device, threads):
+@pytest.mark.parametrize("T", [1, 4])
+def test_cache_splits(isa_device, threads, T):
     """Batch 1 with one kv head and a long cache: the cache is split across threads and the partial states
-    merged (sbd/softmax_state.h); the result must not depend on it beyond fp32 rounding."""
-    q, k, v, kc, vc = make_inputs(1, 1, 4, 4, 64, 1500, device=isa_device)
-    L, C, V = lengths([1400], isa_device), lengths([2], isa_device), lengths([4], isa_device)
+    merged (sbd/softmax_state.h); the result must not depend on it beyond fp32 rounding. T = 1 takes the kernel's
+    rows path (fewer query rows than a vector), T = 4 its lanes path."""
+    q, k, v, kc, vc = make_inputs(1, 1, 4, T, 64, 1500, device=isa_device)
+    L, C, V = lengths([1400], isa_device), lengths([T // 2], isa_device), lengths([T], isa_device)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
