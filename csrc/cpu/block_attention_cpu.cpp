@@ -16,7 +16,8 @@ namespace {
 // Query lanes (g heads x valid new rows) per panel: 256 lanes x D = 128 keep QT and O^T at 128 KB each, inside
 // a 1-2 MB L2 next to the streamed K/V blocks. Llama's g = 4 with a 2k = 32-row forward is 128 lanes: one panel.
 constexpr int64_t kMaxPanelLanes = 256;
-// A cache split shorter than this costs more in its partial-state write and merge than it gains in parallelism.
+// Shortest cache split: each split adds a partial-state write (D + 2 floats per lane) and its merge, small next
+// to attending 256 cache rows.
 constexpr int64_t kMinSplitRows = 256;
 constexpr int64_t kMaxSplits = 64;  // bound of the merge's scale array (block_attention_kernel.cpp)
 
@@ -31,11 +32,6 @@ sbd_cpu::AttnDtype attn_dtype(at::ScalarType t) {
   }
 }
 
-std::vector<int64_t> to_host(const at::Tensor& t) {
-  const at::Tensor l = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
-}
-
 }  // namespace
 
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -44,11 +40,12 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k_cache.size(2);
-  check_block_attention_lengths(cache_lens, n_commit, n_valid, T, S);
+  const std::vector<int64_t> lens = host_lengths(cache_lens), commit = host_lengths(n_commit),
+                             valid = host_lengths(n_valid);
+  check_block_attention_lengths(lens, commit, valid, T, S);
   at::Tensor out = at::empty({B, T, Hq, D}, q.options());
   if (B == 0 || T == 0) return out;
 
-  const std::vector<int64_t> lens = to_host(cache_lens), commit = to_host(n_commit), valid = to_host(n_valid);
   sbd_cpu::BlockAttentionParams p;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
