@@ -17,7 +17,6 @@ import argparse
 import ctypes
 import importlib.util
 import itertools
-import math
 import os
 import pathlib
 import subprocess
@@ -47,17 +46,31 @@ def build(out: pathlib.Path) -> ctypes.CDLL:
     cuda_inc = pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
     subprocess.run([sys.executable, str(HERE / "transform.py"), str(ROOT / "csrc/cuda/kernels"), str(out)], check=True)
     lib = out / "libsbd_cuda_emu.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-w", f"-I{out}", f"-I{HERE}",
-           f"-I{ROOT / 'csrc/include'}", f"-I{cuda_inc}", str(HERE / "harness.cpp"), "-o", str(lib)]
+    cmd = [
+        "g++",
+        "-std=c++17",
+        "-O1",
+        "-g",
+        "-fPIC",
+        "-shared",
+        "-w",
+        f"-I{out}",
+        f"-I{HERE}",
+        f"-I{ROOT / 'csrc/include'}",
+        f"-I{cuda_inc}",
+        str(HERE / "harness.cpp"),
+        "-o",
+        str(lib),
+    ]
     subprocess.run(cmd, check=True)
     so = ctypes.CDLL(str(lib))
-    P, I64, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    P, I64, INT, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     so.emu_register_range.argtypes = [P, ctypes.c_size_t]
-    so.emu_set_late_async.argtypes = [I]
+    so.emu_set_late_async.argtypes = [INT]
     so.emu_set_skew.argtypes = [ctypes.c_uint64]
-    so.emu_mask_replace.argtypes = [P, P, P, P, P, P, P, I64, I64, I64, I, D]
-    so.emu_entropy_sample.argtypes = [P, I, I64, I64, I64, D, ctypes.c_uint64, ctypes.c_uint64, P, P, P, I, P]
-    so.emu_block_attention.argtypes = [P, P, D, I, I, I, P]
+    so.emu_mask_replace.argtypes = [P, P, P, P, P, P, P, I64, I64, I64, INT, D]
+    so.emu_entropy_sample.argtypes = [P, INT, I64, I64, I64, D, ctypes.c_uint64, ctypes.c_uint64, P, P, P, INT, P]
+    so.emu_block_attention.argtypes = [P, P, D, INT, INT, INT, P]
     return so
 
 
@@ -69,12 +82,11 @@ class Guarded:
 
     def __init__(self, t: torch.Tensor, strides=None, offset: int = 0, sentinel=None):
         strides = strides or t.contiguous().stride()
-        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, strides)) if t.numel() else 0
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, strides, strict=True)) if t.numel() else 0
         self.flat = torch.empty(extent + 2 * self.GUARD + offset, dtype=t.dtype)
         if sentinel is None:
             sentinel = -7777 if not t.is_floating_point() else 1234.5
         self.flat.fill_(sentinel)
-        self.before = self.flat.clone()
         self.view = self.flat.as_strided(t.shape, strides, self.GUARD + offset)
         self.view.copy_(t)
         self.before = self.flat.clone()
@@ -129,11 +141,18 @@ def check_mask_replace(so, B, K, rule, threshold, seed, transposed=False):
     strides = (ctypes.c_int64 * 8)(*gt.view.stride(), *gp.view.stride(), *ge.view.stride(), *gc.view.stride())
     rule_id = {"eb": 0, "entropy": 1, "confidence": 2}[rule]
     so.emu_clear_ranges()
-    err = so.emu_mask_replace(gt.ptr(), gp.ptr(), ge.ptr(), gc.ptr(), rev.ptr(), rem.ptr(), strides, B, K, mask_id,
-                              rule_id, threshold)
+    err = so.emu_mask_replace(
+        gt.ptr(), gp.ptr(), ge.ptr(), gc.ptr(), rev.ptr(), rem.ptr(), strides, B, K, mask_id, rule_id, threshold
+    )
     assert err == 0, f"mask_replace launch error {err}"
-    for name, gg in (("tokens", gt), ("proposals", gp), ("entropy", ge), ("max_prob", gc), ("n_rev", rev),
-                     ("n_rem", rem)):
+    for name, gg in (
+        ("tokens", gt),
+        ("proposals", gp),
+        ("entropy", ge),
+        ("max_prob", gc),
+        ("n_rev", rev),
+        ("n_rem", rem),
+    ):
         gg.check(f"mask_replace {name}")
     assert torch.equal(gt.view, exp_tok), f"mask_replace tokens differ (B={B} K={K} {rule} {threshold})"
     assert torch.equal(rev.view, exp_rev) and torch.equal(rem.view, exp_rem), "mask_replace counts differ"
@@ -163,8 +182,21 @@ def check_entropy_sample(so, N, V, dtype, temperature, num_sms, seed, pad=0, off
     so.emu_clear_ranges()
     gx.register(so)
     splits = ctypes.c_int(0)
-    err = so.emu_entropy_sample(gx.ptr(), DTYPES[dtype], N, V, V + pad, temperature, s, o, ent.ptr(), mp.ptr(),
-                                tok.ptr(), num_sms, ctypes.byref(splits))
+    err = so.emu_entropy_sample(
+        gx.ptr(),
+        DTYPES[dtype],
+        N,
+        V,
+        V + pad,
+        temperature,
+        s,
+        o,
+        ent.ptr(),
+        mp.ptr(),
+        tok.ptr(),
+        num_sms,
+        ctypes.byref(splits),
+    )
     what = f"entropy_sample N={N} V={V} {dtype} T={temperature} sms={num_sms} splits={splits.value}"
     assert err == 0, f"{what}: error {err}"
     for name, gg in (("logits", gx), ("entropy", ent), ("max_prob", mp), ("token", tok)):
@@ -187,8 +219,9 @@ def check_entropy_sample(so, N, V, dtype, temperature, num_sms, seed, pad=0, off
 
 
 # ---- block_attention ----------------------------------------------------------------------------------------
-def check_block_attention(so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms, simt, seed, len_dtype,
-                          strided_q=False):
+def check_block_attention(
+    so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms, simt, seed, len_dtype, strided_q=False
+):
     gen = torch.Generator().manual_seed(seed)
     Hq = Hkv * g
     q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
@@ -215,17 +248,31 @@ def check_block_attention(so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, nu
     so.emu_clear_ranges()
     for gg in (gq, gk, gv, gkc, gvc):
         gg.register(so)
-    ptrs = (ctypes.c_void_p * 9)(gq.ptr(), gk.ptr(), gv.ptr(), gkc.ptr(), gvc.ptr(), out.ptr(), gl.ptr(), gc.ptr(),
-                                 gn.ptr())
+    ptrs = (ctypes.c_void_p * 9)(
+        gq.ptr(), gk.ptr(), gv.ptr(), gkc.ptr(), gvc.ptr(), out.ptr(), gl.ptr(), gc.ptr(), gn.ptr()
+    )
     ints = (ctypes.c_int64 * 24)(
-        int(len_dtype == torch.int64), int(len_dtype == torch.int64), 0,
-        *gq.view.stride()[:3], *gk.view.stride()[:3], *gv.view.stride()[:3], *gkc.view.stride()[:3],
-        *gvc.view.stride()[:3], B, Hq, Hkv, T, S, D,
+        int(len_dtype == torch.int64),
+        int(len_dtype == torch.int64),
+        0,
+        *gq.view.stride()[:3],
+        *gk.view.stride()[:3],
+        *gv.view.stride()[:3],
+        *gkc.view.stride()[:3],
+        *gvc.view.stride()[:3],
+        B,
+        Hq,
+        Hkv,
+        T,
+        S,
+        D,
     )
     splits = ctypes.c_int(0)
     err = so.emu_block_attention(ptrs, ints, scale, DTYPES[dtype], num_sms, int(simt), ctypes.byref(splits))
-    what = (f"block_attention B={B} Hkv={Hkv} g={g} T={T} D={D} S={S} lens={lens} commit={commit} valid={valid} "
-            f"{dtype} sms={num_sms} simt={simt} splits={splits.value}")
+    what = (
+        f"block_attention B={B} Hkv={Hkv} g={g} T={T} D={D} S={S} lens={lens} commit={commit} valid={valid} "
+        f"{dtype} sms={num_sms} simt={simt} splits={splits.value}"
+    )
     assert err == 0, f"{what}: error {err}"
     for name, gg in (("q", gq), ("k", gk), ("v", gv), ("k_cache", gkc), ("v_cache", gvc), ("out", out)):
         gg.check(f"{what} {name}")
@@ -291,8 +338,24 @@ def main() -> None:
                             continue
                         B, Hkv, g, T, D, S, lens, commit, valid = case
                         len_dtype = torch.int64 if n % 2 else torch.int32
-                        check_block_attention(so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, sms, simt,
-                                              seed=n, len_dtype=len_dtype, strided_q=sms == 132)
+                        check_block_attention(
+                            so,
+                            B,
+                            Hkv,
+                            g,
+                            T,
+                            D,
+                            S,
+                            lens,
+                            commit,
+                            valid,
+                            dtype,
+                            sms,
+                            simt,
+                            seed=n,
+                            len_dtype=len_dtype,
+                            strided_q=sms == 132,
+                        )
                         n += 1
                 print(f"block_attention ok ({mode}, {time.time() - t0:.0f}s)", flush=True)
         print(f"all {n} emulated cases agree with sbd_ext.reference ({so.emu_launches()} kernel launches)")
