@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <tuple>
 #include <utility>
 
@@ -96,6 +97,11 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
   p.scale = static_cast<float>(scale);
   p.force_simt = env_flag("SBD_EXT_ATTN_SIMT");  // read per call, so tests can A/B the two kernels
   sbd_cuda::block_attention_plan(p, sbd_cuda::sm_count());
+  // Tuning hook (benchmarks): a fixed number of cache splits instead of the heuristic's.
+  if (const char* e = std::getenv("SBD_EXT_ATTN_SPLITS")) {
+    const int forced = std::atoi(e);
+    if (forced >= 1) p.splits = std::min(forced, 256);
+  }
   const auto ws = at::empty({static_cast<int64_t>(sbd_cuda::block_attention_workspace_bytes(p))},
                             q.options().dtype(at::kByte));
   p.workspace = ws.data_ptr();
