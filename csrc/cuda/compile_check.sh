@@ -29,7 +29,10 @@ fi
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/sbd_cuda_check.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
 
-COMMON=(-std=c++17 -O3 -Icsrc/include -Icsrc --expt-relaxed-constexpr -Werror all-warnings -Xptxas -warn-spills)
+# The __CUDA_NO_* macros are what torch's CUDAExtension passes to nvcc (no implicit half / bf16 conversions).
+COMMON=(-std=c++17 -O3 -Icsrc/include -Icsrc --expt-relaxed-constexpr -Werror all-warnings -Xptxas -warn-spills
+        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+        -D__CUDA_NO_HALF2_OPERATORS__)
 ARCHS=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a)
 
 echo "compile_check: $("$NVCC" --version | tail -n 2 | head -n 1)"
@@ -67,6 +70,8 @@ EOF
   # macros). Host code only (-arch=sm_80, no kernels in these files).
   BIND=(-std=c++20 -O0 -Icsrc/include -Icsrc $STUB $TORCH_INC -I"$PY_INC" --expt-relaxed-constexpr
         -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DSBD_EXT_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI"
+        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+        -D__CUDA_NO_HALF2_OPERATORS__
         -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -arch=sm_80)
   for src in csrc/cuda/*_cuda.cu; do
     names+=("$src [binding, host]")

@@ -21,6 +21,10 @@
 // increasing order (head, then its vectors in order, then tail); across threads ArgmaxState::merge breaks ties
 // by index. Ties therefore go to the lowest index, as torch.argmax does.
 //
+// Build: not with --use_fast_math. The Gumbel score uses logf and an IEEE division, as the CPU kernel and the
+// reference do; fast math would turn them into approximations and sampled tokens would differ from the CPU's
+// far more often than at the rare 1-ulp near-ties (the softmax statistics use __expf either way).
+//
 // Included by exactly one translation unit, csrc/cuda/entropy_sample_launch.cu.
 #pragma once
 
