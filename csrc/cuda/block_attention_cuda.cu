@@ -24,31 +24,12 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
                                 at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
                                 const at::Tensor& n_valid, double scale) {
   constexpr const char* op = "block_attention";
-  // Shapes, dtypes and devices; the values of the lengths are not read (that would synchronise with the device).
-  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, /*check_values=*/false);
-  // What the kernels index with, re-asserted here so that this file stays memory-safe on its own.
-  check_dim(op, "q", q, 4, "[B, Hq, T, D]");
+  // Shapes, dtypes, devices, strides and scale (block_attention_checks.h, shared with the CPU binding). The
+  // lengths' values are not read here: that would synchronise with the device; the kernels clamp every write to
+  // the cache instead, and the decoding loop checks the lengths on its host-side copy.
+  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  check_dim(op, "k_cache", k_cache, 4, "[B, Hkv, S, D]");
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
-  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, op, ": q heads (", Hq, ") must be a multiple of the KV heads (", Hkv, ")");
-  for (auto [name, t, rows] : {std::tuple<const char*, const at::Tensor&, int64_t>{"k", k, T},
-                               {"v", v, T},
-                               {"k_cache", k_cache, S},
-                               {"v_cache", v_cache, S}}) {
-    check_dim(op, name, t, 4, "[B, Hkv, rows, D]");
-    TORCH_CHECK_VALUE(t.size(0) == B && t.size(1) == Hkv && t.size(2) == rows && t.size(3) == D, op, ": ", name,
-                      " has shape ", t.sizes(), ", expected [", B, ", ", Hkv, ", ", rows, ", ", D, "]");
-    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type(),
-                     ", got ", t.scalar_type());
-    check_same_device(op, name, t, q, "q");
-  }
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"cache_lens", cache_lens},
-                         {"n_commit", n_commit},
-                         {"n_valid", n_valid}}) {
-    check_lengths(op, name, t, B);
-    check_same_device(op, name, t, q, "q");
-  }
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor here, got device ", q.device());
   TORCH_CHECK_VALUE(sbd_cuda::block_attention_supports_head_dim(static_cast<int>(D)), op,
                     ": the CUDA kernels support head dims 64 and 128, got D = ", D);
