@@ -86,7 +86,7 @@ def test_block_attention(benchmark, dtype_name, layout, impl):
     dtype = DTYPES[dtype_name]
     fn = _fn(impl, dtype, LAYOUTS[layout])
     benchmark.group = f"block_attention {dtype_name} {layout}"
-    rounds = 5 if impl == "reference" else 20
+    rounds = 5 if impl == "reference" else 30
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=2)
     t_min, t_median = benchmark.stats.stats.min, benchmark.stats.stats.median
     benchmark.extra_info.update(
