@@ -30,7 +30,7 @@ def test_answers_correct_by_recomputation():
             a, b, c = int(a), int(b), int(c)
             assert a == chain  # each step starts from the previous result
             assert c == (a + b if op == "+" else a - b)
-            assert 0 <= c <= tasks.MAX_VALUE and 1 <= b <= 49
+            assert tasks.MIN_VALUE <= c <= tasks.MAX_VALUE and 1 <= b <= tasks.MAX_OPERAND
             chain = c
         assert chain == p.answer
 
@@ -75,6 +75,7 @@ def test_sort_task():
 def test_solve_user_phrasing():
     q = "Mia has 23 pens. She buys 15 more. She gives 8 to Sam. How many pens does Mia have now?"
     assert tasks.solve(q) == 30
+    assert tasks.solve("Tom has 40 coins. He loses 3. Ana gives him 5 more. How many coins does Tom have now?") == 42
     assert tasks.solve("What is the capital of France?") is None
 
 

@@ -3,9 +3,13 @@
 The main task, :func:`arith_problem`, is a GSM8K-shaped multi-step arithmetic word problem: a question, a worked
 solution in predictable template text around the "hard" digits, and a final ``#### <answer>`` line::
 
-    Q: Mia has 23 pens. She buys 15 more. She gives 8 to Sam. How many pens does Mia have now?
-    A: Mia had 23 pens. She bought 15, so 23+15=38. She gave 8 to Sam, so 38-8=30.
-    #### 30
+    Q: Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?
+    A: Mia had 23 pens. She bought 5, so 23+5=28. She gave 8 to Sam, so 28-8=20.
+    #### 20
+
+Sized for a sub-million-parameter model trained in minutes on a CPU: the running value always has two digits
+(10..99) and each step adds or subtracts a one-digit number (1..9), so every number has a fixed width. The digits
+of each result are still "hard" (they need the carry/borrow), the words around them are predictable.
 
 Problems are a pure function of an integer seed (``random.Random(seed)``, stable across Python versions), so the
 stream is unbounded and reproducible. The train/test split is by construction, twice over:
@@ -65,7 +69,8 @@ OPS = [
     ("{P} loses {n}.", "{P} lost {n}, so {a}-{n}={b}.", -1),
     ("{P} sells {n}.", "{P} sold {n}, so {a}-{n}={b}.", -1),
 ]
-MAX_VALUE = 99
+MIN_VALUE, MAX_VALUE = 10, 99  # the running value (two digits)
+MAX_OPERAND = 9  # the number added or subtracted at each step (one digit)
 
 
 @dataclass(frozen=True)
@@ -97,25 +102,26 @@ def is_test_question(question: str) -> bool:
 
 
 def arith_problem(seed: int, min_steps: int = 2, max_steps: int = 3) -> Problem:
-    """The arithmetic word problem of ``seed``: ``min_steps``..``max_steps`` additions/subtractions, values 0..99.
+    """The arithmetic word problem of ``seed``: ``min_steps``..``max_steps`` additions/subtractions.
 
-    Every intermediate value stays in [0, 99]; operands are 1..49. Deterministic in all arguments.
+    The running value starts in 20..80 and stays in [10, 99]; each step adds or subtracts 1..9. Deterministic in
+    all arguments.
     """
     rng = random.Random(seed)
     name, pron, obj_pron = rng.choice(NAMES)
     friend = rng.choice([n for n, _, _ in NAMES if n != name])
     obj = rng.choice(OBJECTS)
     steps = rng.randint(min_steps, max_steps)
-    value = rng.randint(5, 60)
+    value = rng.randint(20, 80)
     q = [f"{name} has {value} {obj}."]
     s = [f"{name} had {value} {obj}."]
     for _ in range(steps):
         qt, st, sign = rng.choice(OPS)
-        hi = min(49, MAX_VALUE - value) if sign > 0 else min(49, value)
-        if hi < 1:  # at a bound: take the other direction
+        room = MAX_VALUE - value if sign > 0 else value - MIN_VALUE
+        if room < 1:  # at a bound: take the other direction
             qt, st, sign = rng.choice([op for op in OPS if op[2] == -sign])
-            hi = min(49, MAX_VALUE - value) if sign > 0 else min(49, value)
-        n = rng.randint(1, hi)
+            room = MAX_VALUE - value if sign > 0 else value - MIN_VALUE
+        n = rng.randint(1, min(MAX_OPERAND, room))
         new = value + sign * n
         fields = dict(P=pron, O=obj_pron, F=friend, n=n, a=value, b=new)
         q.append(qt.format(**fields))
