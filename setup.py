@@ -63,8 +63,17 @@ def _cuda_wanted() -> bool:
 ISA_FLAGS = {
     "DEFAULT": [],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-DCPU_CAPABILITY_AVX2"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mbmi2",
-               "-DCPU_CAPABILITY_AVX512"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mbmi2",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
 }
 
 
@@ -103,7 +112,8 @@ class BuildExtWithISA(BuildExtension):
                 jobs.append([cxx, "-c", wrapper, "-o", obj, *base, *ISA_FLAGS[isa]])
         workers = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            for cmd, res in zip(jobs, pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), jobs)):
+            results = pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), jobs)
+            for cmd, res in zip(jobs, results, strict=True):
                 if res.returncode != 0:
                     sys.stderr.write(res.stdout + res.stderr)
                     raise RuntimeError(f"compiling {cmd[2]} failed")

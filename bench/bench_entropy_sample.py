@@ -30,7 +30,9 @@ def _run(benchmark, fn, x, role, name):
     return result
 
 
-@pytest.fixture(scope="module", params=[(s, d) for s in SHAPES for d in DTYPES], ids=lambda p: f"{p[0][0]}x{p[0][1]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(s, d) for s in SHAPES for d in DTYPES], ids=lambda p: f"{p[0][0]}x{p[0][1]}-{p[1]}"
+)
 def logits(request):
     (n, v), dtype = request.param
     return (torch.randn(n, v, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)

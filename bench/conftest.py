@@ -31,8 +31,9 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
     except OSError:
         commit = ""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
@@ -56,9 +57,17 @@ def _rows(session):
         if b.stats is None or not getattr(b.stats, "rounds", 0):
             continue
         info = b.extra_info or {}
-        rows.append({"group": b.group or "", "name": b.name, "role": info.get("role", ""),
-                     "median_ms": b.stats.median * 1e3, "min_ms": b.stats.min * 1e3,
-                     "gbps": info.get("GB/s", ""), "note": info.get("note", "")})
+        rows.append(
+            {
+                "group": b.group or "",
+                "name": b.name,
+                "role": info.get("role", ""),
+                "median_ms": b.stats.median * 1e3,
+                "min_ms": b.stats.min * 1e3,
+                "gbps": info.get("GB/s", ""),
+                "note": info.get("note", ""),
+            }
+        )
     return rows
 
 
@@ -70,9 +79,12 @@ def pytest_sessionfinish(session, exitstatus):
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
     info = machine_info()
-    lines = [f"\nsbd_ext benchmark summary — {info['cpu']} ({info['threads']} threads, {info['cpu_isa']}) "
-             f"{info['gpu']} torch {info['torch']} commit {info['commit']}",
-             "| group | name | role | median ms | GB/s | ours is N× faster |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"\nsbd_ext benchmark summary — {info['cpu']} ({info['threads']} threads, {info['cpu_isa']}) "
+        f"{info['gpu']} torch {info['torch']} commit {info['commit']}",
+        "| group | name | role | median ms | GB/s | ours is N× faster |",
+        "|---|---|---|---|---|---|",
+    ]
     for g, rs in groups.items():
         ours = [r for r in rs if r["role"] == "ours"]
         for r in rs:

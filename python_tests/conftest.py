@@ -6,9 +6,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # python_tests/utils.py
 
-import sbd_ext  # noqa: E402
-
 from utils import DEVICES  # noqa: E402
+
+import sbd_ext  # noqa: E402
 
 
 @pytest.fixture(params=DEVICES)

@@ -126,8 +126,9 @@ def test_invalid_proposals_are_never_revealed(device):
     assert n_rev.item() == 0 and n_rem.item() == 2
     # a proposal equal to the mask id is not a reveal either
     tokens = torch.full((1, 2), MASK, device=device)
-    n_rev, _ = sbd_ext.mask_replace(tokens, torch.tensor([[MASK, MASK]], device=device), torch.zeros(1, 2),
-                                    torch.ones(1, 2), MASK, "entropy", 1.0)
+    n_rev, _ = sbd_ext.mask_replace(
+        tokens, torch.tensor([[MASK, MASK]], device=device), torch.zeros(1, 2), torch.ones(1, 2), MASK, "entropy", 1.0
+    )
     assert n_rev.item() == 0
 
 

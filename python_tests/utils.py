@@ -19,8 +19,9 @@ TOL = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, atol=None, rtol=None,
-                 msg: str = ""):
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, atol=None, rtol=None, msg: str = ""
+):
     """torch.testing.assert_close with the table's tolerances and a report of how many elements differ and where."""
     actual, expected = actual.detach().cpu(), expected.detach().cpu()
     assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
