@@ -5,7 +5,7 @@ import re
 import pytest
 
 from sbd_ext import tasks
-from sbd_ext.char_tokenizer import build_char_tokenizer
+from sbd_ext.demo_tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
 
 def test_deterministic():
@@ -79,13 +79,20 @@ def test_solve_user_phrasing():
     assert tasks.solve("What is the capital of France?") is None
 
 
-def test_char_tokenizer_roundtrip(tmp_path):
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_tokenizer_roundtrip(tmp_path, kind):
     from transformers import AutoTokenizer
 
-    tok = build_char_tokenizer()
+    tok = build_bpe_tokenizer() if kind == "bpe" else build_char_tokenizer()
     text = tasks.arith_problem(7).text
     ids = tok(text).input_ids
-    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
+    assert ids[0] == tok.bos_token_id
+    if kind == "char":
+        assert len(ids) == len(text) + 1
+    else:  # template words are single tokens, digits are one token each
+        assert len(ids) < len(text) / 2
+        assert " bought" in tok.get_vocab() and "\n####" in tok.get_vocab() and " 12" not in tok.get_vocab()
+        assert tok.get_vocab() == build_bpe_tokenizer().get_vocab()  # deterministic
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert tok.mask_token == "<|mask|>" and tok.mask_token_id == 3 and tok.eos_token_id == 2
     tok.save_pretrained(tmp_path)
@@ -93,3 +100,5 @@ def test_char_tokenizer_roundtrip(tmp_path):
     assert tok2(text).input_ids == ids
     assert tok2.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
     assert tok2("é").input_ids == [tok.bos_token_id, tok.unk_token_id]
+    odd = "Zyx qwv 1234 ~!"
+    assert tok2.decode(tok2(odd).input_ids, skip_special_tokens=True) == odd

@@ -42,7 +42,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from . import tasks
-from .char_tokenizer import build_char_tokenizer
+from .demo_tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
 IGNORE_INDEX = -100
 EOS_LOSS_TOKENS = 16  # trailing EOS positions with a loss (>= the largest block size)
@@ -139,7 +139,7 @@ def load(folder: Path):
 # quick held-out check (HF generate, greedy, next-token decoding)
 # --------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens: int = 140) -> float:
+def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens: int = 160) -> float:
     """Greedy next-token (HF ``generate``) accuracy on the first ``n`` held-out problems."""
     model.eval()
     probs = list(tasks.problems("test", n))
@@ -158,8 +158,8 @@ def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens
     return tasks.accuracy(outs, probs)
 
 
-def quick_sbd_check(model, tok, n: int, gamma: float = 0.1, block_size: int = 16) -> None:
-    """Print held-out accuracy and tokens/forward of SBD decoding (skipped if the decoder cannot run here)."""
+def quick_sbd_check(model, tok, n: int, gamma: float = 0.1, block_size: int = 16) -> float | None:
+    """Print (and return) held-out accuracy and tokens/forward of SBD decoding (None if the decoder cannot run)."""
     try:
         from .evaluate import decode
 
@@ -167,10 +167,11 @@ def quick_sbd_check(model, tok, n: int, gamma: float = 0.1, block_size: int = 16
         res = decode(model, tok, [p.prompt for p in probs], block_size=block_size, threshold=gamma)
     except Exception as e:  # the decoder or its kernels are not available in this build
         print(f"[sbd] (no SBD decoding check: {type(e).__name__}: {e})")
-        return
+        return None
     acc = tasks.accuracy(res["completions"], probs)
     tpf = sum(res["num_generated"]) / sum(res["nfe"])
     print(f"[sbd] held-out SBD (k={block_size}, gamma={gamma}) accuracy {acc:.3f}, {tpf:.2f} tokens/forward")
+    return acc
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -187,6 +188,8 @@ def train_phase(
     block_sizes: tuple[int, int] = (2, 16),
     warmup: int | None = None,
     log_every: int = 25,
+    check=None,
+    check_every: int = 0,
 ) -> list[dict]:
     """AdamW (betas 0.9/0.95, wd 0.1) + linear warm-up + cosine decay to 10% of ``lr``; grad clip 1.0.
 
@@ -244,6 +247,11 @@ def train_phase(
             acc, n_acc = {}, 0
             extra = " ".join(f"{kk} {rec[kk]:.4f}" for kk in ("loss", "ntp_loss", "mask_loss", "mask_acc") if kk in rec)
             print(f"[{name}] step {step}/{steps} {extra} lr {rec['lr']:.2e} ({step / el:.2f} steps/s)", flush=True)
+        if check is not None and check_every and step % check_every == 0 and step < steps:
+            acc_now = check(model)
+            model.train()
+            history.append({"step": step, f"heldout_{objective}_accuracy": acc_now})
+            print(f"[{name}] step {step}: held-out {objective.upper()}-decoding accuracy {acc_now}", flush=True)
     model.eval()
     return history
 
@@ -256,14 +264,24 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="runs/demo", help="output folder (pretrain/, sbd/, ntp/, train_log.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible, best on a busy machine)")
+    ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="see sbd_ext.demo_tokenizer")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--pretrain-steps", type=int, default=1000)
+    ap.add_argument("--pretrain-steps", type=int, default=3000)
     ap.add_argument("--pretrain-lr", type=float, default=3e-3)
-    ap.add_argument("--finetune-steps", type=int, default=600)
+    ap.add_argument(
+        "--pretrain-loss",
+        choices=("answer", "all"),
+        default="answer",
+        help="tokens with a pre-training loss: the answers (default), or every token (questions too)",
+    )
+    ap.add_argument(
+        "--check-every", type=int, default=250, help="held-out check every N pre-training steps (2N when fine-tuning)"
+    )
+    ap.add_argument("--finetune-steps", type=int, default=2000)
     ap.add_argument("--finetune-lr", type=float, default=1e-3)
     ap.add_argument("--block-sizes", type=int, nargs=2, default=[2, 16], metavar=("K_MIN", "K_MAX"))
     ap.add_argument("--eval-problems", type=int, default=64, help="held-out problems for the quick check (0: none)")
@@ -277,7 +295,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_char_tokenizer()
+    tok = build_bpe_tokenizer() if args.tokenizer == "bpe" else build_char_tokenizer()
     log: dict = {"args": vars(args), "phases": {}}
     t_all = time.perf_counter()
 
@@ -303,8 +321,18 @@ def main(argv=None) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params / 1e6:.2f} M parameters, vocab {len(tok)}")
         t = time.perf_counter()
-        data = batches(tok, args.seed, args.batch_size, answer_only=False)
-        hist = train_phase("pretrain", model, data, args.pretrain_steps, args.pretrain_lr, "ntp", args.seed)
+        data = batches(tok, args.seed, args.batch_size, answer_only=args.pretrain_loss == "answer")
+        hist = train_phase(
+            "pretrain",
+            model,
+            data,
+            args.pretrain_steps,
+            args.pretrain_lr,
+            "ntp",
+            args.seed,
+            check=lambda m: quick_accuracy(m, tok, args.eval_problems) if args.eval_problems else None,
+            check_every=args.check_every,
+        )
         rec = {"history": hist, "seconds": round(time.perf_counter() - t, 1), "params": n_params}
         rec["heldout_ntp_accuracy"] = check("pretrain", model)
         save(model, tok, pre_dir, rec)
@@ -325,8 +353,21 @@ def main(argv=None) -> dict:
             add_mask_token(model, tok, block_size_range=tuple(args.block_sizes))
         t = time.perf_counter()
         data = batches(tok, ft_seed, args.batch_size, answer_only=True)
+        if kind == "sbd":
+            periodic = lambda m: quick_sbd_check(m, tok, args.eval_problems) if args.eval_problems else None
+        else:
+            periodic = lambda m: quick_accuracy(m, tok, args.eval_problems) if args.eval_problems else None
         hist = train_phase(
-            kind, model, data, args.finetune_steps, args.finetune_lr, kind, ft_seed, tuple(args.block_sizes)
+            kind,
+            model,
+            data,
+            args.finetune_steps,
+            args.finetune_lr,
+            kind,
+            ft_seed,
+            tuple(args.block_sizes),
+            check=periodic,
+            check_every=args.check_every * 2,
         )
         rec = {"history": hist, "seconds": round(time.perf_counter() - t, 1)}
         rec["heldout_ntp_accuracy"] = check(kind, model)
