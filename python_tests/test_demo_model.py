@@ -1,0 +1,94 @@
+"""The embedded demo models (sbd_ext.models) and the ``sbd-ext`` command line, end to end on the CPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sbd_ext import cli, models, tasks
+from sbd_ext.evaluate import decode, format_prompt
+
+N_PROBLEMS = 8
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # the model is tiny: one thread is the fast setting
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def sbd(one_thread):
+    return models.load_default()
+
+
+def test_embedded_models_present_and_small():
+    names = models.available()
+    assert models.DEFAULT_MODEL in names and models.CONTROL_MODEL in names
+    for name in names:
+        folder = models.path(name)
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sbd_demo.json"):
+            assert (folder / f).is_file(), f"{name}: {f} missing"
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        assert size < 10e6, f"{name} is {size / 1e6:.1f} MB"
+    with pytest.raises(FileNotFoundError):
+        models.path("no-such-model")
+
+
+def test_load_default_offline(sbd, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    model, tok = models.load_default()
+    cfg = model.config
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+    assert cfg.mask_token_id == tok.mask_token_id
+    assert list(cfg.sbd_block_size_range) == [2, 16]
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert not model.training
+    control, _ = models.load(models.CONTROL_MODEL)
+    assert getattr(control.config, "mask_token_id", None) is None or control.config.mask_token_id == tok.mask_token_id
+
+
+def test_sbd_decode_heldout_correct(sbd):
+    """Greedy SBD decoding at the model's gamma_low (the CLI path) answers held-out problems, with >= 2 tokens/fwd."""
+    model, tok = sbd
+    info = models.demo_info()
+    probs = list(tasks.problems("test", N_PROBLEMS))
+    prompts = [format_prompt(p.prompt, info["prompt_template"]) for p in probs]
+    res = decode(
+        model, tok, prompts, mode="sbd", block_size=info["block_size"], sampler="eb", threshold=info["gamma_low"]
+    )
+    assert tasks.accuracy(res["completions"], probs) >= 7 / 8, res["completions"]
+    assert sum(res["num_generated"]) / sum(res["nfe"]) >= 2.0
+    ntp = decode(model, tok, prompts, mode="ntp")
+    assert tasks.accuracy(ntp["completions"], probs) >= 7 / 8
+    assert ntp["nfe"] == ntp["num_generated"]
+
+
+def test_cli_generate(sbd, capsys):
+    q = "Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?"
+    assert cli.main(["generate", q, "--show-steps", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "NFE" in out and "tokens/forward" in out and "forward   1" in out
+    assert "expected 20: correct" in out
+    assert cli.main(["generate", "--mode", "ntp", "--example", "1", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "NTP (1 token/forward)" in out and "correct" in out
+
+
+def test_cli_subprocess():
+    """``python -m sbd_ext generate`` runs end to end in a fresh interpreter and prints the stats."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "sbd_ext", "generate", "--example", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "NFE" in r.stdout and "correct" in r.stdout, r.stdout

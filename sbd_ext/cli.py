@@ -1,0 +1,224 @@
+"""``sbd-ext`` (and ``python -m sbd_ext``): Set Block Decoding on the embedded model, from the command line.
+
+    sbd-ext generate "Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?"
+    sbd-ext generate --show-steps              # a held-out problem, and which tokens each forward revealed
+    sbd-ext generate --mode ntp "..."          # next-token decoding through the same cache, for comparison
+    sbd-ext generate --model PATH "..."        # any SBD-trained HF Llama folder (config.mask_token_id set)
+    sbd-ext eval --out eval/                   # accuracy / NFE table (Markdown) and plot (PNG) on held-out problems
+    sbd-ext models                             # the embedded models
+
+Both commands run torch on ONE thread by default (``--threads``): the embedded model is so small (0.8 M
+parameters) that intra-op parallelism costs more than it saves, and on a busy machine an OpenMP barrier waiting for
+a descheduled thread makes every forward 10-100x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+__all__ = ["main"]
+
+_COLOURS = [31, 32, 33, 34, 35, 36, 91, 92, 93, 94, 95, 96]  # ANSI foreground colours, cycled per forward
+
+
+def _paint(text: str, colour: int | None, bold: bool = False, enabled: bool = True) -> str:
+    if not enabled or colour is None:
+        return text
+    return f"\033[{'1;' if bold else ''}{colour}m{text}\033[0m"
+
+
+def _visible(s: str) -> str:
+    return s.replace("\n", "↵")
+
+
+def render_steps(tok, token_ids: list[int], trace: list, prompt_len: int, colour: bool) -> str:
+    """One line per forward: the completion so far, masked / future positions as ``·``, the newly revealed tokens
+    highlighted (colour in a terminal, ``^`` markers underneath otherwise); then the completion with every token
+    coloured by the forward that revealed it."""
+    pieces = [_visible(tok.decode([t])) for t in token_ids]
+    when = [None] * len(pieces)
+    lines = []
+    for step, (f, positions, _tokens) in enumerate(trace):
+        rel = [p - prompt_len for p in positions if 0 <= p - prompt_len < len(pieces)]
+        for j in rel:
+            when[j] = step
+        upto = max((j for j in range(len(pieces)) if when[j] is not None), default=-1)
+        text, marks = [], []
+        for j in range(upto + 1):
+            piece = pieces[j] if when[j] is not None else "·"
+            new = j in rel
+            text.append(_paint(piece, _COLOURS[step % len(_COLOURS)], bold=True, enabled=colour and new))
+            marks.append(("^" if new else " ") * len(piece))
+        lines.append(f"forward {f + 1:3d} +{len(rel):2d} | " + "".join(text))
+        if not colour:
+            lines.append(" " * 17 + "| " + "".join(marks).rstrip())
+    if colour:
+        coloured = "".join(
+            _paint(p, _COLOURS[w % len(_COLOURS)] if w is not None else None, enabled=True)
+            for p, w in zip(pieces, when, strict=True)
+        )
+        lines.append("by forward:           " + coloured)
+    return "\n".join(lines)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from . import models, tasks
+    from .evaluate import decode, format_prompt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_load = time.perf_counter()
+    model, tok = models.load(args.model)
+    info = models.demo_info(args.model)
+    t_load = time.perf_counter() - t_load
+
+    expected = None
+    if args.prompt is None:
+        problem = list(tasks.problems("test", args.example + 1))[-1]
+        question = problem.prompt
+        expected = problem.answer
+        print(f"(no prompt given: held-out problem #{args.example})")
+    else:
+        question = args.prompt.replace("\\n", "\n")
+    prompt = question if args.raw else format_prompt(question, info.get("prompt_template"))
+    if expected is None and info.get("task") == "arith":
+        expected = tasks.solve(question)
+
+    threshold = args.threshold
+    if threshold is None and args.sampler == "eb":
+        threshold = info.get("gamma_low", 0.1)
+    block_size = args.block_size or info.get("block_size", 16)
+    res = decode(
+        model,
+        tok,
+        [prompt],
+        mode=args.mode,
+        block_size=block_size,
+        sampler=args.sampler,
+        threshold=threshold,
+        temperature=args.temperature,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=1,
+        return_trace=args.show_steps,
+    )
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    completion = res["completions"][0]
+    nfe, ntok, secs = res["nfe"][0], res["num_generated"][0], res["seconds"]
+    print(_paint(prompt, 2, enabled=colour), end="")
+    print(_paint(completion, 1, enabled=colour))
+    print()
+    if args.show_steps:
+        print(render_steps(tok, res["token_ids"][0], res["traces"][0], res["prompt_lengths"][0], colour))
+        print()
+    how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {args.sampler} {threshold:g}"
+    print(
+        f"[{how}] NFE {nfe} | {ntok} tokens | {ntok / max(nfe, 1):.2f} tokens/forward | "
+        f"{secs:.3f} s ({ntok / max(secs, 1e-9):.0f} tokens/s) | model load {t_load:.2f} s"
+    )
+    if expected is not None:
+        got = tasks.extract_answer(completion)
+        ok = got == expected
+        print(
+            f"answer {got} — expected {expected}: "
+            + _paint("correct" if ok else "WRONG", 32 if ok else 31, True, colour)
+        )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from . import models
+    from .evaluate import markdown_table, run_eval, save_results
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = models.demo_info(args.sbd_model)
+    g_low, g_high = info.get("gamma_low"), info.get("gamma_high")
+    print(f"evaluating {args.sbd_model} (control: {args.ntp_model}) on {args.n} held-out {args.task} problems")
+    t = time.perf_counter()
+    result = run_eval(
+        sbd_model=args.sbd_model,
+        ntp_model=None if args.ntp_model in ("", "none") else args.ntp_model,
+        n=args.n,
+        gammas=args.gammas,
+        block_sizes=args.block_sizes,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        task=args.task,
+    )
+    result["meta"]["seconds"] = time.perf_counter() - t
+    files = save_results(result, args.out, g_low, g_high)
+    print()
+    print(markdown_table(result, g_low, g_high))
+    for kind, f in files.items():
+        print(f"wrote {kind}: {f}")
+    if "plot" not in files:
+        print("(no plot: matplotlib is not installed; `pip install matplotlib` to get it)")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from . import models
+
+    for name in models.available():
+        p = models.path(name)
+        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        print(f"{name:<12} {size / 1e6:5.1f} MB  {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS
+
+    ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt and print the completion with its NFE and timing")
+    g.add_argument("prompt", nargs="?", help="the question (default: a held-out problem); '\\n' becomes a newline")
+    g.add_argument("--model", default="sbd-arith", help="embedded model name or a local HF model folder")
+    g.add_argument("--mode", choices=("sbd", "ntp"), default="sbd")
+    g.add_argument("--block-size", type=int, default=None, help="SBD block size k (default: the model's, 16)")
+    g.add_argument("--sampler", choices=("eb", "entropy", "confidence"), default="eb")
+    g.add_argument("--threshold", type=float, default=None, help="gamma (eb/entropy) or tau (confidence)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=160)
+    g.add_argument("--show-steps", action="store_true", help="show which tokens each forward revealed")
+    g.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's prompt template")
+    g.add_argument("--example", type=int, default=0, help="which held-out problem when no prompt is given")
+    g.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); see below")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="accuracy and NFE on held-out problems: Markdown table + PNG plot")
+    e.add_argument("--sbd-model", default="sbd-arith")
+    e.add_argument("--ntp-model", default="ntp-arith", help="the NTP control ('none' to skip)")
+    e.add_argument("--n", type=int, default=500, help="held-out problems")
+    e.add_argument("--gammas", type=float, nargs="+", default=list(DEFAULT_GAMMAS))
+    e.add_argument("--block-sizes", type=int, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
+    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--max-new-tokens", type=int, default=160)
+    e.add_argument("--task", default="arith", choices=("arith", "sort"))
+    e.add_argument("--out", default="sbd_eval", help="folder for results.json, table.md, accuracy_vs_tpf.png")
+    e.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    e.set_defaults(func=cmd_eval)
+
+    m = sub.add_parser("models", help="list the embedded models")
+    m.set_defaults(func=cmd_models)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Tokenizers for the embedded demo models, as HuggingFace ``PreTrainedTokenizerFast`` objects.
+
+Both share the special tokens ``<pad>`` (0), ``<bos>`` (1), ``<eos>`` (2), ``<|mask|>`` (3), ``<unk>`` (4) and an
+alphabet of newline plus the 95 printable ASCII characters, so any ASCII text can be encoded; ``<bos>`` is
+prepended when ``add_special_tokens`` is true, and decoding concatenates the token strings back (no spaces are
+inserted). Built with the ``tokenizers`` library and saved as ``tokenizer.json``, so
+``AutoTokenizer.from_pretrained(folder)`` loads them offline with nothing but ``tokenizers`` installed.
+
+* :func:`build_bpe_tokenizer` (the demo models' tokenizer): a small BPE trained by the project on generated
+  problems of :mod:`sbd_ext.tasks`. Pre-tokenization keeps a word with its leading space, every digit apart (one
+  token per digit, so numbers keep a fixed number of tokens), and runs of punctuation; the merges then make each
+  template word one token (" bought", " apples", "\\n####"). ~240 tokens; a problem is ~70 tokens instead of ~180
+  characters, which halves the training cost and gives an SBD block fixed token positions to fill in.
+* :func:`build_char_tokenizer`: one token per character (no training), the simplest alternative.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+__all__ = ["CHARS", "SPECIAL_TOKENS", "build_bpe_tokenizer", "build_char_tokenizer"]
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "mask_token": "<|mask|>"}
+UNK = "<unk>"
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+_SPECIALS = [SPECIAL_TOKENS[k] for k in ("pad_token", "bos_token", "eos_token", "mask_token")] + [UNK]
+# A word with its leading whitespace | one digit (with its leading whitespace) | a run of punctuation | whitespace.
+PRETOKENIZE = r"\s?[A-Za-z]+|\s?\d|\s?[^\sA-Za-z\d]+|\s+"
+
+
+def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
+    bos = SPECIAL_TOKENS["bos_token"]
+    bos_id = tok.token_to_id(bos)
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+        **SPECIAL_TOKENS,
+    )
+
+
+def build_char_tokenizer(model_max_length: int = 1024) -> PreTrainedTokenizerFast:
+    """One token per character: the specials (ids 0-4), then newline and printable ASCII (ids 5-100)."""
+    vocab = {t: i for i, t in enumerate(_SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return _wrap(tok, model_max_length)
+
+
+def build_bpe_tokenizer(
+    n_problems: int = 3000, vocab_size: int = 400, seed: int = 12345, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """A BPE trained on the prompts and completions of ``n_problems`` training problems of seed ``seed``.
+
+    Deterministic (same corpus, same merges). Merges stop at ``vocab_size`` or when no pair occurs twice; the
+    alphabet is always complete, so unseen words fall back to characters.
+    """
+    from . import tasks
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=list(CHARS),
+        min_frequency=2,
+        show_progress=False,
+    )
+    corpus = []
+    for p in tasks.problems("train", n_problems, seed=seed):
+        corpus += [p.prompt, p.completion]
+    tok.train_from_iterator(corpus, trainer)
+    return _wrap(tok, model_max_length)

@@ -1,0 +1,70 @@
+"""The models shipped inside the package (package data; nothing is downloaded).
+
+* ``sbd-arith`` (the default): a 0.8 M-parameter Llama (GQA, character vocabulary) pre-trained with next-token
+  prediction on the generated arithmetic word problems of :mod:`sbd_ext.tasks`, then fine-tuned with the SBD
+  objective. Its config carries ``mask_token_id`` and ``sbd_block_size_range``.
+* ``ntp-arith``: the control, fine-tuned from the same pre-trained checkpoint with the same budget but plain
+  next-token prediction.
+
+Both were produced by ``python -m sbd_ext.train_demo --install`` (see :mod:`sbd_ext.train_demo`). Each folder also
+holds ``sbd_demo.json``: the prompt template of the task and the decoding settings the evaluation chose.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
+
+MODELS_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = "sbd-arith"
+CONTROL_MODEL = "ntp-arith"
+
+
+def available() -> list[str]:
+    """Names of the embedded models present in this installation."""
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
+    """The folder of an embedded model (by name) or the given folder itself."""
+    p = Path(name_or_path)
+    if (MODELS_DIR / str(name_or_path) / "config.json").is_file():
+        return MODELS_DIR / str(name_or_path)
+    if (p / "config.json").is_file():
+        return p
+    raise FileNotFoundError(
+        f"no model {str(name_or_path)!r}: neither an embedded model ({', '.join(available()) or 'none installed'}) "
+        f"nor a folder with a config.json"
+    )
+
+
+def demo_info(name_or_path: str | Path = DEFAULT_MODEL) -> dict:
+    """The ``sbd_demo.json`` of a model folder ({} when absent): prompt_template, gamma_low, gamma_high, block_size."""
+    f = path(name_or_path) / "sbd_demo.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def load(
+    name_or_path: str | Path = DEFAULT_MODEL,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+):
+    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+    )
+    return model.to(device).eval(), tok
+
+
+def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of the embedded SBD model ``sbd-arith``."""
+    return load(DEFAULT_MODEL, device=device, dtype=dtype)
