@@ -19,6 +19,25 @@ except ImportError as e:  # pragma: no cover - only when the package was not bui
 from . import reference  # noqa: E402
 from .ops import block_attention, entropy_sample, mask_replace  # noqa: E402
 
+# The HuggingFace layer (attention backend "sbd", SBD decoding) needs transformers; the ops work without it.
+try:
+    import transformers  # noqa: F401
+except ImportError as _e:  # pragma: no cover - only without transformers
+    _HF_IMPORT_ERROR: ImportError | None = _e
+else:
+    _HF_IMPORT_ERROR = None
+    from . import decoding, hf  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
+    from .decoding import SBDCache, generate, generate_reference  # noqa: E402, F401
+
+_HF_NAMES = ("hf", "decoding", "SBDCache", "generate", "generate_reference")
+
+
+def __getattr__(name: str):
+    if name in _HF_NAMES and _HF_IMPORT_ERROR is not None:
+        raise ImportError(f"sbd_ext.{name} needs transformers (pip install transformers)") from _HF_IMPORT_ERROR
+    raise AttributeError(f"module 'sbd_ext' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 
 
@@ -27,4 +46,12 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["block_attention", "entropy_sample", "mask_replace", "reference", "build_info", "__version__"]
+__all__ = [
+    "block_attention",
+    "entropy_sample",
+    "mask_replace",
+    "reference",
+    "build_info",
+    "__version__",
+    *_HF_NAMES,
+]

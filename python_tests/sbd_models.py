@@ -1,0 +1,66 @@
+"""Small random Llama models for the HF-backend and decoding tests (no weights are downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sbd_ext.decoding import set_sbd_metadata
+
+VOCAB = 100
+MASK_ID = VOCAB - 1  # a random model has no trained mask token; any id works for comparing implementations
+
+
+def tiny_llama(
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    layers: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn: str = "sbd",
+    lm_scale: float = 8.0,
+    mask_id: int | None = MASK_ID,
+    max_positions: int = 256,
+    **config_kwargs,
+) -> LlamaForCausalLM:
+    """A random LlamaForCausalLM (hidden 64, head dim 16, vocab 100) in eval mode.
+
+    ``lm_scale`` multiplies the output head so that next-token entropies spread over roughly [0, 2] nats, like a
+    trained model's, instead of all sitting near ln(100): the samplers then reveal varying numbers of positions.
+    """
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **config_kwargs,
+    )
+    cfg._attn_implementation = attn
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_scale)
+    if mask_id is not None:
+        set_sbd_metadata(model.config, mask_id, None)
+    return model.to(dtype)
+
+
+def random_prompts(lengths: list[int], seed: int = 1, padding_side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of ragged random prompts (ids avoid the mask token), padded on one side."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids = torch.zeros(len(lengths), P, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), P, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        row = torch.randint(0, MASK_ID, (n,), generator=g)
+        sl = slice(P - n, P) if padding_side == "left" else slice(0, n)
+        ids[b, sl] = row
+        mask[b, sl] = 1
+    return ids, mask
