@@ -43,6 +43,12 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
               ref.device(), "; all tensors must be on the same device");
 }
 
+inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the same dtype as ", ref_name,
+                   " (", ref.scalar_type(), "), got ", t.scalar_type());
+}
+
 inline void check_inner_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
                     " must be contiguous in its last dimension (stride 1), got strides ", t.strides());
