@@ -1,0 +1,707 @@
+"""The Set Block Decoding training objective (Gat et al. 2025, Alg. 1) for HuggingFace causal LMs.
+
+For a batch of sequences x [B, L] and a block size k, SBD trains ONE forward over the 2L-token input
+``cat(x, x_hat)``, where x_hat replaces each token of x by the mask token with probability eta,
+eta ~ U(0, 1) drawn once per sequence. Both halves use position ids 0..L-1. Indices q, kv below run over
+the 2L input; blocks have size k; three parts of the attention mask are OR-ed:
+
+- clean -> clean, causal:                      q < L, kv < L, kv <= q
+- noisy -> noisy, same block, bidirectional:   q >= L, kv >= L, (q-L)//k == (kv-L)//k
+- noisy -> clean, strictly earlier blocks:     q >= L, kv < L, (q-L)//k > kv//k
+
+so a noisy block never sees the clean copy of its own block, and the clean half never sees the noisy half
+(its outputs are exactly those of a plain causal forward of x). The loss is the next-token cross-entropy on the
+clean half (the output at t predicts x[t+1]) plus the cross-entropy on the masked positions of the noisy half
+(the output at L+t predicts x[t]; unmasked noisy positions are ignored): a plain sum of the two token-level means.
+
+Right-padded batches are supported through a 2D ``attention_mask`` [B, L] (1 = token, 0 = padding): padding
+positions of either half are never attended to, never masked and never in the loss.
+
+How the custom mask reaches the attention function (transformers 5.x): ``create_causal_mask`` in
+``transformers.masking_utils`` returns any 4D ``attention_mask`` (a tensor or a FlexAttention ``BlockMask``) as
+is, whatever ``config._attn_implementation`` is, and the model hands it unchanged to every layer's attention
+function. Each implementation wants a different kind of mask, which :func:`mask_format_for` picks:
+
+- ``"sdpa"``: boolean [B, 1, 2L, 2L], True = may attend (``F.scaled_dot_product_attention(attn_mask=...)``);
+- ``"eager"``: additive float [B, 1, 2L, 2L] in the model dtype, 0 or dtype-min (added to the scores; a boolean
+  mask would be added as 0/1, silently wrong);
+- ``"flex_attention"``: a ``BlockMask`` from ``create_block_mask`` with :func:`sbd_mask_mod` (its ``shape`` is 4D,
+  so it passes the same early exit); on the CPU torch 2.13 has no FlexAttention backward (forward only);
+- ``"sbd"`` (sbd_ext's backend) and any other registered implementation: boolean, as for SDPA (the sbd backend
+  falls back to SDPA for a custom 4D mask);
+- ``flash_attention_*``: refused, FlashAttention takes no arbitrary mask.
+
+SBD metadata recorded in ``model.config`` (read by the decoding side):
+
+``config.mask_token_id`` (int)
+    id of the mask token ``<m>`` in the model's vocabulary (set by :func:`add_mask_token`).
+``config.sbd_block_size_range`` (list of two ints ``[k_min, k_max]``, inclusive)
+    the block sizes the model was trained on; decoding should refuse block sizes outside it. Set by
+    :func:`add_mask_token` (the range intended for training) and overwritten by :class:`SBDTrainer` and
+    :func:`train_sbd` with the range they actually train on.
+
+Entry points: :func:`add_mask_token`, :func:`sbd_batch` (the 2L input, labels and mask), :func:`sbd_loss`
+(one forward + the loss), :class:`SBDTrainer` (HF ``Trainer``; multi-GPU through accelerate/FSDP) and
+:func:`train_sbd` (a plain AdamW + cosine loop).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    HAS_FLEX_ATTENTION = True
+except ImportError:  # pragma: no cover - torch < 2.5
+    BlockMask = None
+    create_block_mask = None
+    HAS_FLEX_ATTENTION = False
+
+from transformers import Trainer
+
+IGNORE_INDEX = -100
+DEFAULT_BLOCK_SIZE_RANGE = (2, 16)
+MASK_FORMATS = ("bool", "additive", "block")
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE_RANGE",
+    "IGNORE_INDEX",
+    "SBDBatch",
+    "SBDTrainer",
+    "add_mask_token",
+    "mask_format_for",
+    "sbd_attention_mask",
+    "sbd_batch",
+    "sbd_loss",
+    "sbd_mask_mod",
+    "train_sbd",
+]
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under DDP / FSDP / torch.compile wrappers (they keep it as ``.module`` / ``._orig_mod``)."""
+    seen = 0
+    while not hasattr(model, "config") and seen < 8:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            break
+        model, seen = inner, seen + 1
+    return model
+
+
+def _check_range(block_size_range) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in block_size_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"block_size_range must be two ints (k_min, k_max), got {block_size_range!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"block_size_range must satisfy 1 <= k_min <= k_max, got {block_size_range!r}")
+    return lo, hi
+
+
+def _draw_block_size(block_size_range, generator: torch.Generator | None) -> int:
+    lo, hi = _check_range(block_size_range)
+    dev = generator.device if generator is not None else "cpu"
+    return int(torch.randint(lo, hi + 1, (1,), generator=generator, device=dev).item())
+
+
+# --------------------------------------------------------------------------------------------------------
+# mask token
+# --------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_range=DEFAULT_BLOCK_SIZE_RANGE) -> int:
+    """Give ``model`` (and ``tokenizer``) a mask token and record the SBD metadata in ``model.config``.
+
+    - tokenizer with a mask token already: that token is reused;
+    - tokenizer without one: ``token`` is added as its ``mask_token`` special token;
+    - no tokenizer: ``config.mask_token_id`` is reused when it is already set, else the new id is the current
+      number of embedding rows.
+    The input (and, when untied, output) embeddings grow when the id does not fit; a newly created token's rows are
+    set to the mean of the existing tokens' rows, so the mask token starts as an "average" token and its output logit as
+    the average logit. Sets ``config.mask_token_id`` and ``config.sbd_block_size_range``. Returns the id.
+    """
+    lo, hi = _check_range(block_size_range)
+    emb = model.get_input_embeddings()
+    n_rows = emb.weight.shape[0]
+    fresh = False  # a token that did not exist before this call: its embedding rows need initialising
+    n_real = n_rows  # rows of real tokens, averaged for the new one (excludes a padded vocabulary's unused rows)
+    if tokenizer is not None:
+        n_real = min(n_rows, len(tokenizer))
+        if tokenizer.mask_token is None or tokenizer.mask_token_id is None:
+            before = len(tokenizer)
+            tokenizer.add_special_tokens({"mask_token": token})
+            fresh = len(tokenizer) > before
+        mask_id = int(tokenizer.mask_token_id)
+    else:
+        existing = getattr(model.config, "mask_token_id", None)
+        if existing is not None and 0 <= int(existing) < n_rows:
+            mask_id = int(existing)
+        else:
+            mask_id, fresh = n_rows, True
+
+    if mask_id >= n_rows:
+        new_rows = max(mask_id + 1, len(tokenizer) if tokenizer is not None else 0)
+        model.resize_token_embeddings(new_rows, mean_resizing=False)
+        init_rows = list(range(n_rows, new_rows))
+    else:
+        init_rows = [mask_id] if fresh else []
+    if init_rows:
+        emb_w = model.get_input_embeddings().weight
+        out = model.get_output_embeddings()
+        tables = [emb_w]
+        if out is not None and out.weight.data_ptr() != emb_w.data_ptr():  # untied output head
+            tables.append(out.weight)
+        for w in tables:
+            w[init_rows] = w[:n_real].float().mean(0).to(w.dtype)
+        out_bias = getattr(out, "bias", None)
+        if out_bias is not None:
+            out_bias[init_rows] = out_bias[:n_real].float().mean().to(out_bias.dtype)
+
+    model.config.mask_token_id = mask_id
+    model.config.sbd_block_size_range = [lo, hi]
+    return mask_id
+
+
+# --------------------------------------------------------------------------------------------------------
+# the mask
+# --------------------------------------------------------------------------------------------------------
+def sbd_mask_mod(seq_len: int, block_size: int, lengths: torch.Tensor | None = None, device=None) -> Callable:
+    """The SBD mask as a FlexAttention ``mask_mod(b, h, q, kv) -> bool`` over the 2L input.
+
+    ``lengths`` [B] (optional): valid tokens per right-padded sequence; key positions at or past it, in either half,
+    are masked out. Works on broadcast index tensors too, which is how the dense masks are built from the same
+    predicate. With ``device``, L and k are captured as 0-dim tensors instead of Python ints: torch.compile (which
+    transformers wraps flex_attention in) then sees them as graph inputs rather than constants, so a new k each
+    step does not recompile the attention kernel.
+    """
+    L, k = int(seq_len), int(block_size)
+    if device is not None:
+        L, k = torch.tensor(L, device=device), torch.tensor(k, device=device)
+
+    def mask_mod(b, h, q, kv):
+        q_clean, kv_clean = q < L, kv < L
+        qn, kvn = q - L, kv - L
+        clean_clean = q_clean & kv_clean & (kv <= q)
+        noisy_noisy = ~q_clean & ~kv_clean & (qn // k == kvn // k)
+        noisy_clean = ~q_clean & kv_clean & (qn // k > kv // k)
+        allowed = clean_clean | noisy_noisy | noisy_clean
+        if lengths is not None:
+            allowed = allowed & (torch.where(kv_clean, kv, kvn) < lengths[b])
+        return allowed
+
+    return mask_mod
+
+
+def sbd_attention_mask(
+    seq_len: int,
+    block_size: int,
+    lengths: torch.Tensor | None = None,
+    *,
+    batch_size: int | None = None,
+    mask_format: str = "bool",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+):
+    """The SBD attention mask over the 2L input, in one of three forms.
+
+    - ``"bool"``: [B, 1, 2L, 2L] bool, True = may attend (SDPA);
+    - ``"additive"``: [B, 1, 2L, 2L] ``dtype``, 0 where allowed and ``finfo(dtype).min`` elsewhere (eager);
+    - ``"block"``: a FlexAttention ``BlockMask`` of shape (B, 1, 2L, 2L), B = 1 without ``lengths``.
+    B is ``len(lengths)`` when given, else ``batch_size`` (default 1); without ``lengths`` the dense masks are one
+    [1, 1, 2L, 2L] mask expanded over the batch. Every query row keeps at least one key as
+    long as each sequence has at least one token (its first clean token / the first noisy token of block 0), so no
+    softmax row is empty.
+    """
+    if mask_format not in MASK_FORMATS:
+        raise ValueError(f"mask_format must be one of {MASK_FORMATS}, got {mask_format!r}")
+    if int(block_size) < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if int(seq_len) < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if lengths is not None:
+        device = lengths.device if device is None else torch.device(device)
+        lengths = lengths.to(device=device, dtype=torch.long)
+        B = lengths.shape[0]
+    else:
+        B = 1 if batch_size is None else int(batch_size)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    T = 2 * int(seq_len)
+
+    if mask_format == "block":
+        if not HAS_FLEX_ATTENTION:
+            raise RuntimeError("mask_format='block' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+        mask_mod = sbd_mask_mod(seq_len, block_size, lengths, device=device)
+        # Without padding one (1, 1, T, T) mask serves the whole batch (flex_attention broadcasts B=1).
+        return create_block_mask(mask_mod, B if lengths is not None else 1, None, T, T, device=device)
+
+    # Without padding the mask is built once and expanded over the batch (stride 0): T^2, not B * T^2, elements.
+    idx = torch.arange(T, device=device)
+    nb = B if lengths is not None else 1
+    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+    allowed = sbd_mask_mod(seq_len, block_size, lengths)(b, None, idx.view(1, 1, T, 1), idx.view(1, 1, 1, T))
+    if mask_format == "additive":
+        allowed = torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+    return allowed.expand(B, 1, T, T)
+
+
+def mask_format_for(attn_implementation: str | None) -> str:
+    """Which mask form a transformers attention implementation needs for a custom 4D mask (see module doc)."""
+    impl = attn_implementation or "sdpa"
+    if impl == "eager":
+        return "additive"
+    if impl == "flex_attention":
+        return "block"
+    if "flash" in impl:
+        raise ValueError(
+            f"attn_implementation={impl!r} cannot take the SBD attention mask (FlashAttention has no arbitrary mask); "
+            "load the model with attn_implementation='sdpa', 'eager', 'flex_attention' or 'sbd' for SBD training"
+        )
+    return "bool"
+
+
+# --------------------------------------------------------------------------------------------------------
+# the 2L batch
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class SBDBatch:
+    """One SBD training batch over the 2L input (B sequences of L tokens).
+
+    input_ids [B, 2L]: ``cat(x, x_hat)``. position_ids [B, 2L]: 0..L-1 twice. attention_mask: the SBD mask
+    (see :func:`sbd_attention_mask`). labels [B, 2L]: the target read from the output at each position, already
+    aligned (no shift left to do): x[t+1] at clean t, x[t] at noisy L+t when masked, ``IGNORE_INDEX`` elsewhere.
+    masked [B, L]: which tokens of x_hat are the mask token. eta [B]: the masking rate of each sequence.
+    lengths [B]: valid tokens per sequence.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Any
+    labels: torch.Tensor
+    masked: torch.Tensor
+    eta: torch.Tensor
+    lengths: torch.Tensor
+    block_size: int
+    seq_len: int
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for ``model(**batch.model_inputs())``."""
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=self.attention_mask,
+            use_cache=False,
+        )
+
+
+def _lengths_from_attention_mask(attention_mask: torch.Tensor, shape) -> torch.Tensor:
+    if attention_mask.shape != shape:
+        raise ValueError(
+            f"attention_mask must be the 2D padding mask [B, L] = {tuple(shape)} of input_ids, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    am = attention_mask.to(torch.bool)
+    if bool((am[:, 1:] & ~am[:, :-1]).any()):
+        raise ValueError("attention_mask: SBD training needs right-padded sequences (1s then 0s in every row)")
+    lengths = am.sum(-1)
+    if bool((lengths == 0).any()):
+        raise ValueError("attention_mask: every sequence needs at least one token")
+    return lengths
+
+
+def sbd_batch(
+    input_ids: torch.Tensor,
+    mask_token_id: int,
+    block_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    eta: float | torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    mask_format: str = "bool",
+    dtype: torch.dtype = torch.float32,
+) -> SBDBatch:
+    """Build the 2L SBD input, its position ids, aligned labels and attention mask for a batch x [B, L].
+
+    input_ids [B, L] int64. eta: None (draw U(0, 1) per sequence), a float, or a tensor [B]. Each valid token of x
+    is replaced by ``mask_token_id`` in x_hat with probability eta of its sequence (the draws come from
+    ``generator``, on its device, when given). attention_mask [B, L] (optional): right-padding mask. labels [B, L]
+    (optional, HF convention: same positions as input_ids, ``IGNORE_INDEX`` = no loss): the tokens to learn; by
+    default input_ids. A label of ``IGNORE_INDEX`` (e.g. a prompt token in SFT data) removes the token from both
+    losses; it is still masked in x_hat with the same probability. mask_format / dtype: see
+    :func:`sbd_attention_mask`.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    B, L = input_ids.shape
+    if L < 1 or B < 1:
+        raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+    k = int(block_size)
+    if k < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    dev = input_ids.device
+    input_ids = input_ids.long()
+
+    if attention_mask is None:
+        lengths = torch.full((B,), L, dtype=torch.long, device=dev)
+    else:
+        lengths = _lengths_from_attention_mask(attention_mask.to(dev), input_ids.shape)
+    pos = torch.arange(L, device=dev)
+    valid = pos.view(1, L) < lengths.view(B, 1)  # [B, L]
+
+    if labels is None:
+        labels = input_ids
+    elif labels.shape != input_ids.shape:
+        raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+    labels = labels.to(dev).long().masked_fill(~valid, IGNORE_INDEX)
+
+    gdev = generator.device if generator is not None else dev
+    if eta is None:
+        eta_t = torch.rand(B, generator=generator, device=gdev).to(dev)
+    else:
+        eta_t = torch.as_tensor(eta, dtype=torch.float32, device=dev).expand(B).clone()
+        if bool(((eta_t < 0) | (eta_t > 1)).any()):
+            raise ValueError(f"eta must lie in [0, 1], got {eta}")
+    u = torch.rand(B, L, generator=generator, device=gdev).to(dev)
+    masked = (u < eta_t.view(B, 1)) & valid
+    noisy = input_ids.masked_fill(masked, int(mask_token_id))
+
+    ntp = torch.full_like(labels, IGNORE_INDEX)
+    ntp[:, :-1] = labels[:, 1:]
+    mlm = labels.masked_fill(~masked, IGNORE_INDEX)
+
+    attn = sbd_attention_mask(
+        L,
+        k,
+        lengths if attention_mask is not None else None,
+        batch_size=B,
+        mask_format=mask_format,
+        dtype=dtype,
+        device=dev,
+    )
+    return SBDBatch(
+        input_ids=torch.cat([input_ids, noisy], dim=1),
+        position_ids=torch.cat([pos, pos]).view(1, 2 * L).expand(B, 2 * L),
+        attention_mask=attn,
+        labels=torch.cat([ntp, mlm], dim=1),
+        masked=masked,
+        eta=eta_t,
+        lengths=lengths,
+        block_size=k,
+        seq_len=L,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# the loss
+# --------------------------------------------------------------------------------------------------------
+def sbd_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    mask_token_id: int | None = None,
+    block_size: int | None = None,
+    block_size_range=None,
+    generator: torch.Generator | None = None,
+    attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    eta: float | torch.Tensor | None = None,
+    mask_format: str | None = None,
+    return_parts: bool = False,
+):
+    """The SBD loss of ``model`` on a batch x [B, L]: one forward over the 2L input.
+
+    loss = mean NTP cross-entropy over the clean half + mean cross-entropy over the masked noisy positions (each a
+    token-level mean over the batch; 0 for a part with no token). ``mask_token_id`` defaults to
+    ``model.config.mask_token_id``. ``block_size`` k, when None, is drawn uniformly in ``block_size_range``
+    (inclusive; default ``model.config.sbd_block_size_range``, else (2, 16)) from ``generator``, which also draws
+    eta and the masks (see :func:`sbd_batch` for ``attention_mask``, ``labels``, ``eta``). ``mask_format`` defaults
+    to what ``config._attn_implementation`` needs (:func:`mask_format_for`). With ``return_parts`` returns
+    ``(loss, parts)``, parts a dict of detached ``ntp_loss``, ``mask_loss``, ``mask_accuracy`` (fraction of masked
+    positions whose argmax is right), ``num_masked`` tensors and the int ``block_size``.
+    """
+    hf = _unwrap(model)
+    config = getattr(hf, "config", None)
+    if mask_token_id is None:
+        mask_token_id = getattr(config, "mask_token_id", None)
+        if mask_token_id is None:
+            raise ValueError(
+                "sbd_loss: no mask_token_id given and model.config.mask_token_id is not set "
+                "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
+            )
+    if block_size is None:
+        if block_size_range is None:
+            block_size_range = getattr(config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
+        k = _draw_block_size(block_size_range, generator)
+    else:
+        k = int(block_size)
+    if mask_format is None:
+        mask_format = mask_format_for(getattr(config, "_attn_implementation", None))
+    dtype = hf.get_input_embeddings().weight.dtype if hasattr(hf, "get_input_embeddings") else torch.float32
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+
+    batch = sbd_batch(
+        input_ids,
+        mask_token_id,
+        k,
+        generator=generator,
+        eta=eta,
+        attention_mask=attention_mask,
+        labels=labels,
+        mask_format=mask_format,
+        dtype=dtype,
+    )
+    logits = model(**batch.model_inputs()).logits  # [B, 2L, V]
+    loss, parts = sbd_loss_from_logits(logits, batch)
+    return (loss, parts) if return_parts else loss
+
+
+def sbd_loss_from_logits(logits: torch.Tensor, batch: SBDBatch) -> tuple[torch.Tensor, dict]:
+    """The SBD loss and its parts from the logits [B, 2L, V] of a forward over ``batch`` (see :func:`sbd_loss`)."""
+    L = batch.seq_len
+    V = logits.shape[-1]
+    logits = logits.float()  # CE in fp32, as HF's ForCausalLMLoss
+    clean_t, noisy_t = batch.labels[:, :L], batch.labels[:, L:]
+    n_ntp = (clean_t != IGNORE_INDEX).sum()
+    n_mask = (noisy_t != IGNORE_INDEX).sum()
+    ntp_sum = F.cross_entropy(
+        logits[:, :L].reshape(-1, V), clean_t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    mask_sum = F.cross_entropy(
+        logits[:, L:].reshape(-1, V), noisy_t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    ntp_loss = ntp_sum / n_ntp.clamp_min(1)
+    mask_loss = mask_sum / n_mask.clamp_min(1)
+    with torch.no_grad():
+        hit = (logits[:, L:].argmax(-1) == noisy_t) & (noisy_t != IGNORE_INDEX)
+        acc = hit.sum() / n_mask.clamp_min(1)
+    parts = dict(
+        ntp_loss=ntp_loss.detach(),
+        mask_loss=mask_loss.detach(),
+        mask_accuracy=acc.float(),
+        num_masked=n_mask,
+        block_size=batch.block_size,
+    )
+    return ntp_loss + mask_loss, parts
+
+
+# --------------------------------------------------------------------------------------------------------
+# HF Trainer
+# --------------------------------------------------------------------------------------------------------
+_PART_NAMES = ("ntp_loss", "mask_loss", "mask_accuracy")
+
+
+class SBDTrainer(Trainer):
+    """``transformers.Trainer`` with the SBD objective; distributed training comes from accelerate (DDP, FSDP).
+
+    Extra arguments: ``block_size_range`` (inclusive; default ``model.config.sbd_block_size_range`` or (2, 16)),
+    ``mask_token_id`` (default ``model.config.mask_token_id``). Batches are dicts with ``input_ids`` [B, L] and
+    optionally ``attention_mask`` (right padding) and ``labels`` (``IGNORE_INDEX`` = no loss). k is drawn per
+    forward from a ``random.Random(args.seed)``, so every rank uses the same k at the same step (equal work per
+    rank); the masks use torch's global RNG, which the Trainer seeds. The mean NTP loss, mask loss and masked
+    accuracy since the last log are logged next to ``loss`` (``ntp_loss``, ``mask_loss``, ``mask_accuracy``; with
+    the ``eval_`` prefix on evaluation). Evaluation reports the SBD loss as ``eval_loss``.
+    """
+
+    # compute_loss returns a per-batch mean: let the Trainer divide it by the gradient-accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, block_size_range=None, mask_token_id: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = _unwrap(self.model).config
+        if block_size_range is None:
+            block_size_range = getattr(config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
+        self.block_size_range = _check_range(block_size_range)
+        self.mask_token_id = mask_token_id if mask_token_id is not None else getattr(config, "mask_token_id", None)
+        if self.mask_token_id is None:
+            raise ValueError(
+                "SBDTrainer: no mask_token_id given and model.config.mask_token_id is not set "
+                "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
+            )
+        config.mask_token_id = int(self.mask_token_id)
+        config.sbd_block_size_range = list(self.block_size_range)
+        self._k_rng = random.Random(self.args.seed)
+        self._sbd_sums: dict[str, dict] = {}
+
+    def _accumulate(self, prefix: str, parts: dict) -> None:
+        acc = self._sbd_sums.setdefault(prefix, {"n": 0})
+        for name in _PART_NAMES:
+            acc[name] = acc.get(name, 0.0) + parts[name]
+        acc["n"] += 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        k = self._k_rng.randint(*self.block_size_range)
+        loss, parts = sbd_loss(
+            model,
+            inputs["input_ids"],
+            mask_token_id=self.mask_token_id,
+            block_size=k,
+            attention_mask=inputs.get("attention_mask"),
+            labels=inputs.get("labels"),
+            return_parts=True,
+        )
+        self._accumulate("" if model.training else "eval_", parts)
+        return (loss, parts) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation = the SBD loss (a plain forward of the 2L batch has no other meaning here)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        for prefix, key in (("", "loss"), ("eval_", "eval_loss")):
+            acc = self._sbd_sums.get(prefix)
+            if key in logs and acc and acc["n"] > 0:
+                vals = torch.stack([torch.as_tensor(acc[n], dtype=torch.float32) for n in _PART_NAMES]) / acc["n"]
+                vals = self.accelerator.reduce(vals.to(self.args.device), reduction="mean")
+                for n, v in zip(_PART_NAMES, vals.tolist(), strict=True):
+                    logs[prefix + n] = round(v, 4)
+                self._sbd_sums.pop(prefix)
+        super().log(logs, start_time)
+
+
+# --------------------------------------------------------------------------------------------------------
+# plain loop
+# --------------------------------------------------------------------------------------------------------
+def _as_batch(item, device) -> dict:
+    if isinstance(item, torch.Tensor):
+        return {"input_ids": item.to(device)}
+    if isinstance(item, dict):
+        return {n: item[n].to(device) for n in ("input_ids", "attention_mask", "labels") if item.get(n) is not None}
+    raise TypeError(f"train_sbd: batches must be [B, L] tensors or dicts with 'input_ids', got {type(item)}")
+
+
+def train_sbd(
+    model: torch.nn.Module,
+    data: Iterable,
+    steps: int,
+    lr: float = 3e-4,
+    *,
+    warmup_steps: int | None = None,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    max_grad_norm: float | None = 1.0,
+    block_size_range=None,
+    mask_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    log_every: int = 10,
+    progress: bool = True,
+    callback: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Train ``model`` on the SBD objective for ``steps`` optimizer steps; a plain single-process loop.
+
+    data: an iterable of batches, each an input_ids tensor [B, L] or a dict with ``input_ids`` and optionally
+    ``attention_mask`` / ``labels``; re-iterated when exhausted if it can be (a list, a DataLoader), else training
+    stops early. AdamW (``lr``, ``betas``, ``weight_decay``), cosine decay to 0 after ``warmup_steps`` linear
+    warm-up steps (default min(200, steps // 10)), gradient clipping at ``max_grad_norm``. k is drawn per step in
+    ``block_size_range`` (default ``model.config.sbd_block_size_range`` or (2, 16)) from ``generator`` (which also
+    draws the masks). Every ``log_every`` steps the means over the interval of loss, ntp_loss, mask_loss,
+    mask_accuracy and the lr are appended to the returned history, shown on a tqdm bar (a plain print when tqdm is
+    missing or ``progress`` is False prints nothing) and passed to ``callback``.
+    """
+    from transformers import get_cosine_schedule_with_warmup
+
+    hf = _unwrap(model)
+    if block_size_range is None:
+        block_size_range = getattr(hf.config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
+    lo, hi = _check_range(block_size_range)
+    if mask_token_id is None:
+        mask_token_id = getattr(hf.config, "mask_token_id", None)
+    if mask_token_id is None:
+        raise ValueError(
+            "train_sbd: no mask_token_id given and model.config.mask_token_id is not set "
+            "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
+        )
+    hf.config.mask_token_id = int(mask_token_id)
+    hf.config.sbd_block_size_range = [lo, hi]
+    if warmup_steps is None:
+        warmup_steps = min(200, steps // 10)
+    device = next(model.parameters()).device
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, warmup_steps, steps)
+
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, desc="sbd", dynamic_ncols=True)
+        except ImportError:
+            bar = None
+
+    history: list[dict] = []
+    sums = torch.zeros(4, device=device)
+    n_acc, t0 = 0, time.perf_counter()
+    it = iter(data)
+    model.train()
+    for step in range(1, steps + 1):
+        try:
+            item = next(it)
+        except StopIteration:
+            it = iter(data)
+            if it is data:  # a one-shot iterator: nothing left
+                break
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+        b = _as_batch(item, device)
+        k = _draw_block_size((lo, hi), generator)
+        loss, parts = sbd_loss(
+            model,
+            b["input_ids"],
+            mask_token_id=mask_token_id,
+            block_size=k,
+            generator=generator,
+            attention_mask=b.get("attention_mask"),
+            labels=b.get("labels"),
+            return_parts=True,
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        sched.step()
+        sums += torch.stack([loss.detach().float()] + [parts[n].float() for n in _PART_NAMES])
+        n_acc += 1
+        if bar is not None:
+            bar.update(1)
+        if step % log_every == 0 or step == steps:
+            vals = (sums / n_acc).tolist()
+            rec = dict(step=step, loss=vals[0], lr=sched.get_last_lr()[0])
+            rec.update(zip(_PART_NAMES, vals[1:], strict=True))
+            history.append(rec)
+            sums.zero_()
+            n_acc = 0
+            msg = (
+                f"loss {rec['loss']:.4f} ntp {rec['ntp_loss']:.4f} mask {rec['mask_loss']:.4f} "
+                f"acc {rec['mask_accuracy']:.3f}"
+            )
+            if bar is not None:
+                bar.set_postfix_str(msg)
+            elif progress:
+                rate = step / max(time.perf_counter() - t0, 1e-9)
+                print(f"sbd step {step}/{steps} {msg} lr {rec['lr']:.2e} ({rate:.1f} it/s)", flush=True)
+            if callback is not None:
+                callback(rec)
+    if bar is not None:
+        bar.close()
+    return history
