@@ -2,12 +2,13 @@
 //
 // check_block_attention validates everything that does not need the lengths' values (dtypes, shapes, devices,
 // strides). check_block_attention_lengths validates the values (no negative length, n_commit <= n_valid <= T,
-// no cache overflow); it reads them, so it is for host tensors: the CUDA binding skips it for device lengths
-// rather than synchronising with the GPU.
+// no cache overflow) once they are on the host: the CUDA binding skips it for device lengths rather than
+// synchronising with the GPU.
 #pragma once
 
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "checks.h"
 
@@ -57,25 +58,20 @@ inline void check_block_attention(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
 }
 
-// The lengths' values; cache_lens, n_commit, n_valid must be host (CPU) tensors of B elements.
-inline void check_block_attention_lengths(const at::Tensor& cache_lens, const at::Tensor& n_commit,
-                                          const at::Tensor& n_valid, int64_t T, int64_t S) {
+// The lengths' values, read on the host (host_lengths in checks.h).
+inline void check_block_attention_lengths(const std::vector<int64_t>& lens, const std::vector<int64_t>& commit,
+                                          const std::vector<int64_t>& valid, int64_t T, int64_t S) {
   constexpr const char* op = "block_attention";
-  const at::Tensor lens = cache_lens.to(at::kLong).contiguous();
-  const at::Tensor c = n_commit.to(at::kLong).contiguous();
-  const at::Tensor nv = n_valid.to(at::kLong).contiguous();
-  const int64_t* pl = lens.data_ptr<int64_t>();
-  const int64_t* pc = c.data_ptr<int64_t>();
-  const int64_t* pv = nv.data_ptr<int64_t>();
-  for (int64_t b = 0; b < lens.numel(); ++b) {
-    TORCH_CHECK_VALUE(pl[b] >= 0, op, ": cache_lens[", b, "] = ", pl[b], " is negative");
-    TORCH_CHECK_VALUE(pc[b] >= 0, op, ": n_commit[", b, "] = ", pc[b], " is negative");
-    TORCH_CHECK_VALUE(pv[b] >= 0, op, ": n_valid[", b, "] = ", pv[b], " is negative");
-    TORCH_CHECK_VALUE(pv[b] <= T, op, ": n_valid[", b, "] = ", pv[b], " exceeds the number of new rows T = ", T);
-    TORCH_CHECK_VALUE(pc[b] <= pv[b], op, ": n_commit[", b, "] = ", pc[b], " exceeds n_valid[", b, "] = ", pv[b],
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const int64_t pl = lens[b], pc = commit[b], pv = valid[b];
+    TORCH_CHECK_VALUE(pl >= 0, op, ": cache_lens[", b, "] = ", pl, " is negative");
+    TORCH_CHECK_VALUE(pc >= 0, op, ": n_commit[", b, "] = ", pc, " is negative");
+    TORCH_CHECK_VALUE(pv >= 0, op, ": n_valid[", b, "] = ", pv, " is negative");
+    TORCH_CHECK_VALUE(pv <= T, op, ": n_valid[", b, "] = ", pv, " exceeds the number of new rows T = ", T);
+    TORCH_CHECK_VALUE(pc <= pv, op, ": n_commit[", b, "] = ", pc, " exceeds n_valid[", b, "] = ", pv,
                       " (expected n_commit <= n_valid <= T)");
-    TORCH_CHECK_VALUE(pl[b] + pc[b] <= S, op, ": cache overflow for sequence ", b, ": cache_lens[", b, "] + n_commit[",
-                      b, "] = ", pl[b], " + ", pc[b], " exceeds the cache size k_cache.size(2) = ", S);
+    TORCH_CHECK_VALUE(pl + pc <= S, op, ": cache overflow for sequence ", b, ": cache_lens[", b, "] + n_commit[", b,
+                      "] = ", pl, " + ", pc, " exceeds the cache size k_cache.size(2) = ", S);
   }
 }
 

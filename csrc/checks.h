@@ -8,6 +8,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace sbd_ext {
 
@@ -58,6 +59,23 @@ inline void check_lengths(const char* op, const char* name, const at::Tensor& t,
   check_dtype(op, name, t, {at::kInt, at::kLong});
   check_dim(op, name, t, 1, "[B]");
   check_size(op, name, t, 0, B, "the batch size B");
+}
+
+// The values of a 1-D int32 / int64 host tensor (any stride), read without creating tensors: the lengths of an op
+// that runs once per layer per decoding step, where a few tensor ops would be a visible share of the call.
+inline std::vector<int64_t> host_lengths(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1, "host_lengths: expected a 1-D CPU tensor");
+  std::vector<int64_t> out(static_cast<size_t>(t.size(0)));
+  const int64_t st = t.stride(0);
+  if (t.scalar_type() == at::kInt) {
+    const int32_t* p = t.const_data_ptr<int32_t>();
+    for (int64_t i = 0; i < t.size(0); ++i) out[i] = p[i * st];
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kLong, "host_lengths: expected int32 or int64, got ", t.scalar_type());
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.size(0); ++i) out[i] = p[i * st];
+  }
+  return out;
 }
 
 }  // namespace sbd_ext

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,3 +65,16 @@ def random_prompts(lengths: list[int], seed: int = 1, padding_side: str = "left"
         ids[b, sl] = row
         mask[b, sl] = 1
     return ids, mask
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test with one intra-op thread, restoring the setting afterwards.
+
+    These models are tiny (hidden 64): threads only add synchronisation, and on a loaded 2-core machine OpenMP's
+    spin-waiting made the HF/decoding tests ~10x slower (255 s vs 9 s for the three files, measured here).
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

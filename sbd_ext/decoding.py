@@ -39,6 +39,11 @@ Decoding (per sequence; sequences of a batch advance independently)
   kept, as HF ``generate`` keeps EOS). The last block is shortened to the remaining budget.
 * NTP mode (``mode="ntp"``) runs through the same cache and kernels: one token per forward from the model's
   next-token head (output at t-1), argmax or a sample via ``entropy_sample``; the mask token is not banned there.
+* The counts and block tokens are read back once per forward (one device-to-host copy) to decide block completion
+  and stopping. A sequence that still has masked positions but revealed none (NaN logits) raises an error.
+* :func:`generate` needs the ``"sbd"`` attention; a model set to another implementation is switched with
+  ``model.set_attn_implementation("sbd")`` for the call and switched back afterwards.
+* Finished sequences stay in the batch as padding rows (``n_valid = 0``) until every sequence is done.
 """
 
 from __future__ import annotations
@@ -561,18 +566,26 @@ class _Seq:
         self.block = block
         self.pending = []
         stop = next((j for j in range(k) if block[j] in s.stop_ids and block[j] != s.mask_id), None)
-        if stop is not None and all(t != s.mask_id for t in block[:stop]):
+        stopped = stop is not None and all(t != s.mask_id for t in block[:stop])
+        if stopped:
             keep = stop + 1
         elif n_rem == 0:
             keep = k
         else:
             keep = None
-        shown = revealed if keep is None else [j for j in revealed if j < keep]
-        self.trace.append((f, [self.block_start + j for j in shown], [block[j] for j in shown]))
+        start = self.block_start
+        self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
         if keep is None:
             return
+        if keep < k:
+            # Stopped at a stop token: drop the positions after it from this block's trace entries too.
+            end = start + keep
+            self.trace = [
+                (g, [p for p in pos if p < end], [t for p, t in zip(pos, tok, strict=True) if p < end])
+                for g, pos, tok in self.trace
+            ]
         self.gen.extend(block[:keep])
-        if keep < k or len(self.gen) >= s.max_new_tokens:
+        if stopped or len(self.gen) >= s.max_new_tokens:
             self.done = True
             self.block = []
             return
@@ -736,6 +749,10 @@ def generate(
         strict_block_size=strict_block_size,
     )
     device, dtype = _model_device_dtype(model)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"SBD decoding runs fp32, bf16 or fp16 models; this one is {dtype} (use model.to(torch.float32))"
+        )
     if not kernel_available(device):
         raise RuntimeError(f"sbd_ext has no block_attention kernel for device {device} in this build")
     B, K = len(s.prompts), s.block_size

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "block_attention_checks.h"
@@ -15,7 +16,8 @@ namespace {
 // Query lanes (g heads x valid new rows) per panel: 256 lanes x D = 128 keep QT and O^T at 128 KB each, inside
 // a 1-2 MB L2 next to the streamed K/V blocks. Llama's g = 4 with a 2k = 32-row forward is 128 lanes: one panel.
 constexpr int64_t kMaxPanelLanes = 256;
-// A cache split shorter than this costs more in its partial-state write and merge than it gains in parallelism.
+// Shortest cache split: each split adds a partial-state write (D + 2 floats per lane) and its merge, small next
+// to attending 256 cache rows.
 constexpr int64_t kMinSplitRows = 256;
 constexpr int64_t kMaxSplits = 64;  // bound of the merge's scale array (block_attention_kernel.cpp)
 
@@ -30,11 +32,6 @@ sbd_cpu::AttnDtype attn_dtype(at::ScalarType t) {
   }
 }
 
-std::vector<int64_t> to_host(const at::Tensor& t) {
-  const at::Tensor l = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
-}
-
 }  // namespace
 
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -43,11 +40,12 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k_cache.size(2);
-  check_block_attention_lengths(cache_lens, n_commit, n_valid, T, S);
+  const std::vector<int64_t> lens = host_lengths(cache_lens), commit = host_lengths(n_commit),
+                             valid = host_lengths(n_valid);
+  check_block_attention_lengths(lens, commit, valid, T, S);
   at::Tensor out = at::empty({B, T, Hq, D}, q.options());
   if (B == 0 || T == 0) return out;
 
-  const std::vector<int64_t> lens = to_host(cache_lens), commit = to_host(n_commit), valid = to_host(n_valid);
   sbd_cpu::BlockAttentionParams p;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -78,14 +76,16 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t max_lanes = g * *std::max_element(valid.begin(), valid.end());
   p.n_panels = std::max<int64_t>(1, (max_lanes + kMaxPanelLanes - 1) / kMaxPanelLanes);
   p.panel_lanes = std::max<int64_t>(16, ((max_lanes + p.n_panels - 1) / p.n_panels + 15) / 16 * 16);
-  // Cache splits (flash decoding) only when there are fewer items than threads, e.g. batch 1 with few kv heads.
-  // The split count depends on the thread count, so the rounding of the result does too (within fp32 noise).
+  // Cache splits (flash decoding) when the items alone would leave threads idle: fewer items than threads (batch 1
+  // with few kv heads), or a few items that do not divide evenly (3 kv heads on 2 threads: 2 + 1 items is 67%
+  // busy, 2 splits make 3 + 3 units). The split count depends on the thread count, so the rounding of the
+  // result does too (within fp32 noise).
   const int64_t threads = at::get_num_threads(), items = p.n_items();
+  const int64_t max_splits =
+      std::clamp<int64_t>(*std::max_element(lens.begin(), lens.end()) / kMinSplitRows, 1, kMaxSplits);
   p.n_splits = 1;
-  if (items < threads) {
-    const int64_t max_len = *std::max_element(lens.begin(), lens.end());
-    p.n_splits = std::clamp<int64_t>(std::min((threads + items - 1) / items, max_len / kMinSplitRows), 1, kMaxSplits);
-  }
+  while (p.n_splits < max_splits && (items * p.n_splits) % threads != 0 && items * p.n_splits < 4 * threads)
+    ++p.n_splits;
   at::Tensor partials;
   p.partials = nullptr;
   if (p.n_splits > 1) {
@@ -93,7 +93,12 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     p.partials = partials.data_ptr<float>();
   }
 
-  at::parallel_for(0, p.n_units(), 1, [&](int64_t u0, int64_t u1) { SBD_CPU_DISPATCH(block_attention_units, p, u0, u1); });
+  // One worker per thread, each taking units from a shared counter until none is left: a thread that the OS
+  // delays (a busy machine) or that drew the longer units does not hold the others up, as a static split would.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, p.n_units()), 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) SBD_CPU_DISPATCH(block_attention_units, p, next);
+  });
   if (p.n_splits > 1)
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { SBD_CPU_DISPATCH(block_attention_merge, p, i0, i1); });
   return out;

@@ -2,7 +2,7 @@
 //
 // Work unit = (b, kv head, panel of query lanes, cache split). The g = Hq / Hkv query heads of the kv head times
 // the n_valid[b] valid new rows are packed into one tile of "lanes" (GQA packing: every K/V row loaded is used by
-// all g heads), stored transposed and pre-scaled, QT [D][lanes]. The keys are walked in blocks of kBlock rows:
+// all g heads), stored transposed and pre-scaled: QT [D][lanes]. The keys are walked in blocks of kBlock rows:
 // the unit's cache range, then (last split only) the valid new rows, the only block that needs a mask. Per block
 // and per tile of kTileLanes lanes:
 //   S^T [keys][lanes] = K_blk . QT                     (micro-kernel: broadcast a K element, FMA a lane vector)
@@ -13,6 +13,11 @@
 // strides (fp32) or after an fp32 conversion of the block (bf16 / fp16), and nothing is transposed per block.
 // Accumulation is fp32; the rescale is fused into the load of the accumulators. Padding rows (>= n_valid) take
 // no lanes and are written as zeros.
+//
+// A unit with fewer lanes than a vector (NTP decode: T = 1, g = 4 is 4 of 16 lanes) takes the rows path instead
+// (row_block): vectors run along the keys and the head dimension, at the price of transposing each K block.
+// On the 2-core AVX-512 EPYC (Hq 32, Hkv 8, D 128, cache 2048, T = 1, fp32, one thread) it takes 1.5-2.4 ms
+// where the lanes path took 2.5-2.9 ms (timings under other jobs' load).
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -49,8 +54,9 @@ constexpr int kRI = 4;
 constexpr int kRM = 2;
 #endif
 constexpr int64_t kTileLanes = int64_t{kRM} * W;
-// Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) stays in L1 between the
-// two products; a multiple of kRI so the QK product has no ragged edge except at the end of a range.
+// Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) is reread from L1/L2 by the
+// second product, and the rescale of O^T is paid once per block. 48 and 96 time the same within noise on the
+// 2-core AVX-512 EPYC (Llama shapes, fp32), 192 was slower; a multiple of kRI so only a range's end is ragged.
 constexpr int64_t kBlock = 16 * kRI;
 
 // C[i][0 : RM*W) = (cscale ? C[i] * cscale : 0) + sum_k A[i * a_i + k * a_k] * Bt[k * ldb + (0 : RM*W)], i < RI.
@@ -138,20 +144,16 @@ void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, const float* 
   }
 }
 
+// bf16 / fp16 row -> fp32.
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t n) {
   int64_t d = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  } else {
-    for (; d + W <= n; d += W) {
-      Vec x;
-      at::vec::load_to_float<T>(src + d, x);
-      x.store(dst + d);
-    }
-    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  for (; d + W <= n; d += W) {
+    Vec x;
+    at::vec::load_to_float<T>(src + d, x);
+    x.store(dst + d);
   }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
 struct AlignedFree {
@@ -166,19 +168,33 @@ Buffer alloc_floats(int64_t n) {
   return Buffer(static_cast<float*>(ptr));
 }
 
+// QT and O^T are stored tile by tile, [lanes / kTileLanes][D][kTileLanes], so that the part of QT one micro-kernel
+// call streams (D x kTileLanes fp32, 32 KB on AVX-512) is contiguous rather than rows a power-of-two stride apart
+// (which would map onto half of the L1 sets).
+inline int64_t tiled_lanes(int64_t lanes) { return (lanes + kTileLanes - 1) / kTileLanes * kTileLanes; }
+inline int64_t tiled_index(int64_t D, int64_t d, int64_t m) {
+  return ((m / kTileLanes) * D + d) * kTileLanes + m % kTileLanes;
+}
+
 // Per-thread working set, sized for the largest panel.
 struct Workspace {
-  Buffer qt, ot, st, kf, vf, lim, run_m, run_l, alpha;
+  Buffer qt, ot, st, kf, vf, kt, ones, lim, run_m, run_l, alpha, tile_lim;
   explicit Workspace(const BlockAttentionParams& p)
-      : qt(alloc_floats(p.D * p.panel_lanes)),
-        ot(alloc_floats(p.D * p.panel_lanes)),
+      : qt(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
+        ot(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
         st(alloc_floats(kBlock * kTileLanes)),
         kf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
         vf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
+        kt(alloc_floats(p.D * kBlock)),
+        ones(alloc_floats(kTileLanes)),
         lim(alloc_floats(p.panel_lanes)),
         run_m(alloc_floats(p.panel_lanes)),
         run_l(alloc_floats(p.panel_lanes)),
-        alpha(alloc_floats(kTileLanes)) {}
+        alpha(alloc_floats(kTileLanes)),
+        tile_lim(alloc_floats(tiled_lanes(p.panel_lanes) / kTileLanes)) {
+    std::fill(ones.get(), ones.get() + kTileLanes, 1.f);
+    std::fill(kt.get(), kt.get() + p.D * kBlock, 0.f);  // its ragged columns are computed on, then masked
+  }
 };
 
 // The lanes of one unit and where its keys come from.
@@ -218,6 +234,9 @@ class UnitRunner {
     const int64_t c0 = std::min(len, u.split * share), c1 = std::min(len, c0 + share);
     const bool with_new = u.split == p_.n_splits - 1;
 
+    // Fewer lanes than a vector (decode: T = 1) would fill a fraction of each lane vector: vectorise over keys and
+    // the head dimension instead (rows path, see row_block); it needs whole vectors along D.
+    rows_ = u.lanes < W && p_.D % W == 0;
     pack_queries(u);
     first_ = true;
     const T* kc = static_cast<const T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh;
@@ -227,8 +246,10 @@ class UnitRunner {
     if (with_new) {
       const T* kn = static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh;
       const T* vn = static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh;
-      for (int64_t j = 0; j < u.nv; j += kBlock)
-        block(u, kn + j * p_.k_st, p_.k_st, vn + j * p_.v_st, p_.v_st, std::min(kBlock, u.nv - j), j);
+      // Causal skip: no lane of this unit sees a new row past new_end (matters when T is long, e.g. a prefill).
+      const int64_t new_end = max_lim_ >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim_) + 1;
+      for (int64_t j = 0; j < new_end; j += kBlock)
+        block(u, kn + j * p_.k_st, p_.k_st, vn + j * p_.v_st, p_.v_st, std::min(kBlock, new_end - j), j);
     }
     if (p_.n_splits == 1) {
       write_output(u);
@@ -239,46 +260,58 @@ class UnitRunner {
 
  private:
   // Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid.
+  // Other units only read cache rows [0, cache_lens[b]), so the append races with nothing. k / v may already be
+  // views of those cache rows (a caller that writes K/V into its cache first): then there is nothing to copy.
   void append_and_pad(const Unit& u) {
     const int64_t len = p_.cache_lens[u.b], c = p_.n_commit[u.b], D = p_.D;
     for (int64_t t = 0; t < c; ++t) {
-      std::memcpy(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
-                  static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D * sizeof(T));
-      std::memcpy(static_cast<T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh + (len + t) * p_.vc_st,
-                  static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh + t * p_.v_st, D * sizeof(T));
+      copy_row(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
+               static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D);
+      copy_row(static_cast<T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh + (len + t) * p_.vc_st,
+               static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh + t * p_.v_st, D);
     }
-    for (int64_t t = u.nv; t < p_.T; ++t)
-      std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+    if (u.g > 0)
+      for (int64_t t = u.nv; t < p_.T; ++t)
+        std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+  }
+
+  static void copy_row(T* dst, const T* src, int64_t n) {
+    if (dst != src) std::memcpy(dst, src, n * sizeof(T));
   }
 
   T* out_row(const Unit& u, int64_t t, int64_t h) const {
     return static_cast<T*>(p_.out) + ((u.b * p_.T + t) * p_.Hq + u.kvh * u.g + h) * p_.D;
   }
 
-  // QT [D][mp] = scale * q of the unit's lanes (zero beyond them); lim = causal limit per lane; state reset.
+  // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
+  // the padding lanes up to mp), and its max per tile and over the unit; state reset.
   void pack_queries(const Unit& u) {
     const int64_t D = p_.D, mp = u.mp, c = p_.n_commit[u.b];
     float* qt = ws_.qt.get();
+    max_lim_ = -1.f;
     for (int64_t m = 0; m < mp; ++m) {
       const int64_t lane = u.lane0 + m;
       if (m < u.lanes) {
         const int64_t h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
-        for (int64_t d = 0; d < D; ++d) qt[d * mp + m] = static_cast<float>(q[d]) * p_.scale;
+        for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = static_cast<float>(q[d]) * p_.scale;
         // A committed row sees new rows 0..t, a set-block row every valid new row.
         ws_.lim[m] = t < c ? static_cast<float>(t) : INFINITY;
       } else {
-        for (int64_t d = 0; d < D; ++d) qt[d * mp + m] = 0.f;
-        ws_.lim[m] = INFINITY;
+        for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = 0.f;
+        ws_.lim[m] = -1.f;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
+      float& tl = ws_.tile_lim[m / kTileLanes];
+      tl = m % kTileLanes == 0 ? ws_.lim[m] : std::max(tl, ws_.lim[m]);
+      max_lim_ = std::max(max_lim_, ws_.lim[m]);
     }
   }
 
   // Keys j0 .. j0 + nb of the new rows (j0 >= 0, masked) or nb cache rows (j0 < 0, all visible).
   void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
-    const int64_t D = p_.D, mp = u.mp;
+    const int64_t D = p_.D;
     const float* kf;
     const float* vf;
     int64_t kfs = ks, vfs = vs;
@@ -294,42 +327,113 @@ class UnitRunner {
       vf = ws_.vf.get();
       kfs = vfs = D;
     }
+    if (rows_) {
+      row_block(u, kf, kfs, vf, vfs, nb, j0);
+    } else {
+      lane_block(u, kf, kfs, vf, vfs, nb, j0);
+    }
+    first_ = false;
+  }
+
+  // Lanes path: the lanes are the vector axis of both products (see the file comment).
+  void lane_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0) {
+    const int64_t D = p_.D, mp = u.mp;
     float* st = ws_.st.get();
     for (int64_t m0 = 0; m0 < mp; m0 += kTileLanes) {
+      // A tile none of whose lanes sees these new rows is left as is (alpha = 1, p = 0). Never the unit's first
+      // block: that is a cache block, or new rows from 0, which every valid lane sees.
+      if (j0 > ws_.tile_lim[m0 / kTileLanes]) continue;
       const int64_t rm = std::min<int64_t>(kRM, (mp - m0) / W);
       for (int64_t n = 0; n < nb; n += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, nb - n);
-        micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0, mp, st + n * kTileLanes, kTileLanes, D,
-                                 nullptr);
+        micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0 * D, kTileLanes, st + n * kTileLanes,
+                                 kTileLanes, D, nullptr);
       }
       softmax_tile(st, kTileLanes, nb, rm, j0 >= 0 ? ws_.lim.get() + m0 : nullptr, j0, ws_.run_m.get() + m0,
                    ws_.run_l.get() + m0, ws_.alpha.get());
       for (int64_t d = 0; d < D; d += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, D - d);
-        micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + d * mp + m0, mp, nb,
-                                 first_ ? nullptr : ws_.alpha.get());
+        micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + m0 * D + d * kTileLanes, kTileLanes,
+                                 nb, first_ ? nullptr : ws_.alpha.get());
       }
     }
-    first_ = false;
   }
 
+  // Rows path, for lanes < W: Q [lanes][D] and O [lanes][D] row-major, K^T [D][kBlock] transposed per block.
+  //   S [lanes][keys] = Q . K^T        (broadcast a q element, FMA a vector of keys)
+  //   softmax along each row           (sbd::SoftmaxState per lane)
+  //   O = O * alpha + P . V            (broadcast a probability, FMA a vector of V's head dimension)
+  // Every vector is full however few lanes there are; the price is the transpose of each K block.
+  void row_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0) {
+    const int64_t D = p_.D, lanes = u.lanes, nbw = (nb + W - 1) / W * W;  // kBlock is a multiple of W
+    float* kt = ws_.kt.get();
+    float* st = ws_.st.get();  // [lanes][kBlock]
+    at::vec::transpose_mxn<float>(kf, kfs, kt, kBlock, static_cast<int>(nb), static_cast<int>(D));
+    for (int64_t m0 = 0; m0 < lanes; m0 += kRI) {
+      const int64_t ri = std::min<int64_t>(kRI, lanes - m0);
+      for (int64_t n0 = 0; n0 < nbw; n0 += kTileLanes) {
+        const int64_t rm = std::min<int64_t>(kRM, (nbw - n0) / W);
+        micro_kernel_for(ri, rm)(ws_.qt.get() + m0 * D, D, 1, kt + n0, kBlock, st + m0 * kBlock + n0, kBlock, D,
+                                 nullptr);
+      }
+    }
+    const Vec ninf(-INFINITY);
+    for (int64_t m = 0; m < lanes; ++m) {
+      float* row = st + m * kBlock;
+      for (int64_t n = nb; n < nbw; ++n) row[n] = -INFINITY;  // the transposed block's ragged edge
+      const float lim = ws_.lim[m];  // causal mask of the new rows: key j0 + n is hidden when j0 + n > lim
+      if (j0 >= 0 && lim < static_cast<float>(j0 + nb))
+        for (int64_t n = std::max<int64_t>(0, static_cast<int64_t>(lim) + 1 - j0); n < nb; ++n) row[n] = -INFINITY;
+      Vec vmax = ninf;
+      for (int64_t n = 0; n < nbw; n += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + n));
+      const float bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+      sbd::SoftmaxState state{ws_.run_m[m], ws_.run_l[m]};
+      const Vec off(sbd::softmax_offset(std::max(state.m, bmax)));
+      Vec vsum(0.f);
+      for (int64_t n = 0; n < nbw; n += W) {
+        const Vec e = (Vec::loadu(row + n) - off).exp();
+        e.store(row + n);
+        vsum = vsum + e;
+      }
+      const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+      const float alpha = state.push_block(bmax, sum);
+      ws_.run_m[m] = state.m;
+      ws_.run_l[m] = state.l;
+      if (!first_) {
+        float* o = ws_.ot.get() + m * D;
+        for (int64_t d = 0; d < D; d += W) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
+      }
+    }
+    for (int64_t m0 = 0; m0 < lanes; m0 += kRI) {
+      const int64_t ri = std::min<int64_t>(kRI, lanes - m0);
+      for (int64_t d0 = 0; d0 < D; d0 += kTileLanes) {
+        const int64_t rm = std::min<int64_t>(kRM, (D - d0) / W);
+        micro_kernel_for(ri, rm)(st + m0 * kBlock, kBlock, 1, vf + d0, vfs, ws_.ot.get() + m0 * D + d0, D, nb,
+                                 first_ ? nullptr : ws_.ones.get());
+      }
+    }
+  }
+
+  // Where lane m's element d lives in QT / O^T (lanes path, tiled) or Q / O (rows path, row-major).
+  int64_t q_index(int64_t d, int64_t m) const { return rows_ ? m * p_.D + d : tiled_index(p_.D, d, m); }
+
   void write_output(const Unit& u) {
-    const int64_t D = p_.D, mp = u.mp;
+    const int64_t D = p_.D;
     for (int64_t m = 0; m < u.lanes; ++m) {
       const int64_t lane = u.lane0 + m;
       const sbd::SoftmaxState s{ws_.run_m[m], ws_.run_l[m]};
       const float inv = first_ ? 0.f : s.inv_sum();
       T* o = out_row(u, lane % u.nv, lane / u.nv);
-      const float* ot = ws_.ot.get() + m;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ot[d * mp] * inv);
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ws_.ot[q_index(d, m)] * inv);
     }
   }
 
   void write_partial(const Unit& u, int64_t unit) {
-    const int64_t D = p_.D, pl = p_.panel_lanes, mp = u.mp;
+    const int64_t D = p_.D, pl = p_.panel_lanes;
     float* part = p_.partials + unit * p_.partial_floats();
     if (!first_)
-      for (int64_t d = 0; d < D; ++d) std::memcpy(part + d * pl, ws_.ot.get() + d * mp, u.lanes * sizeof(float));
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t m = 0; m < u.lanes; ++m) part[d * pl + m] = ws_.ot[q_index(d, m)];
     for (int64_t m = 0; m < u.lanes; ++m) {
       part[D * pl + m] = first_ ? -INFINITY : ws_.run_m[m];
       part[(D + 1) * pl + m] = first_ ? 0.f : ws_.run_l[m];  // l = 0 marks an empty split: its acc is not read
@@ -339,6 +443,8 @@ class UnitRunner {
   const BlockAttentionParams& p_;
   Workspace& ws_;
   bool first_ = true;  // no key block processed yet: O^T holds no data
+  bool rows_ = false;  // this unit takes the rows path
+  float max_lim_ = -1.f;
 };
 
 template <typename T>
@@ -370,22 +476,25 @@ void merge_item(const BlockAttentionParams& p, int64_t item) {
 }
 
 template <typename T>
-void run_units(const BlockAttentionParams& p, int64_t u0, int64_t u1) {
+void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
   Workspace ws(p);
   UnitRunner<T> runner(p, ws);
-  for (int64_t unit = u0; unit < u1; ++unit) runner.run(unit);
+  const int64_t n = p.n_units();
+  for (int64_t unit = next.fetch_add(1, std::memory_order_relaxed); unit < n;
+       unit = next.fetch_add(1, std::memory_order_relaxed))
+    runner.run(unit);
 }
 
 }  // namespace
 
-void block_attention_units(const BlockAttentionParams& p, int64_t u0, int64_t u1) {
+void block_attention_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
   switch (p.dtype) {
     case AttnDtype::kFloat32:
-      return run_units<float>(p, u0, u1);
+      return run_units<float>(p, next);
     case AttnDtype::kBFloat16:
-      return run_units<c10::BFloat16>(p, u0, u1);
+      return run_units<c10::BFloat16>(p, next);
     case AttnDtype::kFloat16:
-      return run_units<c10::Half>(p, u0, u1);
+      return run_units<c10::Half>(p, next);
   }
 }
 

@@ -1,6 +1,7 @@
 // CPU kernel of block_attention on raw pointers (no torch headers); see block_attention_kernel.cpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "cpu/isa.h"
@@ -48,10 +49,11 @@ struct BlockAttentionParams {
   int64_t partial_floats() const { return (D + 2) * panel_lanes; }
 };
 
-// Run units [u0, u1): attention of each unit's lanes over its share of the keys, the cache append of the
-// committed rows (split 0 of panel 0 of each (b, kv head)), and the zero rows of padding. With n_splits == 1
-// the output rows are final; otherwise the unit writes its partial state.
-SBD_CPU_DECLARE_KERNEL(void, block_attention_units, const BlockAttentionParams& p, int64_t u0, int64_t u1)
+// Run units taken one at a time from `next` (shared by the threads; units are taken while next < n_units()):
+// attention of each unit's lanes over its share of the keys, the cache append of the committed rows (split 0 of
+// panel 0 of each (b, kv head)), and the zero rows of padding. With n_splits == 1 the output rows are final;
+// otherwise the unit writes its partial state. Units are independent, so the order does not change the result.
+SBD_CPU_DECLARE_KERNEL(void, block_attention_units, const BlockAttentionParams& p, std::atomic<int64_t>& next)
 
 // With n_splits > 1: merge the partial states of items [i0, i1) and write their output rows.
 SBD_CPU_DECLARE_KERNEL(void, block_attention_merge, const BlockAttentionParams& p, int64_t i0, int64_t i1)

@@ -7,9 +7,9 @@
 // and the attention output is acc / l. A row that saw no visible key has m = -inf, l = 0: it merges as the
 // identity and its output is 0 (the padding-row convention of block_attention).
 //
-// The hot CPU loop applies the same update in vector form over 16 rows at a time (block_attention_kernel.cpp,
-// softmax_tile); these scalar helpers are the single definition of the rule, used to merge the kv splits on the
-// CPU and by the CUDA split-KV kernel.
+// These scalar helpers are the single definition of the rule: the CPU kernel (block_attention_kernel.cpp) uses
+// them per row on its decode path and to merge kv splits, and applies the same update in vector form, 16 rows at
+// a time, in its main loop (softmax_tile); the CUDA split-KV kernel is meant to use them too.
 #pragma once
 
 #include <cmath>

@@ -1,0 +1,137 @@
+"""Benchmark of block_attention: sbd_ext's op vs its reference vs torch SDPA on the same work.
+
+Work (one attention layer of Llama-3.1-8B during SBD decoding, batch 1): Hq = 32, Hkv = 8, D = 128, a cache of
+2048 rows, 32 new rows, either the 2k layout (16 committed causal rows + a 16-row set block) or a 32-row set block.
+SDPA gets the same keys (cache rows + new rows, concatenated beforehand) and the equivalent boolean mask
+(sbd_ext.reference.block_attention_mask); for the all-block layout, whose mask is all-true, also no mask at all.
+Its GQA variants: enable_gqa=True, and K/V repeated to Hq heads beforehand. Everything SDPA needs is prepared
+outside the timed region; sbd_ext's time includes its cache append. The best SDPA variant is the "best existing
+alternative".
+
+Effective bandwidth = (K/V of cache + new rows read once + q read + output written) / time. With 128 query rows
+per kv head the work is compute-bound (~130 flop per byte), so the table also gives the arithmetic rate,
+4 * Hq * T * (cache + T) * D flop (QK^T and PV over every key, masked or not) / time.
+
+Reproduce (2-core AVX-512 CPU, torch's default thread count):
+    python -m pytest bench/bench_block_attention.py --benchmark-columns=min,median,rounds --benchmark-sort=fullname
+A summary table with GB/s and the ratios is printed after the last benchmark, before pytest-benchmark's tables.
+On a machine shared with other jobs, wall-clock times of multi-threaded runs mostly measure the scheduler; the
+per-thread CPU time of a one-thread run is a steadier comparison of the kernels themselves:
+    OMP_NUM_THREADS=1 python -m pytest bench/bench_block_attention.py --benchmark-timer=time.thread_time
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbd_ext
+from sbd_ext import reference
+
+B, HQ, HKV, D, CACHE, T = 1, 32, 8, 128, 2048, 32
+G = HQ // HKV
+LAYOUTS = {"16c+16b": 16, "32b": 0}  # name -> committed rows; the other rows of the 32 are the set block
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IMPLS = ["sbd_ext", "reference", "sdpa_gqa", "sdpa_repeat", "sdpa_gqa_nomask"]
+
+_results: dict[tuple[str, str, str], tuple[float, float]] = {}  # (dtype, layout, impl) -> (median s, GB/s)
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    e = torch.finfo(dtype).bits // 8
+    kv = 2 * B * HKV * (CACHE + T) * D * e
+    return kv + 2 * B * HQ * T * D * e  # + q read + out written
+
+
+def _flops() -> int:
+    return 4 * B * HQ * T * (CACHE + T) * D
+
+
+def _work(dtype: torch.dtype, n_commit: int):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, HQ, D, generator=gen).to(dtype).transpose(1, 2)  # the HF layout
+    k, v = (torch.randn(B, HKV, T, D, generator=gen).to(dtype) for _ in range(2))
+    kc, vc = (torch.randn(B, HKV, CACHE + T, D, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.full((B,), CACHE, dtype=torch.int32)
+    commit = torch.full((B,), n_commit, dtype=torch.int32)
+    valid = torch.full((B,), T, dtype=torch.int32)
+    return q, k, v, kc, vc, lens, commit, valid
+
+
+def _fn(impl: str, dtype: torch.dtype, n_commit: int):
+    q, k, v, kc, vc, lens, commit, valid = _work(dtype, n_commit)
+    scale = D**-0.5
+    if impl == "sbd_ext":
+        return lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)
+    if impl == "reference":
+        return lambda: reference.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)
+    keys = torch.cat([kc[:, :, :CACHE], k], dim=2)  # [B, Hkv, CACHE + T, D]
+    vals = torch.cat([vc[:, :, :CACHE], v], dim=2)
+    mask = reference.block_attention_mask(lens, commit, valid, T, CACHE)[:, None]  # [B, 1, T, CACHE + T]
+    if impl == "sdpa_gqa":
+        return lambda: F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+    if impl == "sdpa_gqa_nomask":
+        if not mask.all():
+            pytest.skip("the mask is not all-true: no-mask SDPA would be different work")
+        return lambda: F.scaled_dot_product_attention(q, keys, vals, scale=scale, enable_gqa=True)
+    keys, vals = keys.repeat_interleave(G, dim=1), vals.repeat_interleave(G, dim=1)
+    return lambda: F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_block_attention(benchmark, dtype_name, layout, impl):
+    dtype = DTYPES[dtype_name]
+    fn = _fn(impl, dtype, LAYOUTS[layout])
+    benchmark.group = f"block_attention {dtype_name} {layout}"
+    rounds = 5 if impl == "reference" else 20
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=2)
+    t_min, t_median = benchmark.stats.stats.min, benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        dtype=dtype_name, layout=layout, B=B, Hq=HQ, Hkv=HKV, D=D, cache=CACHE, T=T,
+        gbps_median=round(_bytes(dtype) / t_median / 1e9, 2), gflops_median=round(_flops() / t_median / 1e9, 1),
+        gbps_min=round(_bytes(dtype) / t_min / 1e9, 2), gflops_min=round(_flops() / t_min / 1e9, 1),
+        threads=torch.get_num_threads(), cpu_isa=sbd_ext.build_info()["cpu_isa"],
+    )  # fmt: skip
+    _results[(dtype_name, layout, impl)] = (t_min, t_median)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request):
+    yield
+    if not _results:
+        return
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        _print_summary(request.config.pluginmanager.get_plugin("terminalreporter"))
+
+
+def _print_summary(tr):
+    """Time, GB/s and GFLOP/s at the median; speed-ups over the best SDPA variant and the reference at the median
+    and at the minimum (the minimum is the better estimate of the kernel's own cost on a shared machine)."""
+    info = sbd_ext.build_info()
+    tr.write_line("")
+    tr.write_line(
+        f"block_attention, B={B} Hq={HQ} Hkv={HKV} D={D} cache={CACHE} T={T}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, sbd_ext CPU ISA {info['cpu_isa']}"
+    )
+    head = f"{'dtype':5} {'layout':8} {'impl':16} {'med ms':>7} {'min ms':>7} {'GB/s':>6} {'GFLOP/s':>7}"
+    tr.write_line(f"{head} {'vs SDPA med':>11} {'vs SDPA min':>11} {'vs ref med':>10}")
+    for dtype_name in DTYPES:
+        for layout in LAYOUTS:
+            runs = {i: _results[(dtype_name, layout, i)] for i in IMPLS if (dtype_name, layout, i) in _results}
+            sdpa = [r for i, r in runs.items() if i.startswith("sdpa")]
+            best_min = min((r[0] for r in sdpa), default=None)
+            best_med = min((r[1] for r in sdpa), default=None)
+            ref = runs.get("reference")
+            for impl, (t_min, t_med) in runs.items():
+                gbs, gflops = _bytes(DTYPES[dtype_name]) / t_med / 1e9, _flops() / t_med / 1e9
+                row = f"{dtype_name:5} {layout:8} {impl:16} {t_med * 1e3:7.2f} {t_min * 1e3:7.2f}"
+                row += f" {gbs:6.2f} {gflops:7.1f}"
+                vs_med = f"{best_med / t_med:.2f}x" if best_med else "-"
+                vs_min = f"{best_min / t_min:.2f}x" if best_min else "-"
+                vs_ref = f"{ref[1] / t_med:.2f}x" if ref else "-"
+                tr.write_line(f"{row} {vs_med:>11} {vs_min:>11} {vs_ref:>10}")
+    tr.write_line("(vs columns: speed-up of the row over the best SDPA variant / the reference; >1 = faster)")

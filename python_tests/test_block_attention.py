@@ -1,0 +1,295 @@
+"""block_attention against sbd_ext.reference.block_attention (a dense masked softmax in fp32).
+
+Correctness bars: fp32 within 1e-5 (relative and absolute, utils.TOL); bf16 / fp16 within 2x the error that
+PyTorch's own low-precision attention (SDPA in that dtype) makes against the same fp32 reference. Every CPU test
+runs under each CPU kernel variant (cpu_isa fixture: default / avx2 / avx512 where available).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from utils import assert_close
+
+import sbd_ext
+from sbd_ext import reference
+
+OP = torch.ops.sbd_ext.block_attention.default
+BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+def make_inputs(B, Hkv, g, T, D, S, dtype=torch.float32, device="cpu", seed=0):
+    """q [B, Hq, T, D], k / v [B, Hkv, T, D], caches [B, Hkv, S, D]; q is the HF transposed view."""
+    gen = torch.Generator().manual_seed(seed)
+    Hq = Hkv * g
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    q = rnd(B, T, Hq, D).transpose(1, 2)  # what q_proj(x).view(B, T, Hq, D).transpose(1, 2) gives
+    return q, rnd(B, Hkv, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, S, D), rnd(B, Hkv, S, D)
+
+
+def lengths(vals, device, dtype=torch.int32):
+    return torch.tensor(vals, dtype=dtype, device=device)
+
+
+def run_both(q, k, v, kc, vc, lens, commit, valid, scale=None):
+    """(ours, reference, caches after ours, caches after the reference) on separate copies of the caches."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out = sbd_ext.block_attention(q, k, v, kc1, vc1, lens, commit, valid, scale)
+    ref = reference.block_attention(q, k, v, kc2, vc2, lens.cpu(), commit.cpu(), valid.cpu(), scale)
+    return out, ref, (kc1, vc1), (kc2, vc2)
+
+
+@pytest.fixture
+def isa_device(device, cpu_isa):
+    """The device, and on CUDA only one pass (the CPU ISA variant does not matter there)."""
+    if device.type != "cpu" and cpu_isa != sbd_ext.build_info()["cpu_isas"][-1]:
+        pytest.skip("CPU ISA variants only matter on the CPU")
+    return device
+
+
+# (B, Hkv, g, T, D, cache_lens, n_commit, n_valid): batch 1 and 3, D 64 / 128 (and an odd 40), GQA ratios 1, 3, 4,
+# T = 1, 4, 16 and the 2k layout (k committed rows + k block rows), cache lengths 0, 1, 257, padding rows, and
+# long T (a prompt prefill through the same op).
+CASES = [
+    (1, 2, 1, 1, 64, [0], [1], [1]),  # NTP decode on an empty cache, MHA
+    (1, 2, 1, 1, 128, [257], [1], [1]),  # NTP decode over a cache
+    (1, 1, 4, 1, 128, [1], [0], [1]),  # a one-row set block
+    (1, 2, 3, 4, 64, [257], [4], [4]),  # causal rows, GQA 3
+    (1, 2, 4, 4, 128, [1], [0], [4]),  # set block only
+    (1, 1, 4, 16, 128, [257], [16], [16]),  # 16 causal rows
+    (1, 2, 3, 16, 64, [0], [0], [16]),  # 16-row set block, empty cache
+    (1, 2, 4, 32, 128, [257], [16], [32]),  # 2k layout, k = 16
+    (3, 2, 4, 16, 64, [0, 1, 257], [16, 5, 0], [16, 9, 3]),  # sequences advancing independently, padding rows
+    (3, 1, 3, 4, 128, [257, 0, 1], [2, 0, 4], [4, 2, 4]),
+    (3, 2, 1, 8, 64, [1, 257, 0], [4, 8, 0], [8, 8, 0]),  # 2k layout k = 4; the last sequence is all padding
+    (3, 1, 4, 6, 40, [257, 1, 0], [3, 3, 0], [6, 6, 5]),  # odd head dim
+    (1, 1, 4, 300, 64, [0], [300], [300]),  # a causal prefill: several lane panels, key blocks skipped causally
+    (2, 2, 2, 200, 64, [5, 0], [120, 200], [190, 200]),  # long mixed rows
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-Hkv{}-g{}-T{}-D{}-L{}-c{}-v{}".format(*c))
+def test_fp32_matches_reference(isa_device, case):
+    B, Hkv, g, T, D, lens, commit, valid = case
+    q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, 300, device=isa_device)
+    out, ref, caches, ref_caches = run_both(
+        q, k, v, kc, vc, lengths(lens, isa_device), lengths(commit, isa_device), lengths(valid, isa_device)
+    )
+    assert out.shape == (B, T, Hkv * g, D) and out.dtype == q.dtype
+    assert_close(out, ref, msg="output")
+    for b in range(B):  # padding rows are exactly zero
+        assert not out[b, valid[b] :].any()
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def test_online_softmax_rescaling(isa_device):
+    """Peaked softmax whose running max keeps growing from key block to key block (the alpha rescale path)."""
+    B, Hkv, g, T, D, S = 2, 1, 4, 8, 64, 700
+    q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=isa_device, seed=3)
+    ramp = torch.linspace(0.2, 3.0, S, device=isa_device).view(1, 1, S, 1)
+    kc = kc.abs() * ramp  # later cache rows score higher for positive q
+    q = q.abs() * 2.0
+    L, C, V = lengths([650, 333], isa_device), lengths([3, 8], isa_device), lengths([8, 8], isa_device)
+    out, ref, _, _ = run_both(q, k, v, kc, vc, L, C, V)
+    assert_close(out, ref)
+
+
+def test_int64_lengths_and_default_arguments(isa_device):
+    q, k, v, kc, vc = make_inputs(2, 2, 2, 5, 64, 20, device=isa_device)
+    lens = lengths([3, 0], isa_device, torch.int64)
+    out, ref, _, _ = run_both(q, k, v, kc, vc, lens, *(lengths([5, 5], isa_device, torch.int64),) * 2)
+    assert_close(out, ref)
+    # n_commit / n_valid / scale default to plain causal attention over all T rows with D ** -0.5
+    assert_close(sbd_ext.block_attention(q, k, v, kc.clone(), vc.clone(), lens), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [CASES[1], CASES[7], CASES[8]], ids=["decode", "2k", "batch3"])
+def test_low_precision_within_2x_torch_error(isa_device, dtype, case):
+    B, Hkv, g, T, D, lens, commit, valid = case
+    S = 300
+    q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, S, dtype=dtype, device=isa_device, seed=1)
+    L, C, V = lengths(lens, isa_device), lengths(commit, isa_device), lengths(valid, isa_device)
+    out, _, caches, _ = run_both(q, k, v, kc, vc, L, C, V)
+    assert out.dtype == dtype
+    exact = reference.block_attention(
+        q.float(), k.float(), v.float(), kc.float(), vc.float(), L.cpu(), C.cpu(), V.cpu(), D**-0.5
+    )
+    # PyTorch's own run in the low dtype: SDPA over cache + new keys with the same boolean mask.
+    mask = reference.block_attention_mask(L, C, V, T, S)  # [B, T, S + T]
+    keys = torch.cat([kc, k], dim=2).repeat_interleave(g, dim=1)
+    vals = torch.cat([vc, v], dim=2).repeat_interleave(g, dim=1)
+    valid_rows = mask.any(-1)  # [B, T]
+    safe = mask | ~valid_rows[..., None]  # SDPA of an all-masked row is NaN; those rows are compared separately
+    theirs = F.scaled_dot_product_attention(q, keys, vals, attn_mask=safe[:, None], scale=D**-0.5).transpose(1, 2)
+    sel = valid_rows.cpu()
+    our_err = (out.float().cpu() - exact.cpu())[sel].abs().max().item()
+    torch_err = (theirs.float().cpu() - exact.cpu())[sel].abs().max().item()
+    assert our_err <= 2 * torch_err + 1e-6, f"our max error {our_err:.3g} vs PyTorch {dtype} {torch_err:.3g}"
+    assert not out.cpu()[~sel].any()
+    for b in range(B):  # the append is a copy: exact in any dtype
+        L0, c = lens[b], commit[b]
+        assert torch.equal(caches[0][b, :, L0 : L0 + c], k[b, :, :c])
+        assert torch.equal(caches[1][b, :, L0 : L0 + c], v[b, :, :c])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_append_and_no_reads_past_length(isa_device, dtype):
+    """Committed rows land at cache_lens[b] exactly; every other cache row is untouched and never read."""
+    B, Hkv, g, T, D, S = 3, 2, 2, 6, 64, 40
+    q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, S, dtype=dtype, device=isa_device)
+    lens, commit, valid = [0, 7, 30], [6, 2, 0], [6, 5, 4]
+    for b in range(B):  # garbage past the valid rows: any read of it would poison the output with NaN
+        kc[b, :, lens[b] :] = float("nan")
+        vc[b, :, lens[b] :] = float("nan")
+    clean_k, clean_v = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
+    before_k, before_v = kc.clone(), vc.clone()
+    L, C, V = lengths(lens, isa_device), lengths(commit, isa_device), lengths(valid, isa_device)
+    out = sbd_ext.block_attention(q, k, v, kc, vc, L, C, V, 0.125)
+    ref = reference.block_attention(q, k, v, clean_k, clean_v, L.cpu(), C.cpu(), V.cpu(), 0.125)
+    assert_close(out, ref, dtype=dtype)
+    for b in range(B):
+        a, c = lens[b], commit[b]
+        assert torch.equal(kc[b, :, a : a + c], k[b, :, :c]) and torch.equal(vc[b, :, a : a + c], v[b, :, :c])
+        for cache, before in ((kc, before_k), (vc, before_v)):
+            assert torch.equal(cache[b, :, :a], before[b, :, :a])
+            assert cache[b, :, a + c :].isnan().all()
+
+
+def test_non_contiguous_inputs(isa_device):
+    """q, k, v as transposed views of [B, T, H, D] projections, caches as a slice of a larger buffer."""
+    B, Hkv, g, T, D, S = 2, 2, 3, 5, 64, 24
+    q, _, _, _, _ = make_inputs(B, Hkv, g, T, D, S, device=isa_device)
+    k = torch.randn(B, T, Hkv, D, device=isa_device).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, device=isa_device).transpose(1, 2)
+    kc = torch.randn(B, Hkv, S + 9, 2 * D, device=isa_device)[:, :, 3 : S + 3, D:]
+    vc = torch.randn(B, S, Hkv, D, device=isa_device).transpose(1, 2)
+    assert not (q.is_contiguous() or k.is_contiguous() or kc.is_contiguous() or vc.is_contiguous())
+    L, C, V = lengths([4, 11], isa_device), lengths([5, 2], isa_device), lengths([5, 4], isa_device)
+    out, ref, caches, ref_caches = run_both(q, k, v, kc, vc, L, C, V)
+    assert_close(out, ref)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def test_new_rows_already_in_cache(isa_device):
+    """k / v as views of the cache rows the append targets (a caller that writes K/V into its cache first)."""
+    B, Hkv, g, T, D, S, L = 2, 2, 2, 6, 64, 32, 9
+    q, _, _, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=isa_device)
+    k, v = kc[:, :, L : L + T], vc[:, :, L : L + T]
+    lens, commit, valid = lengths([L, L], isa_device), lengths([6, 2], isa_device), lengths([6, 5], isa_device)
+    expect_k, expect_v = kc.clone(), vc.clone()
+    ref = reference.block_attention(q, k.clone(), v.clone(), expect_k, expect_v, lens, commit, valid, 0.125)
+    out = sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125)
+    assert_close(out, ref)
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+
+
+@pytest.mark.parametrize("threads", [3, 8])
+@pytest.mark.parametrize("T", [1, 4])
+def test_cache_splits(isa_device, threads, T):
+    """Batch 1 with one kv head and a long cache: the cache is split across threads and the partial states
+    merged (sbd/softmax_state.h); the result must not depend on it beyond fp32 rounding. T = 1 takes the kernel's
+    rows path (fewer query rows than a vector), T = 4 its lanes path."""
+    q, k, v, kc, vc = make_inputs(1, 1, 4, T, 64, 1500, device=isa_device)
+    L, C, V = lengths([1400], isa_device), lengths([T // 2], isa_device), lengths([T], isa_device)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out, ref, caches, ref_caches = run_both(q, k, v, kc, vc, L, C, V)
+        torch.set_num_threads(1)
+        single = sbd_ext.block_attention(q, k, v, kc.clone(), vc.clone(), L, C, V, 0.125)
+    finally:
+        torch.set_num_threads(old)
+    assert_close(out, ref)
+    assert_close(out, single)
+    assert torch.equal(caches[0], ref_caches[0])
+
+
+def test_empty_batch_and_rows(device):
+    q, k, v, kc, vc = make_inputs(0, 2, 2, 3, 64, 8, device=device)
+    z = lengths([], device)
+    assert sbd_ext.block_attention(q, k, v, kc, vc, z, z, z).shape == (0, 3, 4, 64)
+    q, k, v, kc, vc = make_inputs(2, 2, 2, 0, 64, 8, device=device)
+    z = lengths([0, 0], device)
+    assert sbd_ext.block_attention(q, k, v, kc, vc, lengths([3, 8], device), z, z).shape == (2, 0, 4, 64)
+
+
+def test_opcheck(device):
+    q, k, v, kc, vc = make_inputs(2, 2, 2, 4, 64, 16, device=device)
+    args = (q, k, v, kc, vc, lengths([3, 0], device), lengths([2, 4], device), lengths([4, 4], device), 0.125)
+    torch.library.opcheck(OP, args)
+
+
+def test_torch_compile_fullgraph(device):
+    q, k, v, kc, vc = make_inputs(2, 2, 2, 4, 64, 16, device=device)
+    L, C, V = lengths([3, 0], device), lengths([2, 3], device), lengths([4, 3], device)
+
+    def layer(q, k, v, kc, vc, L, C, V):
+        o = sbd_ext.block_attention(q, k, v, kc, vc, L, C, V, 0.125)
+        return o.flatten(2) * 2.0
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    kc1, vc1 = kc.clone(), vc.clone()
+    got = compiled(q, k, v, kc1, vc1, L, C, V)
+    want = layer(q, k, v, kc.clone(), vc.clone(), L, C, V)
+    assert_close(got, want)
+    assert torch.equal(kc1[0, :, 3:5], k[0, :, :2])  # the in-place append survives compilation
+
+
+# ---- bad inputs: each raises a clear error naming the argument --------------------------------------------
+def _good(device):
+    q, k, v, kc, vc = make_inputs(1, 2, 2, 4, 64, 16, device=device)
+    return dict(
+        q=q, k=k, v=v, k_cache=kc, v_cache=vc, cache_lens=lengths([3], device), n_commit=lengths([2], device),
+        n_valid=lengths([4], device), scale=0.125,
+    )  # fmt: skip
+
+
+BAD = {
+    "q int dtype": (lambda a: a.update(q=a["q"].long()), "q must have dtype"),
+    "k dtype differs": (lambda a: a.update(k=a["k"].double()), "k must have the same dtype as q"),
+    "v_cache dtype differs": (lambda a: a.update(v_cache=a["v_cache"].half()), "v_cache must have the same dtype"),
+    "q 3-D": (lambda a: a.update(q=a["q"][0]), r"q must be 4-D \[B, Hq, T, D\]"),
+    "k wrong T": (lambda a: a.update(k=a["k"][:, :, :3]), r"k.size\(2\) must equal q.size\(2\) \(T\)"),
+    "v wrong D": (lambda a: a.update(v=a["v"][..., :32]), r"v.size\(3\) must equal q.size\(3\) \(D\)"),
+    "v wrong Hkv": (lambda a: a.update(v=a["v"][:, :1]), r"v.size\(1\) must equal k.size\(1\) \(Hkv\)"),
+    "Hq not multiple of Hkv": (lambda a: a.update(q=a["q"][:, :3]), "must be a multiple of the number of kv heads"),
+    "k_cache wrong Hkv": (lambda a: a.update(k_cache=a["k_cache"][:, :1]), r"k_cache.size\(1\) must equal"),
+    "v_cache wrong S": (lambda a: a.update(v_cache=a["v_cache"][:, :, :8]), r"v_cache.size\(2\) must equal"),
+    "k_cache 3-D": (lambda a: a.update(k_cache=a["k_cache"][0]), "k_cache must be 4-D"),
+    "cache_lens float": (lambda a: a.update(cache_lens=a["cache_lens"].float()), "cache_lens must have dtype"),
+    "n_commit 2-D": (lambda a: a.update(n_commit=a["n_commit"][None]), "n_commit must be 1-D"),
+    "n_valid wrong B": (lambda a: a.update(n_valid=a["n_valid"].repeat(2)), r"n_valid.size\(0\) must equal"),
+    "negative cache_lens": (lambda a: a["cache_lens"].fill_(-1), r"cache_lens\[0\] = -1 is negative"),
+    "negative n_commit": (lambda a: a["n_commit"].fill_(-2), r"n_commit\[0\] = -2 is negative"),
+    "n_commit > n_valid": (lambda a: a["n_valid"].fill_(1), r"n_commit\[0\] = 2 exceeds n_valid\[0\] = 1"),
+    "n_valid > T": (lambda a: a["n_valid"].fill_(5), r"n_valid\[0\] = 5 exceeds the number of new rows T = 4"),
+    "cache overflow": (lambda a: a["cache_lens"].fill_(15), r"cache overflow for sequence 0.*15 \+ 2 exceeds"),
+    "q last stride": (
+        lambda a: a.update(q=torch.cat([a["q"], a["q"]], -1)[..., ::2]),
+        "q must be contiguous in its last dimension",
+    ),
+    "scale nan": (lambda a: a.update(scale=float("nan")), "scale must be a finite number"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs(device, name):
+    args = _good(device)
+    mutate, pattern = BAD[name]
+    mutate(args)
+    with pytest.raises(BAD_INPUT, match=pattern):
+        OP(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_device_mismatch():
+    args = _good("cuda")
+    args["cache_lens"] = args["cache_lens"].cpu()
+    with pytest.raises(BAD_INPUT, match="cache_lens is on cpu but q is on cuda"):
+        OP(**args)
