@@ -1,0 +1,370 @@
+"""Train the embedded demo models: NTP pre-training, then an SBD fine-tune and an NTP control fine-tune.
+
+One command (CPU, fp32; reproducible from ``--seed`` for a given thread count)::
+
+    python -m sbd_ext.train_demo --out runs/demo
+
+1. builds the character tokenizer (:mod:`sbd_ext.char_tokenizer`) and a small GQA ``LlamaConfig``
+   (hidden 128, 4 layers, 4 query / 2 key-value heads, ~0.8 M parameters);
+2. **pre-trains** it with next-token prediction on arithmetic word problems (:mod:`sbd_ext.tasks`, training split;
+   loss on every token) -> ``OUT/pretrain``;
+3. from that checkpoint, two fine-tunes with the same budget (same steps, same batches in the same order, same
+   optimiser and schedule; loss on the answer only):
+
+   * **SBD**: the Set Block Decoding objective :func:`sbd_ext.training.sbd_loss` (NTP + masked-block loss, block
+     size drawn per step in ``--block-sizes``, default [2, 16]) -> ``OUT/sbd``;
+   * **NTP control**: plain next-token cross-entropy -> ``OUT/ntp``;
+4. checks greedy next-token accuracy on held-out problems after each phase, and writes ``OUT/train_log.json``
+   (all losses) next to the checkpoints (safetensors + config + generation config + tokenizer).
+
+``--install`` then copies ``OUT/sbd`` and ``OUT/ntp`` to ``sbd_ext/models/sbd-arith`` and ``.../ntp-arith``, the
+embedded models that ``sbd_ext.models.load_default()`` returns. Phases whose output folder already exists are
+reused with ``--resume``.
+
+Sequences are ``<bos> prompt completion <eos>`` followed by more ``<eos>`` up to the batch's longest sequence
+(the first 16 of them carry a loss): an SBD block that runs past the end of the answer is then cheap to decode,
+since the model has learnt that EOS follows EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from . import tasks
+from .char_tokenizer import build_char_tokenizer
+
+IGNORE_INDEX = -100
+EOS_LOSS_TOKENS = 16  # trailing EOS positions with a loss (>= the largest block size)
+MODEL_NAMES = {"sbd": "sbd-arith", "ntp": "ntp-arith"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------------------
+def encode_problem(tok, p: tasks.Problem) -> tuple[list[int], int]:
+    """Token ids of ``<bos> prompt completion <eos>`` and the number of prompt tokens (with ``<bos>``)."""
+    prompt = tok(p.prompt, add_special_tokens=True).input_ids
+    completion = tok(p.completion, add_special_tokens=False).input_ids
+    return prompt + completion + [tok.eos_token_id], len(prompt)
+
+
+def collate(tok, items: list[tuple[list[int], int]], answer_only: bool) -> dict:
+    """Batch of EOS-filled sequences: input_ids [B, L] and labels [B, L] (IGNORE_INDEX = no loss)."""
+    L = max(len(ids) for ids, _ in items)
+    eos = tok.eos_token_id
+    input_ids = torch.full((len(items), L), eos, dtype=torch.long)
+    labels = torch.full((len(items), L), IGNORE_INDEX, dtype=torch.long)
+    for b, (ids, n_prompt) in enumerate(items):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        end = min(L, len(ids) + EOS_LOSS_TOKENS - 1)
+        labels[b, :end] = input_ids[b, :end]
+        if answer_only:
+            labels[b, :n_prompt] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def batches(tok, seed: int, batch_size: int, answer_only: bool, group: int = 8) -> Iterator[dict]:
+    """Unbounded deterministic stream of training batches from the training split of seed ``seed``.
+
+    ``group`` batches' worth of problems are sorted by length and cut into batches (less EOS filling), whose order
+    is then shuffled with a generator seeded by ``seed``.
+    """
+    rng = random.Random(seed)
+    stream = tasks.problems("train", seed=seed)
+    while True:
+        chunk = [encode_problem(tok, next(stream)) for _ in range(group * batch_size)]
+        chunk.sort(key=lambda x: len(x[0]))
+        bs = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        rng.shuffle(bs)
+        for items in bs:
+            yield collate(tok, items, answer_only)
+
+
+# --------------------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------------------
+def make_config(tok, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        attn_implementation="sdpa",
+    )
+
+
+def generation_config(tok) -> GenerationConfig:
+    return GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=160,
+        do_sample=False,
+    )
+
+
+def save(model, tok, folder: Path, log: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.generation_config = generation_config(tok)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    (folder / "train_log.json").write_text(json.dumps(log, indent=1))
+
+
+def load(folder: Path):
+    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# quick held-out check (HF generate, greedy, next-token decoding)
+# --------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens: int = 140) -> float:
+    """Greedy next-token (HF ``generate``) accuracy on the first ``n`` held-out problems."""
+    model.eval()
+    probs = list(tasks.problems("test", n))
+    outs = []
+    for i in range(0, n, batch_size):
+        chunk = probs[i : i + batch_size]
+        enc = tok([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left")
+        gen = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        outs += tok.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    return tasks.accuracy(outs, probs)
+
+
+def quick_sbd_check(model, tok, n: int, gamma: float = 0.1, block_size: int = 16) -> None:
+    """Print held-out accuracy and tokens/forward of SBD decoding (skipped if the decoder cannot run here)."""
+    try:
+        from .evaluate import decode
+
+        probs = list(tasks.problems("test", n))
+        res = decode(model, tok, [p.prompt for p in probs], block_size=block_size, threshold=gamma)
+    except Exception as e:  # the decoder or its kernels are not available in this build
+        print(f"[sbd] (no SBD decoding check: {type(e).__name__}: {e})")
+        return
+    acc = tasks.accuracy(res["completions"], probs)
+    tpf = sum(res["num_generated"]) / sum(res["nfe"])
+    print(f"[sbd] held-out SBD (k={block_size}, gamma={gamma}) accuracy {acc:.3f}, {tpf:.2f} tokens/forward")
+
+
+# --------------------------------------------------------------------------------------------------------
+# training loop
+# --------------------------------------------------------------------------------------------------------
+def train_phase(
+    name: str,
+    model,
+    data: Iterator[dict],
+    steps: int,
+    lr: float,
+    objective: str,
+    seed: int,
+    block_sizes: tuple[int, int] = (2, 16),
+    warmup: int | None = None,
+    log_every: int = 25,
+) -> list[dict]:
+    """AdamW (betas 0.9/0.95, wd 0.1) + linear warm-up + cosine decay to 10% of ``lr``; grad clip 1.0.
+
+    objective: "ntp" (HF causal-LM loss) or "sbd" (:func:`sbd_ext.training.sbd_loss`, k drawn per step uniformly
+    in ``block_sizes`` and the masks from a generator seeded by ``seed``).
+    """
+    if objective == "sbd":
+        from .training import sbd_loss
+    gen = torch.Generator().manual_seed(seed)
+    krng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20) if warmup is None else warmup
+
+    def lr_lambda(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    history: list[dict] = []
+    acc: dict[str, float] = {}
+    n_acc = 0
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(1, steps + 1):
+        b = next(data)
+        if objective == "sbd":
+            k = krng.randint(*block_sizes)
+            loss, parts = sbd_loss(
+                model, b["input_ids"], labels=b["labels"], block_size=k, generator=gen, return_parts=True
+            )
+            vals = {
+                "loss": loss.item(),
+                "ntp_loss": parts["ntp_loss"].item(),
+                "mask_loss": parts["mask_loss"].item(),
+                "mask_acc": parts["mask_accuracy"].item(),
+            }
+        else:
+            loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+            vals = {"loss": loss.item(), "ntp_loss": loss.item()}
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        for kk, v in vals.items():
+            acc[kk] = acc.get(kk, 0.0) + v
+        n_acc += 1
+        if step % log_every == 0 or step == steps:
+            el = time.perf_counter() - t0
+            rec = {"step": step, "lr": sched.get_last_lr()[0], "elapsed_s": round(el, 1)}
+            rec.update({kk: round(v / n_acc, 4) for kk, v in acc.items()})
+            history.append(rec)
+            acc, n_acc = {}, 0
+            extra = " ".join(f"{kk} {rec[kk]:.4f}" for kk in ("loss", "ntp_loss", "mask_loss", "mask_acc") if kk in rec)
+            print(f"[{name}] step {step}/{steps} {extra} lr {rec['lr']:.2e} ({step / el:.2f} steps/s)", flush=True)
+    model.eval()
+    return history
+
+
+# --------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sbd_ext.train_demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/demo", help="output folder (pretrain/, sbd/, ntp/, train_log.json)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible, best on a busy machine)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--pretrain-steps", type=int, default=1000)
+    ap.add_argument("--pretrain-lr", type=float, default=3e-3)
+    ap.add_argument("--finetune-steps", type=int, default=600)
+    ap.add_argument("--finetune-lr", type=float, default=1e-3)
+    ap.add_argument("--block-sizes", type=int, nargs=2, default=[2, 16], metavar=("K_MIN", "K_MAX"))
+    ap.add_argument("--eval-problems", type=int, default=64, help="held-out problems for the quick check (0: none)")
+    ap.add_argument("--resume", action="store_true", help="reuse phases whose output folder exists")
+    ap.add_argument("--install", action="store_true", help="copy the results into sbd_ext/models/")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer()
+    log: dict = {"args": vars(args), "phases": {}}
+    t_all = time.perf_counter()
+
+    def check(name, model):
+        if args.eval_problems:
+            t = time.perf_counter()
+            a = quick_accuracy(model, tok, args.eval_problems)
+            dt = time.perf_counter() - t
+            print(f"[{name}] held-out greedy NTP accuracy {a:.3f} on {args.eval_problems} ({dt:.0f} s)")
+            if name == "sbd":
+                quick_sbd_check(model, tok, args.eval_problems)
+            return a
+        return None
+
+    # 1. NTP pre-training
+    pre_dir = out / "pretrain"
+    if args.resume and (pre_dir / "model.safetensors").exists():
+        print(f"[pretrain] reusing {pre_dir}")
+        log["phases"]["pretrain"] = json.loads((pre_dir / "train_log.json").read_text())
+    else:
+        torch.manual_seed(args.seed)
+        model = LlamaForCausalLM(make_config(tok, args.hidden, args.layers, args.heads, args.kv_heads))
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {n_params / 1e6:.2f} M parameters, vocab {len(tok)}")
+        t = time.perf_counter()
+        data = batches(tok, args.seed, args.batch_size, answer_only=False)
+        hist = train_phase("pretrain", model, data, args.pretrain_steps, args.pretrain_lr, "ntp", args.seed)
+        rec = {"history": hist, "seconds": round(time.perf_counter() - t, 1), "params": n_params}
+        rec["heldout_ntp_accuracy"] = check("pretrain", model)
+        save(model, tok, pre_dir, rec)
+        log["phases"]["pretrain"] = rec
+
+    # 2. the two fine-tunes from the same checkpoint, same batches
+    ft_seed = args.seed + 1_000  # a part of the training stream the pre-training did not use
+    for kind in ("sbd", "ntp"):
+        d = out / kind
+        if args.resume and (d / "model.safetensors").exists():
+            print(f"[{kind}] reusing {d}")
+            log["phases"][kind] = json.loads((d / "train_log.json").read_text())
+            continue
+        model = load(pre_dir)
+        if kind == "sbd":
+            from .training import add_mask_token
+
+            add_mask_token(model, tok, block_size_range=tuple(args.block_sizes))
+        t = time.perf_counter()
+        data = batches(tok, ft_seed, args.batch_size, answer_only=True)
+        hist = train_phase(
+            kind, model, data, args.finetune_steps, args.finetune_lr, kind, ft_seed, tuple(args.block_sizes)
+        )
+        rec = {"history": hist, "seconds": round(time.perf_counter() - t, 1)}
+        rec["heldout_ntp_accuracy"] = check(kind, model)
+        save(model, tok, d, rec)
+        log["phases"][kind] = rec
+
+    log["total_seconds"] = round(time.perf_counter() - t_all, 1)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    print(f"done in {log['total_seconds'] / 60:.1f} min -> {out}")
+    if args.install:
+        install(out)
+    return log
+
+
+# The demo settings stored next to each embedded model (sbd_demo.json): how to prompt it, and the decoding
+# settings of the evaluation (the paper's reasoning values gamma_low = 0.1, gamma_high = 0.35; k = 16).
+DEMO_INFO = {
+    "task": "arith",
+    "prompt_template": "Q: {prompt}\nA: ",
+    "block_size": 16,
+    "sampler": "eb",
+    "gamma_low": 0.1,
+    "gamma_high": 0.35,
+}
+
+
+def install(out: str | os.PathLike) -> None:
+    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/models/<name>``) with their sbd_demo.json."""
+    dst_root = Path(__file__).parent / "models"
+    for kind, name in MODEL_NAMES.items():
+        src, dst = Path(out) / kind, dst_root / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+        info = dict(DEMO_INFO, objective=kind)
+        (dst / "sbd_demo.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"installed {src} -> {dst}")
+
+
+if __name__ == "__main__":
+    main()
