@@ -60,61 +60,18 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # --------------------------------------------------------------------------------------------------------
 # the task
 # --------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Problem:
-    prompt: str
-    completion: str
-    answer: int
-
-
-def _builtin_problem(rng: random.Random) -> _Problem:
-    """A stand-in for sbd_ext.tasks.arith_problem (same format), used only while that module is missing."""
-    name, obj = rng.choice(["Mia", "Tom", "Ana", "Ben"]), rng.choice(["pens", "apples", "coins", "books"])
-    value = rng.randint(5, 60)
-    q, s = [f"{name} has {value} {obj}."], [f"{name} had {value} {obj}."]
-    for _ in range(rng.randint(2, 3)):
-        if value < 50 and rng.random() < 0.5:
-            n = rng.randint(1, min(49, 99 - value))
-            q.append(f"{name} buys {n} more.")
-            s.append(f"{name} bought {n}, so {value}+{n}={value + n}.")
-            value += n
-        else:
-            n = rng.randint(1, max(1, min(49, value)))
-            q.append(f"{name} sells {n}.")
-            s.append(f"{name} sold {n}, so {value}-{n}={value - n}.")
-            value -= n
-    q.append(f"How many {obj} does {name} have now?")
-    return _Problem("Q: " + " ".join(q) + "\nA: ", " ".join(s) + f"\n#### {value}", value)
-
-
 def task_problems(split: str, n: int | None, seed: int = 0) -> Iterator:
-    """Problems of the project's reasoning task (objects with ``prompt``, ``completion``, ``answer``)."""
-    try:
-        from . import tasks  # the project's task module (branch `task`)
-    except ImportError:
-        tasks = None
-    if tasks is not None and hasattr(tasks, "problems"):
-        yield from tasks.problems(split, n=n, seed=seed)
-        return
-    # TODO(task): remove this fallback once sbd_ext.tasks has landed on main (it then takes over above).
-    rng = random.Random((1 << 40 if split == "test" else 0) + seed)
-    i = 0
-    while n is None or i < n:
-        i += 1
-        yield _builtin_problem(rng)
+    """Problems of the project's reasoning task, :func:`sbd_ext.tasks.problems` (``prompt``, ``completion``,
+    ``answer``; the train and test splits are disjoint by construction)."""
+    from . import tasks
+
+    return tasks.problems(split, n=n, seed=seed)
 
 
 def extract_answer(text: str):
-    try:
-        from .tasks import extract_answer as _extract
-    except ImportError:
-        _extract = None
-    if _extract is not None:
-        return _extract(text)
-    import re
+    from .tasks import extract_answer as _extract
 
-    found = re.findall(r"####\s*(-?\d+)", text)
-    return int(found[-1]) if found else None
+    return _extract(text)
 
 
 def encode(tokenizer, problem) -> tuple[list[int], list[int]]:
