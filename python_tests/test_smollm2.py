@@ -177,6 +177,9 @@ def test_model_is_sane(model_and_tokenizer):
     assert torch.isfinite(out.logits).all()
     ppl = out.loss.exp().item()
     assert ppl < 30, ppl  # a broken conversion (e.g. a wrong Q/K permutation) gives hundreds to thousands
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in chat
+    assert smollm2.chat_prompt(tok, "Hi") == tok(chat, add_special_tokens=False)["input_ids"]
 
 
 # --------------------------------------------------------------------------------------------------------
