@@ -55,8 +55,9 @@ constexpr int kRM = 2;
 #endif
 constexpr int64_t kTileLanes = int64_t{kRM} * W;
 // Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) is reread from L1/L2 by the
-// second product, and the rescale of O^T is paid once per block. 48 and 96 time the same within noise on the
-// 2-core AVX-512 EPYC (Llama shapes, fp32), 192 was slower; a multiple of kRI so only a range's end is ragged.
+// second product, and the rescale of O^T is paid once per block. 48, 96 and 192 time the same within noise on
+// the 2-core AVX-512 EPYC (Llama shapes, fp32, 12.3-13.1 ms single-thread); a multiple of kRI so only a range's
+// end is ragged.
 constexpr int64_t kBlock = 16 * kRI;
 
 // C[i][0 : RM*W) = (cscale ? C[i] * cscale : 0) + sum_k A[i * a_i + k * a_k] * Bt[k * ldb + (0 : RM*W)], i < RI.

@@ -16,11 +16,15 @@
 
 namespace sbd {
 
-#if defined(__CUDACC__)
-SBD_HD float fast_exp(float x) { return __expf(x); }
+// __expf is device-only: choose by __CUDA_ARCH__ (the device pass), not __CUDACC__, which is also defined in
+// nvcc's host pass. Host code, under any compiler, uses std::exp.
+SBD_HD float fast_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
 #else
-SBD_HD float fast_exp(float x) { return std::exp(x); }
+  return std::exp(x);
 #endif
+}
 
 struct EntropyState {
   float m;       // running max (-inf while empty)

@@ -1,0 +1,135 @@
+// C entry points of the emulated kernels for tools/cuda_emu/run.py: they build the params the way the torch
+// bindings (csrc/cuda/*_cuda.cu) do, call the real launchers, and return the cudaError_t.
+#include "emu.h"
+
+#include "cuda/kernels/block_attention.cuh"
+#include "cuda/kernels/entropy_sample.cuh"
+#include "cuda/kernels/mask_replace.cuh"
+
+namespace {
+
+// Workspaces get 256 guard bytes on each side; an out-of-bounds write there fails the call.
+struct Guarded {
+  std::vector<unsigned char> buf;
+  size_t n;
+  explicit Guarded(size_t bytes) : buf(bytes + 512, 0xA5), n(bytes) {}
+  void* data() { return buf.data() + 256; }
+  bool intact() const {
+    for (size_t i = 0; i < 256; ++i)
+      if (buf[i] != 0xA5 || buf[256 + n + i] != 0xA5) return false;
+    return true;
+  }
+};
+
+template <typename F>
+int dispatch(int dtype, F&& f) {  // 0 float, 1 bf16, 2 fp16
+  switch (dtype) {
+    case 0:
+      return f(float{});
+    case 1:
+      return f(__nv_bfloat16{});
+    case 2:
+      return f(__half{});
+  }
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+void emu_register_range(const void* p, size_t n) { sbd_emu::register_range(p, n); }
+void emu_clear_ranges() { sbd_emu::clear_ranges(); }
+void emu_set_late_async(int late) { sbd_emu::st().late_async = late != 0; }
+void emu_set_skew(uint64_t seed) {
+  sbd_emu::st().skew_seed = seed;
+  sbd_emu::st().rng = seed;
+}
+int emu_launches() { return sbd_emu::st().launches; }
+
+int emu_mask_replace(int64_t* tokens, const int64_t* proposals, const float* entropy, const float* confidence,
+                     int64_t* n_rev, int64_t* n_rem, const int64_t* strides, int64_t B, int64_t K, int64_t mask_id,
+                     int rule, double threshold) {
+  sbd_cuda::MaskReplaceParams p{};
+  p.tokens = tokens;
+  p.proposals = proposals;
+  p.entropy = entropy;
+  p.confidence = confidence;
+  p.n_revealed = n_rev;
+  p.n_remaining = n_rem;
+  p.tok_sb = strides[0], p.tok_sk = strides[1], p.prop_sb = strides[2], p.prop_sk = strides[3];
+  p.ent_sb = strides[4], p.ent_sk = strides[5], p.conf_sb = strides[6], p.conf_sk = strides[7];
+  p.B = B;
+  p.K = K;
+  p.mask_id = mask_id;
+  p.rule = static_cast<sbd::AcceptRule>(rule);
+  p.threshold = threshold;
+  return sbd_cuda::launch_mask_replace(p, nullptr);
+}
+
+// Returns the error, or 1000 if a workspace guard was overwritten; *splits_out gets the split used.
+int emu_entropy_sample(const void* logits, int dtype, int64_t N, int64_t V, int64_t row_stride, double temperature,
+                       uint64_t seed, uint64_t offset, float* ent, float* mp, int64_t* tok, int num_sms,
+                       int* splits_out) {
+  sbd_cuda::EntropySampleParams p{};
+  p.logits = logits;
+  p.entropy = ent;
+  p.max_prob = mp;
+  p.token = tok;
+  p.N = N;
+  p.V = V;
+  p.row_stride = row_stride;
+  p.temperature = static_cast<float>(temperature);
+  p.seed = seed;
+  p.offset = offset;
+  sbd_cuda::entropy_sample_plan(p, num_sms);
+  *splits_out = p.splits;
+  Guarded ws(sbd_cuda::entropy_sample_workspace_bytes(p));
+  p.workspace = ws.n ? ws.data() : nullptr;
+  sbd_emu::register_range(ws.data(), ws.n);
+  const int err = dispatch(dtype, [&](auto tag) {
+    return static_cast<int>(sbd_cuda::launch_entropy_sample<decltype(tag)>(p, nullptr));
+  });
+  return err ? err : (ws.intact() ? 0 : 1000);
+}
+
+// ptrs: q, k, v, k_cache, v_cache, out, cache_lens, n_commit, n_valid.
+// ints: lens_i64, commit_i64, valid_i64, q strides (3), k (3), v (3), k_cache (3), v_cache (3), B, Hq, Hkv, T, S, D.
+int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtype, int num_sms, int force_simt,
+                        int* splits_out) {
+  sbd_cuda::BlockAttentionParams p{};
+  p.q = ptrs[0];
+  p.k = ptrs[1];
+  p.v = ptrs[2];
+  p.k_cache = ptrs[3];
+  p.v_cache = ptrs[4];
+  p.out = ptrs[5];
+  p.cache_lens = ptrs[6];
+  p.n_commit = ptrs[7];
+  p.n_valid = ptrs[8];
+  p.cache_lens_i64 = ints[0], p.n_commit_i64 = ints[1], p.n_valid_i64 = ints[2];
+  p.q_sb = ints[3], p.q_sh = ints[4], p.q_st = ints[5];
+  p.k_sb = ints[6], p.k_sh = ints[7], p.k_st = ints[8];
+  p.v_sb = ints[9], p.v_sh = ints[10], p.v_st = ints[11];
+  p.kc_sb = ints[12], p.kc_sh = ints[13], p.kc_ss = ints[14];
+  p.vc_sb = ints[15], p.vc_sh = ints[16], p.vc_ss = ints[17];
+  p.B = static_cast<int>(ints[18]);
+  p.Hq = static_cast<int>(ints[19]);
+  p.Hkv = static_cast<int>(ints[20]);
+  p.T = static_cast<int>(ints[21]);
+  p.S = static_cast<int>(ints[22]);
+  p.D = static_cast<int>(ints[23]);
+  p.scale = static_cast<float>(scale);
+  p.force_simt = force_simt != 0;
+  sbd_cuda::block_attention_plan(p, num_sms);
+  *splits_out = p.splits;
+  Guarded ws(sbd_cuda::block_attention_workspace_bytes(p));
+  p.workspace = ws.data();
+  sbd_emu::register_range(ws.data(), ws.n);
+  const int err = dispatch(dtype, [&](auto tag) {
+    return static_cast<int>(sbd_cuda::launch_block_attention<decltype(tag)>(p, nullptr));
+  });
+  return err ? err : (ws.intact() ? 0 : 1000);
+}
+
+}  // extern "C"
