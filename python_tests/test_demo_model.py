@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import sbd_ext
 from sbd_ext import cli, models, tasks
 from sbd_ext.evaluate import decode, format_prompt
 
@@ -83,12 +84,15 @@ def test_cli_generate(sbd, capsys):
 def test_cli_subprocess():
     """``python -m sbd_ext generate`` runs end to end in a fresh interpreter and prints the stats."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
+    # Run next to the sbd_ext these tests imported (the installed one in CI), not the un-built source folder
+    # that `python -m` would pick up from a checkout's root.
     r = subprocess.run(
         [sys.executable, "-m", "sbd_ext", "generate", "--example", "2"],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(sbd_ext.__file__))),
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "NFE" in r.stdout and "correct" in r.stdout, r.stdout
