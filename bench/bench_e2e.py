@@ -9,8 +9,9 @@ have 0.8 M parameters: more threads only add synchronisation). One round = all p
   NTP control model ``ntp-arith``;
 - ``sbd_ext_ntp_mode`` (reference): :func:`sbd_ext.decoding.generate` with ``mode="ntp"`` on the same control
   model (one token per forward through SBDCache and the sbd_ext kernels);
-- ``sbd_gamma_low`` / ``sbd_gamma_high`` (ours): SBD decoding (k = 16, entropy-bounded sampler) of the SBD model
-  ``sbd-arith`` at the gamma_low / gamma_high of its ``sbd_demo.json``.
+- ``sbd_gamma_low`` / ``sbd_gamma_high`` (ours): SBD decoding of the SBD model ``sbd-arith`` with the block size,
+  sampler and gamma_low / gamma_high of its ``sbd_demo.json``;
+- ``sbd_eb_gamma_0.1`` (ours): the same with the paper's entropy-bounded sampler at its reasoning gamma_low 0.1.
 
 Each row's extra_info holds tokens generated, tokens/s, mean NFE and accuracy; a summary at the end of the module
 prints every row's tokens/s and how many times faster it answers than HF generate.
@@ -24,7 +25,7 @@ import torch
 from sbd_ext import models, tasks
 from sbd_ext.evaluate import decode, format_prompt
 
-N_PROMPTS = 16
+N_PROMPTS = 50
 MAX_NEW = 160
 GROUP = f"e2e arith: {N_PROMPTS} held-out prompts, batch 1, greedy (CPU fp32, 1 thread)"
 _results: dict[str, dict] = {}
@@ -138,12 +139,15 @@ def test_sbd_ext_ntp_mode(benchmark, control, problems):
     )
 
 
-@pytest.mark.parametrize("which", ["gamma_low", "gamma_high"])
+@pytest.mark.parametrize("which", ["gamma_low", "gamma_high", "eb_gamma_0.1"])
 def test_sbd(benchmark, sbd_model, problems, which):
     model, tok = sbd_model
     info = models.demo_info(models.DEFAULT_MODEL)
-    gamma = info.get(which, 0.1 if which == "gamma_low" else 0.35)
     k = info.get("block_size", 16)
+    if which == "eb_gamma_0.1":  # the paper's entropy-bounded rule at its reasoning gamma_low, for comparison
+        sampler, gamma = "eb", 0.1
+    else:
+        sampler, gamma = info.get("sampler", "eb"), info.get(which, 0.1 if which == "gamma_low" else 0.35)
     _sbd_ext_row(
         benchmark,
         f"sbd_{which}",
@@ -154,8 +158,9 @@ def test_sbd(benchmark, sbd_model, problems, which):
         problems,
         mode="sbd",
         block_size=k,
-        sampler="eb",
+        sampler=sampler,
         threshold=gamma,
     )
     benchmark.extra_info["gamma"] = gamma
     benchmark.extra_info["block_size"] = k
+    benchmark.extra_info["sampler"] = sampler

@@ -89,9 +89,13 @@ def cmd_generate(args) -> int:
     if expected is None and info.get("task") == "arith":
         expected = tasks.solve(question)
 
+    sampler = args.sampler or info.get("sampler", "eb")
     threshold = args.threshold
-    if threshold is None and args.sampler == "eb":
-        threshold = info.get("gamma_low", 0.1)
+    if threshold is None:
+        if sampler == info.get("sampler", "eb") and "gamma_low" in info:
+            threshold = info["gamma_low"]
+        else:
+            threshold = {"eb": 0.1, "entropy": 0.1, "confidence": 0.9}[sampler]
     block_size = args.block_size or info.get("block_size", 16)
     res = decode(
         model,
@@ -99,7 +103,7 @@ def cmd_generate(args) -> int:
         [prompt],
         mode=args.mode,
         block_size=block_size,
-        sampler=args.sampler,
+        sampler=sampler,
         threshold=threshold,
         temperature=args.temperature,
         seed=args.seed,
@@ -116,7 +120,7 @@ def cmd_generate(args) -> int:
     if args.show_steps:
         print(render_steps(tok, res["token_ids"][0], res["traces"][0], res["prompt_lengths"][0], colour))
         print()
-    how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {args.sampler} {threshold:g}"
+    how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {sampler} sampler {threshold:g}"
     print(
         f"[{how}] NFE {nfe} | {ntok} tokens | {ntok / max(nfe, 1):.2f} tokens/forward | "
         f"{secs:.3f} s ({ntok / max(secs, 1e-9):.0f} tokens/s) | model load {t_load:.2f} s"
@@ -140,7 +144,7 @@ def cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     info = models.demo_info(args.sbd_model)
-    g_low, g_high = info.get("gamma_low"), info.get("gamma_high")
+    g_low, g_high, sampler = info.get("gamma_low"), info.get("gamma_high"), info.get("sampler")
     print(f"evaluating {args.sbd_model} (control: {args.ntp_model}) on {args.n} held-out {args.task} problems")
     t = time.perf_counter()
     result = run_eval(
@@ -149,14 +153,15 @@ def cmd_eval(args) -> int:
         n=args.n,
         gammas=args.gammas,
         block_sizes=args.block_sizes,
+        samplers=args.samplers,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         task=args.task,
     )
     result["meta"]["seconds"] = time.perf_counter() - t
-    files = save_results(result, args.out, g_low, g_high)
+    files = save_results(result, args.out, g_low, g_high, sampler)
     print()
-    print(markdown_table(result, g_low, g_high))
+    print(markdown_table(result, g_low, g_high, sampler))
     for kind, f in files.items():
         print(f"wrote {kind}: {f}")
     if "plot" not in files:
@@ -175,7 +180,7 @@ def cmd_models(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS
+    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS, DEFAULT_SAMPLERS
 
     ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -185,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="sbd-arith", help="embedded model name or a local HF model folder")
     g.add_argument("--mode", choices=("sbd", "ntp"), default="sbd")
     g.add_argument("--block-size", type=int, default=None, help="SBD block size k (default: the model's, 16)")
-    g.add_argument("--sampler", choices=("eb", "entropy", "confidence"), default="eb")
-    g.add_argument("--threshold", type=float, default=None, help="gamma (eb/entropy) or tau (confidence)")
+    g.add_argument(
+        "--sampler", choices=("eb", "entropy", "confidence"), default=None, help="default: the model's (sbd_demo.json)"
+    )
+    g.add_argument(
+        "--threshold", type=float, default=None, help="gamma (eb/entropy) or tau (confidence); default: gamma_low"
+    )
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=160)
@@ -203,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, default=500, help="held-out problems")
     e.add_argument("--gammas", type=float, nargs="+", default=list(DEFAULT_GAMMAS))
     e.add_argument("--block-sizes", type=int, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
+    e.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS), choices=("eb", "entropy", "confidence"))
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--max-new-tokens", type=int, default=160)
     e.add_argument("--task", default="arith", choices=("arith", "sort"))

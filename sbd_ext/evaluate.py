@@ -4,7 +4,9 @@
 
 (a) the NTP control model, next-token decoding;
 (b) the SBD model, next-token decoding;
-(c) the SBD model, SBD decoding (entropy-bounded sampler, greedy) for each block size and gamma of a sweep;
+(c) the SBD model, SBD decoding (greedy) for each sampler, block size and gamma of a sweep: the paper's
+    entropy-bounded rule ("eb", Eq. 8: reveal the lowest-entropy positions while the entropies of all but the last
+    revealed sum to <= gamma) and the entropy-threshold rule ("entropy": reveal every position with H < gamma);
 
 and records accuracy, mean NFE (model forwards per problem, prefill included), tokens per forward, the NFE
 reduction relative to (a) and the wall-clock. :func:`markdown_table` renders it in the paper's format
@@ -22,10 +24,11 @@ import torch
 
 from . import tasks
 
-__all__ = ["decode", "run_eval", "markdown_table", "plot", "DEFAULT_GAMMAS", "DEFAULT_BLOCK_SIZES"]
+__all__ = ["decode", "run_eval", "markdown_table", "plot", "DEFAULT_GAMMAS", "DEFAULT_BLOCK_SIZES", "DEFAULT_SAMPLERS"]
 
-DEFAULT_GAMMAS = (0.0, 0.1, 0.35, 0.6, 1.0, 2.0)
+DEFAULT_GAMMAS = (0.0, 0.005, 0.01, 0.05, 0.1, 0.35, 0.6, 1.0, 2.0)
 DEFAULT_BLOCK_SIZES = (8, 16)
+DEFAULT_SAMPLERS = ("eb", "entropy")
 
 
 def format_prompt(question: str, template: str | None) -> str:
@@ -94,7 +97,7 @@ def decode(
     return out
 
 
-def _row(name, model_name, mode, block_size, gamma, probs, res) -> dict:
+def _row(name, model_name, mode, block_size, gamma, probs, res, sampler=None) -> dict:
     n = len(probs)
     nfe = sum(res["nfe"]) / n
     gen = sum(res["num_generated"]) / n
@@ -102,6 +105,7 @@ def _row(name, model_name, mode, block_size, gamma, probs, res) -> dict:
         "name": name,
         "model": model_name,
         "decoding": mode,
+        "sampler": sampler,
         "block_size": block_size,
         "gamma": gamma,
         "n": n,
@@ -119,6 +123,7 @@ def run_eval(
     n: int = 500,
     gammas: Sequence[float] = DEFAULT_GAMMAS,
     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+    samplers: Sequence[str] = DEFAULT_SAMPLERS,
     batch_size: int = 50,
     max_new_tokens: int = 160,
     task: str = "arith",
@@ -153,11 +158,15 @@ def run_eval(
     res = decode(model, tok, prompts, mode="ntp", **common)
     rows.append(_row("SBD model, NTP decoding", str(sbd_model), "ntp", None, None, probs, res))
     log(rows[-1])
-    for k in block_sizes:
-        for g in gammas:
-            res = decode(model, tok, prompts, mode="sbd", block_size=int(k), sampler="eb", threshold=float(g), **common)
-            rows.append(_row(f"SBD k={k} gamma={g:g}", str(sbd_model), "sbd", int(k), float(g), probs, res))
-            log(rows[-1])
+    for sampler in samplers:
+        for k in block_sizes:
+            for g in gammas:
+                res = decode(
+                    model, tok, prompts, mode="sbd", block_size=int(k), sampler=sampler, threshold=float(g), **common
+                )
+                name = f"SBD {sampler} k={k} gamma={g:g}"
+                rows.append(_row(name, str(sbd_model), "sbd", int(k), float(g), probs, res, sampler))
+                log(rows[-1])
     base = rows[0]["mean_nfe"]
     for r in rows:
         r["nfe_reduction"] = base / r["mean_nfe"]
@@ -165,7 +174,8 @@ def run_eval(
         "task": task,
         "n": n,
         "split": "test",
-        "sampler": "eb (entropy-bounded), greedy",
+        "samplers": list(samplers),
+        "greedy": True,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "baseline": rows[0]["name"],
@@ -173,8 +183,12 @@ def run_eval(
     return {"rows": rows, "meta": meta}
 
 
-def markdown_table(result: dict, gamma_low: float | None = None, gamma_high: float | None = None) -> str:
-    """Two Markdown tables: the paper's Table 1 format (accuracy with NFE reduction), then every row in full."""
+def markdown_table(
+    result: dict, gamma_low: float | None = None, gamma_high: float | None = None, sampler: str | None = None
+) -> str:
+    """Two Markdown tables: the paper's Table 1 format (accuracy with NFE reduction), then every row in full.
+
+    ``gamma_low`` / ``gamma_high`` (of ``sampler``) are marked in the first table."""
     rows, meta = result["rows"], result["meta"]
     task = meta.get("task", "arith")
     lines = [
@@ -190,20 +204,21 @@ def markdown_table(result: dict, gamma_low: float | None = None, gamma_high: flo
         name = r["name"]
         if r["decoding"] == "sbd":
             tag = ""
-            if gamma_low is not None and r["gamma"] == gamma_low:
-                tag = " = γ_low"
-            elif gamma_high is not None and r["gamma"] == gamma_high:
-                tag = " = γ_high"
-            name = f"SBD, k={r['block_size']}, γ={r['gamma']:g}{tag}"
+            if sampler is None or r.get("sampler") == sampler:
+                if gamma_low is not None and r["gamma"] == gamma_low:
+                    tag = " = γ_low"
+                elif gamma_high is not None and r["gamma"] == gamma_high:
+                    tag = " = γ_high"
+            name = f"SBD {r.get('sampler') or 'eb'}, k={r['block_size']}, γ={r['gamma']:g}{tag}"
         lines.append(f"| {name} | {cell} |")
     lines += [
         "",
-        "| model | decoding | k | γ | accuracy % | mean NFE | tokens/forward | NFE reduction | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | decoding | sampler | k | γ | accuracy % | mean NFE | tokens/forward | NFE reduction | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['decoding']} | {r['block_size'] or ''} | "
+            f"| {r['model']} | {r['decoding']} | {r.get('sampler') or ''} | {r['block_size'] or ''} | "
             f"{'' if r['gamma'] is None else format(r['gamma'], 'g')} | {100 * r['accuracy']:.1f} | "
             f"{r['mean_nfe']:.1f} | {r['tokens_per_forward']:.2f} | {r['nfe_reduction']:.2f}× | {r['seconds']:.1f} |"
         )
@@ -221,11 +236,14 @@ def plot(result: dict, path: str | Path) -> bool:
         return False
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    markers = iter("os^Dv")
-    for k in sorted({r["block_size"] for r in rows if r["decoding"] == "sbd"}):
-        rs = sorted((r for r in rows if r["block_size"] == k), key=lambda r: r["gamma"])
+    markers = iter("os^Dv<>ph")
+    curves = sorted({(r.get("sampler") or "eb", r["block_size"]) for r in rows if r["decoding"] == "sbd"})
+    for sampler, k in curves:
+        rs = [r for r in rows if r["decoding"] == "sbd" and (r.get("sampler") or "eb") == sampler]
+        rs = sorted((r for r in rs if r["block_size"] == k), key=lambda r: r["gamma"])
         xs, ys = [r["tokens_per_forward"] for r in rs], [100 * r["accuracy"] for r in rs]
-        ax.plot(xs, ys, marker=next(markers), label=f"SBD model, SBD k={k} (EB sampler)")
+        ls = "-" if sampler == "eb" else "--"
+        ax.plot(xs, ys, marker=next(markers), ls=ls, label=f"SBD k={k}, {sampler} sampler")
         for r, x, y in zip(rs, xs, ys, strict=True):
             ax.annotate(f"γ={r['gamma']:g}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ntp_rows = [r for r in rows if r["decoding"] == "ntp"]
@@ -242,12 +260,12 @@ def plot(result: dict, path: str | Path) -> bool:
     return True
 
 
-def save_results(result: dict, out_dir: str | Path, gamma_low=None, gamma_high=None) -> dict:
+def save_results(result: dict, out_dir: str | Path, gamma_low=None, gamma_high=None, sampler=None) -> dict:
     """Write results.json, table.md and (when matplotlib is present) accuracy_vs_tpf.png into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    md = markdown_table(result, gamma_low, gamma_high)
+    md = markdown_table(result, gamma_low, gamma_high, sampler)
     (out / "table.md").write_text(md)
     files = {"json": out / "results.json", "table": out / "table.md"}
     if plot(result, out / "accuracy_vs_tpf.png"):
