@@ -48,7 +48,6 @@ from .demo_tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
 IGNORE_INDEX = -100
 EOS_LOSS_TOKENS = 16  # trailing EOS positions with a loss (>= the largest block size)
-MODEL_NAMES = {"sbd": "sbd-arith", "ntp": "ntp-arith"}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -76,14 +75,14 @@ def collate(tok, items: list[tuple[list[int], int]], answer_only: bool) -> dict:
     return {"input_ids": input_ids, "labels": labels}
 
 
-def batches(tok, seed: int, batch_size: int, answer_only: bool, group: int = 8) -> Iterator[dict]:
-    """Unbounded deterministic stream of training batches from the training split of seed ``seed``.
+def batches(tok, seed: int, batch_size: int, answer_only: bool, group: int = 8, task: str = "arith") -> Iterator[dict]:
+    """Unbounded deterministic stream of training batches from the training split of seed ``seed`` of ``task``.
 
     ``group`` batches' worth of problems are sorted by length and cut into batches (less EOS filling), whose order
     is then shuffled with a generator seeded by ``seed``.
     """
     rng = random.Random(seed)
-    stream = tasks.problems("train", seed=seed)
+    stream = tasks.problems("train", seed=seed, task=task)
     while True:
         chunk = [encode_problem(tok, next(stream)) for _ in range(group * batch_size)]
         chunk.sort(key=lambda x: len(x[0]))
@@ -141,10 +140,12 @@ def load(folder: Path):
 # quick held-out check (HF generate, greedy, next-token decoding)
 # --------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens: int = 160) -> float:
+def quick_accuracy(
+    model, tok, n: int = 64, batch_size: int = 64, max_new_tokens: int = 160, task: str = "arith"
+) -> float:
     """Greedy next-token (HF ``generate``) accuracy on the first ``n`` held-out problems."""
     model.eval()
-    probs = list(tasks.problems("test", n))
+    probs = list(tasks.problems("test", n, task=task))
     outs = []
     for i in range(0, n, batch_size):
         chunk = probs[i : i + batch_size]
@@ -160,12 +161,14 @@ def quick_accuracy(model, tok, n: int = 64, batch_size: int = 64, max_new_tokens
     return tasks.accuracy(outs, probs)
 
 
-def quick_sbd_check(model, tok, n: int, gamma: float = 0.1, block_size: int = 16, sampler: str = "eb") -> float | None:
+def quick_sbd_check(
+    model, tok, n: int, gamma: float = 0.1, block_size: int = 16, sampler: str = "eb", task: str = "arith"
+) -> float | None:
     """Print (and return) held-out accuracy and tokens/forward of SBD decoding (None if the decoder cannot run)."""
     try:
         from .evaluate import decode
 
-        probs = list(tasks.problems("test", n))
+        probs = list(tasks.problems("test", n, task=task))
         res = decode(model, tok, [p.prompt for p in probs], block_size=block_size, sampler=sampler, threshold=gamma)
     except Exception as e:  # the decoder or its kernels are not available in this build
         print(f"[sbd] (no SBD decoding check: {type(e).__name__}: {e})")
@@ -266,6 +269,12 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="runs/demo", help="output folder (pretrain/, sbd/, ntp/, train_log.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible, best on a busy machine)")
+    ap.add_argument(
+        "--task",
+        choices=("arith", "sort"),
+        default="arith",
+        help="training task (sbd_ext.tasks): arith word problems (the embedded default) or list sort/reverse",
+    )
     ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="see sbd_ext.demo_tokenizer")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -304,13 +313,15 @@ def main(argv=None) -> dict:
     def check(name, model):
         if args.eval_problems:
             t = time.perf_counter()
-            a = quick_accuracy(model, tok, args.eval_problems)
+            a = quick_accuracy(model, tok, args.eval_problems, task=args.task)
             dt = time.perf_counter() - t
             print(f"[{name}] held-out greedy NTP accuracy {a:.3f} on {args.eval_problems} ({dt:.0f} s)")
             if name == "sbd":
-                quick_sbd_check(model, tok, args.eval_problems)  # the paper's defaults (eb, k = 16)
+                quick_sbd_check(model, tok, args.eval_problems, task=args.task)  # the paper's defaults (eb, k = 16)
                 d = DEMO_INFO
-                quick_sbd_check(model, tok, args.eval_problems, d["gamma_low"], d["block_size"], d["sampler"])
+                quick_sbd_check(
+                    model, tok, args.eval_problems, d["gamma_low"], d["block_size"], d["sampler"], args.task
+                )
             return a
         return None
 
@@ -325,7 +336,7 @@ def main(argv=None) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params / 1e6:.2f} M parameters, vocab {len(tok)}")
         t = time.perf_counter()
-        data = batches(tok, args.seed, args.batch_size, answer_only=args.pretrain_loss == "answer")
+        data = batches(tok, args.seed, args.batch_size, answer_only=args.pretrain_loss == "answer", task=args.task)
         hist = train_phase(
             "pretrain",
             model,
@@ -334,7 +345,7 @@ def main(argv=None) -> dict:
             args.pretrain_lr,
             "ntp",
             args.seed,
-            check=lambda m: quick_accuracy(m, tok, args.eval_problems) if args.eval_problems else None,
+            check=lambda m: quick_accuracy(m, tok, args.eval_problems, task=args.task) if args.eval_problems else None,
             check_every=args.check_every,
         )
         rec = {"history": hist, "seconds": round(time.perf_counter() - t, 1), "params": n_params}
@@ -356,11 +367,15 @@ def main(argv=None) -> dict:
 
             add_mask_token(model, tok, block_size_range=tuple(args.block_sizes))
         t = time.perf_counter()
-        data = batches(tok, ft_seed, args.batch_size, answer_only=True)
+        data = batches(tok, ft_seed, args.batch_size, answer_only=True, task=args.task)
         if kind == "sbd":
-            periodic = lambda m: quick_sbd_check(m, tok, args.eval_problems) if args.eval_problems else None
+            periodic = lambda m: (
+                quick_sbd_check(m, tok, args.eval_problems, task=args.task) if args.eval_problems else None
+            )
         else:
-            periodic = lambda m: quick_accuracy(m, tok, args.eval_problems) if args.eval_problems else None
+            periodic = lambda m: (
+                quick_accuracy(m, tok, args.eval_problems, task=args.task) if args.eval_problems else None
+            )
         hist = train_phase(
             kind,
             model,
@@ -382,7 +397,7 @@ def main(argv=None) -> dict:
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(f"done in {log['total_seconds'] / 60:.1f} min -> {out}")
     if args.install:
-        install(out)
+        install(out, args.task)
     return log
 
 
@@ -400,15 +415,16 @@ DEMO_INFO = {
 }
 
 
-def install(out: str | os.PathLike) -> None:
-    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/models/<name>``) with their sbd_demo.json."""
+def install(out: str | os.PathLike, task: str = "arith") -> None:
+    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/models/{sbd,ntp}-<task>``) with sbd_demo.json."""
     dst_root = Path(__file__).parent / "models"
-    for kind, name in MODEL_NAMES.items():
+    for kind in ("sbd", "ntp"):
+        name = f"{kind}-{task}"
         src, dst = Path(out) / kind, dst_root / name
         if dst.exists():
             shutil.rmtree(dst)
         shutil.copytree(src, dst)
-        info = dict(DEMO_INFO, objective=kind)
+        info = dict(DEMO_INFO, task=task, objective=kind)
         (dst / "sbd_demo.json").write_text(json.dumps(info, indent=1) + "\n")
         for f in dst.iterdir():
             f.chmod(0o644)  # save_pretrained writes the weights 0600: package data must be world-readable
