@@ -415,9 +415,9 @@ DEMO_INFO = {
 }
 
 
-def install(out: str | os.PathLike, task: str = "arith") -> None:
+def install(out: str | os.PathLike, task: str = "arith", dst_root: str | os.PathLike | None = None) -> None:
     """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/models/{sbd,ntp}-<task>``) with sbd_demo.json."""
-    dst_root = Path(__file__).parent / "models"
+    dst_root = Path(dst_root) if dst_root is not None else Path(__file__).parent / "models"
     for kind in ("sbd", "ntp"):
         name = f"{kind}-{task}"
         src, dst = Path(out) / kind, dst_root / name
