@@ -76,6 +76,23 @@ def test_sbd_decode_heldout_correct(sbd):
     assert ntp["nfe"] == ntp["num_generated"]
 
 
+def test_sort_model_heldout(one_thread):
+    """The list sort/reverse pair: the SBD model decodes held-out lists next-token style and with SBD (> 2 tokens per
+    forward at its gamma_low); answers are checked against the task's own solution."""
+    model, tok = models.load("sbd-sort")
+    info = models.demo_info("sbd-sort")
+    assert info["task"] == "sort"
+    probs = list(tasks.problems("test", 32, task="sort"))
+    prompts = [format_prompt(p.prompt, info["prompt_template"]) for p in probs]
+    ntp = decode(model, tok, prompts, mode="ntp")
+    assert tasks.accuracy(ntp["completions"], probs) >= 0.8, ntp["completions"]
+    res = decode(
+        model, tok, prompts, block_size=info["block_size"], sampler=info["sampler"], threshold=info["gamma_low"]
+    )
+    assert tasks.accuracy(res["completions"], probs) >= 0.6, res["completions"]
+    assert sum(res["num_generated"]) / sum(res["nfe"]) >= 2.0
+
+
 def test_cli_generate(sbd, capsys):
     q = "Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?"
     assert cli.main(["generate", q, "--show-steps", "--color", "never"]) == 0
