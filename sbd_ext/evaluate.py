@@ -29,6 +29,7 @@ __all__ = ["decode", "run_eval", "markdown_table", "plot", "DEFAULT_GAMMAS", "DE
 DEFAULT_GAMMAS = (0.0, 0.005, 0.01, 0.05, 0.1, 0.35, 0.6, 1.0, 2.0)
 DEFAULT_BLOCK_SIZES = (8, 16)
 DEFAULT_SAMPLERS = ("eb", "entropy")
+LABELLED_GAMMAS = (0.0, 0.1, 0.35, 1.0)
 
 
 def format_prompt(question: str, template: str | None) -> str:
@@ -235,7 +236,7 @@ def plot(result: dict, path: str | Path) -> bool:
     except ImportError:
         return False
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    fig, ax = plt.subplots(figsize=(7.2, 4.8), dpi=120)
     markers = iter("os^Dv<>ph")
     curves = sorted({(r.get("sampler") or "eb", r["block_size"]) for r in rows if r["decoding"] == "sbd"})
     for sampler, k in curves:
@@ -243,9 +244,17 @@ def plot(result: dict, path: str | Path) -> bool:
         rs = sorted((r for r in rs if r["block_size"] == k), key=lambda r: r["gamma"])
         xs, ys = [r["tokens_per_forward"] for r in rs], [100 * r["accuracy"] for r in rs]
         ls = "-" if sampler == "eb" else "--"
-        ax.plot(xs, ys, marker=next(markers), ls=ls, label=f"SBD k={k}, {sampler} sampler")
+        (line,) = ax.plot(xs, ys, marker=next(markers), ls=ls, label=f"SBD k={k}, {sampler} sampler")
         for r, x, y in zip(rs, xs, ys, strict=True):
-            ax.annotate(f"γ={r['gamma']:g}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            if r["gamma"] in LABELLED_GAMMAS:  # the paper's gammas and the ends; the rest are in table.md
+                ax.annotate(
+                    f"γ={r['gamma']:g}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(4, -10),
+                    fontsize=6,
+                    color=line.get_color(),
+                )
     ntp_rows = [r for r in rows if r["decoding"] == "ntp"]
     for r, color, ls in zip(ntp_rows, ("k", "C3"), ("--", ":"), strict=False):
         ax.axhline(100 * r["accuracy"], color=color, ls=ls, lw=1, label=f"{r['name']} (1 token/forward)")
