@@ -11,7 +11,8 @@ have 0.8 M parameters: more threads only add synchronisation). One round = all p
   model (one token per forward through SBDCache and the sbd_ext kernels);
 - ``sbd_gamma_low`` / ``sbd_gamma_high`` (ours): SBD decoding of the SBD model ``sbd-arith`` with the block size,
   sampler and gamma_low / gamma_high of its ``sbd_demo.json``;
-- ``sbd_eb_gamma_0.1`` (ours): the same with the paper's entropy-bounded sampler at its reasoning gamma_low 0.1.
+- ``sbd_other_sampler`` (ours): the same at gamma_low with the other entropy rule (the entropy threshold when the
+  model's sampler is the paper's entropy-bounded one, and the reverse).
 
 Each row's extra_info holds tokens generated, tokens/s, mean NFE and accuracy; a summary at the end of the module
 prints every row's tokens/s and how many times faster it answers than HF generate.
@@ -139,13 +140,14 @@ def test_sbd_ext_ntp_mode(benchmark, control, problems):
     )
 
 
-@pytest.mark.parametrize("which", ["gamma_low", "gamma_high", "eb_gamma_0.1"])
+@pytest.mark.parametrize("which", ["gamma_low", "gamma_high", "other_sampler"])
 def test_sbd(benchmark, sbd_model, problems, which):
     model, tok = sbd_model
     info = models.demo_info(models.DEFAULT_MODEL)
     k = info.get("block_size", 16)
-    if which == "eb_gamma_0.1":  # the paper's entropy-bounded rule at its reasoning gamma_low, for comparison
-        sampler, gamma = "eb", 0.1
+    if which == "other_sampler":  # the other entropy rule (eb <-> entropy threshold) at gamma_low, for comparison
+        sampler = "entropy" if info.get("sampler", "eb") == "eb" else "eb"
+        gamma = info.get("gamma_low", 0.1)
     else:
         sampler, gamma = info.get("sampler", "eb"), info.get(which, 0.1 if which == "gamma_low" else 0.35)
     _sbd_ext_row(
