@@ -89,13 +89,17 @@ def cmd_generate(args) -> int:
     if expected is None and info.get("task") == "arith":
         expected = tasks.solve(question)
 
+    from .decoding import DEFAULT_THRESHOLDS
+
     sampler = args.sampler or info.get("sampler", "eb")
     threshold = args.threshold
     if threshold is None:
         if sampler == info.get("sampler", "eb") and "gamma_low" in info:
             threshold = info["gamma_low"]
+        elif sampler == "confidence":
+            threshold = DEFAULT_THRESHOLDS["confidence"]
         else:
-            threshold = {"eb": 0.1, "entropy": 0.1, "confidence": 0.9}[sampler]
+            threshold = 0.1  # the paper's reasoning gamma_low (the library default, 0.35, is its gamma_high)
     block_size = args.block_size or info.get("block_size", 16)
     res = decode(
         model,

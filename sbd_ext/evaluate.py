@@ -240,8 +240,8 @@ def plot(result: dict, path: str | Path) -> bool:
     markers = iter("os^Dv<>ph")
     curves = sorted({(r.get("sampler") or "eb", r["block_size"]) for r in rows if r["decoding"] == "sbd"})
     for sampler, k in curves:
-        rs = [r for r in rows if r["decoding"] == "sbd" and (r.get("sampler") or "eb") == sampler]
-        rs = sorted((r for r in rs if r["block_size"] == k), key=lambda r: r["gamma"])
+        rs = [r for r in rows if r["decoding"] == "sbd" and (r.get("sampler") or "eb", r["block_size"]) == (sampler, k)]
+        rs.sort(key=lambda r: r["gamma"])
         xs, ys = [r["tokens_per_forward"] for r in rs], [100 * r["accuracy"] for r in rs]
         ls = "-" if sampler == "eb" else "--"
         (line,) = ax.plot(xs, ys, marker=next(markers), ls=ls, label=f"SBD k={k}, {sampler} sampler")
