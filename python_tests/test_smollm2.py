@@ -16,7 +16,7 @@ import torch
 
 import sbd_ext
 import sbd_ext.hf
-from sbd_ext import smollm2
+from sbd_ext.recipes import smollm2
 
 pytestmark = [
     pytest.mark.slow,
@@ -240,7 +240,7 @@ def test_generate_greedy_same_text(model_and_tokenizer, kernel_calls):
 # the fine-tune recipe (a CPU smoke run: few steps, then the saved result reloads)
 # --------------------------------------------------------------------------------------------------------
 def test_finetune_smoke(converted, tmp_path, monkeypatch):
-    from sbd_ext import finetune_smollm2 as ft
+    from sbd_ext.recipes import finetune_smollm2 as ft
     from sbd_ext.training import sbd_loss
 
     monkeypatch.setenv(smollm2.ENV_DIR, str(converted[0]))  # reuse this session's conversion

@@ -1,11 +1,11 @@
-"""The generated tasks (sbd_ext.tasks) and the character tokenizer: determinism, correctness, the split."""
+"""The generated tasks (sbd_ext.demo.tasks) and the character tokenizer: determinism, correctness, the split."""
 
 import re
 
 import pytest
 
-from sbd_ext import tasks
-from sbd_ext.demo_tokenizer import build_bpe_tokenizer, build_char_tokenizer
+from sbd_ext.demo import tasks
+from sbd_ext.demo.tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
 
 def test_deterministic():

@@ -1,4 +1,4 @@
-"""The demo training command (`python -m sbd_ext.train_demo`) on a few steps: phases, outputs, determinism."""
+"""The demo training command (`python -m sbd_ext.demo.train`) on a few steps: phases, outputs, determinism."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sbd_ext import train_demo
-from sbd_ext.demo_tokenizer import build_bpe_tokenizer
+from sbd_ext.demo import train as train_demo
+from sbd_ext.demo.tokenizer import build_bpe_tokenizer
 
 TINY = ["--pretrain-steps", "6", "--finetune-steps", "4", "--eval-problems", "0", "--hidden", "32", "--layers", "1"]
 

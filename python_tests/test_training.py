@@ -23,6 +23,7 @@ from sbd_ext.training import (
     sbd_batch,
     sbd_loss,
     sbd_loss_from_logits,
+    train_loop,
     train_sbd,
 )
 
@@ -468,7 +469,7 @@ def test_train_sbd_dict_batches_and_plain_progress(capsys, monkeypatch):
     seen = []
     history = train_sbd(model, batches, 5, lr=1e-3, block_size_range=(2, 4), log_every=1, callback=seen.append)
     out = capsys.readouterr().out
-    assert "sbd step 1/5" in out and "mask" in out
+    assert "[sbd] step 1/5" in out and "mask" in out
     assert [h["step"] for h in history] == [1, 2, 3] and seen == history
     assert all(math.isfinite(h["loss"]) for h in history)
 
@@ -602,3 +603,94 @@ def test_add_mask_token_into_padded_vocab():
     mid = add_mask_token(model, tok)
     assert mid == V - 4 and model.get_input_embeddings().weight.shape[0] == V
     torch.testing.assert_close(model.get_input_embeddings().weight[mid], before[: V - 4].mean(0))
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _resume_run(tmp_path, interrupt_at=None):
+    """6 SBD steps with a checkpoint every 3; ``interrupt_at`` raises from the callback after that step."""
+    model = tiny_llama("sdpa", seed=0)
+    data = [torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    gen = torch.Generator().manual_seed(3)
+
+    def stop(rec):
+        if rec["step"] == interrupt_at:
+            raise _Interrupt
+
+    hist = train_sbd(
+        model,
+        data,
+        6,
+        lr=1e-2,
+        warmup_steps=2,
+        block_size_range=(2, 4),
+        generator=gen,
+        log_every=1,
+        progress=False,
+        callback=stop,
+        checkpoint=tmp_path / "ckpt.pt",
+        checkpoint_every=3,
+    )
+    return model, hist
+
+
+def test_train_loop_resume_matches_uninterrupted(tmp_path):
+    """A run interrupted after step 4 (checkpoint at step 3) and resumed ends with bit-identical weights and the
+    same history as an uninterrupted run: model, optimizer, schedule, the loss's generator and the data position
+    are all restored."""
+    ref_model, ref_hist = _resume_run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(_Interrupt):
+        _resume_run(tmp_path / "b", interrupt_at=4)
+    model, hist = _resume_run(tmp_path / "b")
+    strip = lambda h: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in h]  # noqa: E731
+    assert strip(hist) == strip(ref_hist) and [r["step"] for r in hist] == [1, 2, 3, 4, 5, 6]
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_train_loop_schedule_and_clipping():
+    """lr follows warm-up + cosine to min_lr_ratio; the loss_fn's parts are averaged per logging interval."""
+    from sbd_ext.training import lr_factor
+
+    w = torch.nn.Parameter(torch.tensor([1.0]))
+    model = torch.nn.Module()
+    model.w = w
+    seen = []
+
+    def loss_fn(m, batch):
+        seen.append(batch)
+        return (m.w * batch).sum() ** 2, {"aux": torch.tensor(float(batch))}
+
+    hist = train_loop(
+        model, [1.0, 2.0], loss_fn, 4, lr=0.1, warmup_steps=2, min_lr_ratio=0.1, log_every=2, progress=False
+    )
+    assert seen == [1.0, 2.0, 1.0, 2.0]  # a list is cycled
+    assert [r["step"] for r in hist] == [2, 4] and hist[0]["aux"] == 1.5
+    assert lr_factor(0, 4, 2) == 0.5 and lr_factor(1, 4, 2) == 1.0 and lr_factor(4, 4, 2, 0.1) == pytest.approx(0.1)
+    assert hist[-1]["lr"] == pytest.approx(0.1 * lr_factor(4, 4, 2, 0.1))
+    with pytest.raises(ValueError, match="steps"):
+        train_loop(model, [1.0], loss_fn, -1)
+
+
+def test_sbd_metadata_lives_on_the_text_config():
+    """One writer: add_mask_token / train_sbd / set_sbd_metadata all write the text config, and get_sbd_metadata
+    reads it back, also through a wrapper (torch.compile keeps the model as _orig_mod)."""
+    from sbd_ext.metadata import get_sbd_metadata, set_sbd_metadata
+
+    model = tiny_llama("sdpa")
+    assert add_mask_token(model, block_size_range=(3, 5)) == MASK
+    text = model.config.get_text_config(decoder=True)
+    assert text.mask_token_id == MASK and text.sbd_block_size_range == [3, 5]
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = model
+    assert get_sbd_metadata(wrapped) == (MASK, (3, 5))
+    set_sbd_metadata(model, MASK, None)
+    assert get_sbd_metadata(model.config) == (MASK, None)
+    for bad in (-1, V + 1, True, 1.5):
+        with pytest.raises(ValueError, match="mask_token_id"):
+            set_sbd_metadata(model, bad)
+    with pytest.raises(ValueError, match="block_size_range"):
+        set_sbd_metadata(model, MASK, (4, 2))

@@ -1,6 +1,9 @@
 """sbd_ext: Set Block Decoding (Gat et al. 2025) for HuggingFace Llama-family models.
 
-``import sbd_ext`` loads the compiled kernels (registering ``torch.ops.sbd_ext.*``) and the Python layer.
+``import sbd_ext`` loads the compiled kernels (registering ``torch.ops.sbd_ext.*``) and the core Python layer:
+ops, references, the ``"sbd"`` attention backend, the cache, decoding and the SBD metadata. Training is
+``sbd_ext.training`` (imported on use); the demo (``sbd_ext.demo``: tasks, embedded models, CLI) and the recipes
+(``sbd_ext.recipes``: SmolLM2) sit above the core and are never imported by it.
 """
 
 from __future__ import annotations
@@ -19,26 +22,34 @@ except ImportError as e:  # pragma: no cover - only when the package was not bui
 from . import reference  # noqa: E402
 from .ops import block_attention, entropy_sample, mask_replace  # noqa: E402
 
-# The HuggingFace layer (attention backend "sbd", SBD decoding) needs transformers; the ops work without it.
+# The HuggingFace layer (attention backend "sbd", cache, decoding). transformers is a dependency, but a version whose
+# internals moved must not take the ops down with it: the ops stay importable and the HF names raise an error that
+# says what failed.
 try:
-    import transformers  # noqa: F401
-except ImportError as _e:  # pragma: no cover - only without transformers
-    _HF_IMPORT_ERROR: ImportError | None = _e
+    from . import cache, decoding, hf, metadata  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
+    from .cache import SBDCache  # noqa: E402, F401
+    from .decoding import generate, generate_reference  # noqa: E402, F401
+except (ImportError, AttributeError) as _e:  # pragma: no cover - only with an incompatible transformers
+    _HF_IMPORT_ERROR: Exception | None = _e
 else:
     _HF_IMPORT_ERROR = None
-    from . import decoding, hf  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
-    from .decoding import SBDCache, generate, generate_reference  # noqa: E402, F401
 
-_HF_NAMES = ("hf", "decoding", "SBDCache", "generate", "generate_reference")
+_HF_NAMES = ("hf", "cache", "decoding", "metadata", "SBDCache", "generate", "generate_reference")
 
 
 def __getattr__(name: str):
     if name in _HF_NAMES and _HF_IMPORT_ERROR is not None:
-        raise ImportError(f"sbd_ext.{name} needs transformers (pip install transformers)") from _HF_IMPORT_ERROR
+        import transformers
+
+        raise ImportError(
+            f"sbd_ext.{name} could not be loaded with transformers {transformers.__version__}: "
+            f"{type(_HF_IMPORT_ERROR).__name__}: {_HF_IMPORT_ERROR}. The ops (sbd_ext.block_attention, "
+            "entropy_sample, mask_replace) work; install a transformers version sbd_ext supports (see pyproject.toml)."
+        ) from _HF_IMPORT_ERROR
     raise AttributeError(f"module 'sbd_ext' has no attribute {name!r}")
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def build_info() -> dict:

@@ -7,19 +7,12 @@ Public API
   forward with a dense 4D mask (prefix causal, block bidirectional) through the model's SDPA/eager attention and
   the pure-PyTorch reference samplers of :mod:`sbd_ext.reference`. Same arguments, same outputs, same random
   stream: with a deterministic model it returns exactly the tokens of :func:`generate`.
-* :class:`SBDCache` -- a ``transformers.Cache`` with preallocated per-layer K/V buffers ``[B, Hkv, S_max, D]`` and
-  per-sequence lengths; :class:`SBDForwardPlan` -- one forward's ``cache_lens``/``n_commit``/``n_valid``.
-* :func:`set_sbd_metadata` / :func:`get_sbd_metadata` -- the SBD fields of a model config.
+* :class:`SBDCache` / :class:`SBDForwardPlan` live in :mod:`sbd_ext.cache`; the SBD fields of a model config
+  (``set_sbd_metadata`` / ``get_sbd_metadata``) in :mod:`sbd_ext.metadata`. Both are re-exported here.
 
-SBD metadata in the model config
---------------------------------
-``config.mask_token_id`` (int)
-    The id of the mask token ``<m>``: a token of the model's vocabulary (``0 <= id < vocab_size``) that the SBD
-    training objective put in masked positions. Required for ``mode="sbd"``; NTP mode does not need it.
-``config.sbd_block_size_range`` (``[lo, hi]``, inclusive, optional)
-    The block sizes the model was trained with (the paper draws k uniformly in [2, 16]). When present,
-    :func:`generate` refuses other block sizes unless ``strict_block_size=False``.
-Both are plain config attributes, so they are saved by ``save_pretrained`` and restored by ``from_pretrained``.
+SBD metadata
+------------
+``mask_token_id`` and ``sbd_block_size_range`` on the model's text config; see :mod:`sbd_ext.metadata`.
 
 Decoding (per sequence; sequences of a batch advance independently)
 --------------------------------------------------------------------
@@ -54,11 +47,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import ModelOutput
 
 from . import ops, reference
+from .cache import SBDCache, SBDForwardPlan
 from .hf import ATTN_IMPLEMENTATION, kernel_available
+from .metadata import BLOCK_RANGE_ATTR, MASK_TOKEN_ATTR, get_sbd_metadata, set_sbd_metadata
 
 __all__ = [
     "MASK_TOKEN_ATTR",
@@ -75,228 +69,10 @@ __all__ = [
     "sample_block",
 ]
 
-MASK_TOKEN_ATTR = "mask_token_id"
-BLOCK_RANGE_ATTR = "sbd_block_size_range"
 SAMPLERS = reference.RULES  # ("eb", "entropy", "confidence")
-# Paper values: chat gamma_low = 0.35 for the entropy rules; tau for the confidence rule as in Fast-dLLM.
+# Library defaults. gamma 0.35 for the entropy rules is the paper's chat gamma_low (and its reasoning gamma_high;
+# the reasoning gamma_low is 0.1, which the demo uses); tau 0.9 for the confidence rule as in Fast-dLLM.
 DEFAULT_THRESHOLDS = {"eb": 0.35, "entropy": 0.35, "confidence": 0.9}
-
-
-# --------------------------------------------------------------------------------------------------------
-# config metadata
-# --------------------------------------------------------------------------------------------------------
-def set_sbd_metadata(config, mask_token_id: int, block_size_range: tuple[int, int] | None = (2, 16)) -> None:
-    """Record the SBD fields (see the module docstring) in ``config`` (the text config of composite models)."""
-    cfg = config.get_text_config(decoder=True)
-    vocab = getattr(cfg, "vocab_size", None)
-    if not isinstance(mask_token_id, int) or mask_token_id < 0 or (vocab is not None and mask_token_id >= vocab):
-        raise ValueError(f"mask_token_id must be a token id in [0, vocab_size={vocab}), got {mask_token_id!r}")
-    setattr(cfg, MASK_TOKEN_ATTR, int(mask_token_id))
-    if block_size_range is not None:
-        lo, hi = (int(x) for x in block_size_range)
-        if not 1 <= lo <= hi:
-            raise ValueError(f"block_size_range must be [lo, hi] with 1 <= lo <= hi, got {block_size_range!r}")
-        setattr(cfg, BLOCK_RANGE_ATTR, [lo, hi])
-    elif hasattr(cfg, BLOCK_RANGE_ATTR):
-        delattr(cfg, BLOCK_RANGE_ATTR)
-
-
-def get_sbd_metadata(config) -> tuple[int | None, tuple[int, int] | None]:
-    """(mask token id or None, trained block-size range [lo, hi] or None) from a model config."""
-    cfg = config.get_text_config(decoder=True)
-    mask_id = getattr(cfg, MASK_TOKEN_ATTR, None)
-    rng = getattr(cfg, BLOCK_RANGE_ATTR, None)
-    return (None if mask_id is None else int(mask_id)), (None if rng is None else (int(rng[0]), int(rng[1])))
-
-
-# --------------------------------------------------------------------------------------------------------
-# cache
-# --------------------------------------------------------------------------------------------------------
-class SBDLayer(CacheLayerMixin):
-    """One layer of an :class:`SBDCache`: preallocated ``keys``/``values`` [B, Hkv, S_max, D].
-
-    ``update`` stores nothing and returns this forward's new rows: :func:`sbd_ext.ops.block_attention` appends the
-    committed rows itself (in place, at the sequence's length), so set-block rows are never stored.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(
-        self,
-        owner: SBDCache,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_cache_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__()
-        self._owner = owner
-        self.max_cache_len = max_cache_len
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (batch_size, num_kv_heads, max_cache_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # preallocated in __init__
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._owner._plan is None:
-            raise RuntimeError(
-                "SBDCache is written by the sbd_ext block-attention kernel only: run the forward inside "
-                "`with cache.forward_plan(n_commit, n_valid) as plan:` and pass `sbd_plan=plan` (see sbd_ext.generate)"
-            )
-        return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return max(self._owner.seq_lens, default=0)
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def reset(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SBDCache does not support beam search")
-
-
-class SBDCache(Cache):
-    """A ``transformers.Cache`` for SBD decoding: per-layer K/V buffers [B, Hkv, S_max, D] and per-sequence lengths.
-
-    ``seq_lens[b]`` (host ints) counts the valid rows of sequence b. A forward runs under :meth:`forward_plan`,
-    which validates the plan (no overflow) and, when the forward returns, checks that every layer went through the
-    kernel and advances each length by its ``n_commit`` -- once per forward, not per layer.
-    """
-
-    def __init__(
-        self,
-        config,
-        batch_size: int,
-        max_cache_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ):
-        cfg = config.get_text_config(decoder=True)
-        n_heads = cfg.num_attention_heads
-        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        if batch_size < 1 or max_cache_len < 1:
-            raise ValueError(f"SBDCache: batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
-        self.seq_lens: list[int] = [0] * batch_size
-        self.max_cache_len = max_cache_len
-        self._plan: SBDForwardPlan | None = None
-        layers = [
-            SBDLayer(self, batch_size, n_kv, head_dim, max_cache_len, dtype, device)
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_lens)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.seq_lens, default=0)
-
-    def lengths(self) -> torch.Tensor:
-        """Per-sequence valid lengths, int64 [B] on the CPU."""
-        return torch.tensor(self.seq_lens, dtype=torch.int64)
-
-    def reset(self) -> None:
-        super().reset()
-        self.seq_lens = [0] * self.batch_size
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("SBDCache does not support crop (lengths are per sequence)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("SBDCache has a fixed batch")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("SBDCache has a fixed batch")
-
-    @contextlib.contextmanager
-    def forward_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]):
-        """Validate and expose one forward's plan; on a normal exit, advance ``seq_lens`` by ``n_commit``.
-
-        n_commit[b] rows at the front of sequence b's rows are committed (causal; their K/V are appended at
-        ``seq_lens[b]``); rows [n_commit[b], n_valid[b]) are the set block; the rest padding.
-        """
-        B = self.batch_size
-        n_commit, n_valid = [int(x) for x in n_commit], [int(x) for x in n_valid]
-        if len(n_commit) != B or len(n_valid) != B:
-            raise ValueError(f"SBDCache.forward_plan: need {B} n_commit / n_valid entries")
-        for b in range(B):
-            if not 0 <= n_commit[b] <= n_valid[b]:
-                raise ValueError(
-                    f"SBDCache.forward_plan: sequence {b} needs 0 <= n_commit <= n_valid, "
-                    f"got {n_commit[b]}, {n_valid[b]}"
-                )
-            if self.seq_lens[b] + n_commit[b] > self.max_cache_len:
-                raise ValueError(
-                    f"SBDCache overflow: sequence {b} holds {self.seq_lens[b]} rows and commits {n_commit[b]} more, "
-                    f"but the cache has {self.max_cache_len} rows"
-                )
-        if self._plan is not None:
-            raise RuntimeError("SBDCache.forward_plan: a forward plan is already active")
-        device = self.layers[0].keys.device
-        meta = torch.tensor([self.seq_lens, n_commit, n_valid], dtype=torch.int32).to(device, non_blocking=True)
-        plan = SBDForwardPlan(self, meta[0], meta[1], meta[2])
-        self._plan = plan
-        try:
-            yield plan
-        finally:
-            self._plan = None
-        if plan.layers_done != len(self.layers):
-            raise RuntimeError(
-                f"sbd_plan reached the attention function of {plan.layers_done} of {len(self.layers)} layers: the "
-                f"model must use attn_implementation={ATTN_IMPLEMENTATION!r} and forward `sbd_plan` to its attention"
-            )
-        self.seq_lens = [L + c for L, c in zip(self.seq_lens, n_commit, strict=True)]
-
-
-@dataclass
-class SBDForwardPlan:
-    """One forward's plan, passed to the model as the ``sbd_plan`` forward kwarg.
-
-    It reaches :func:`sbd_ext.hf.sbd_attention_forward` through ``LlamaModel.forward(**kwargs)`` -> decoder layer
-    -> ``LlamaAttention.forward(**kwargs)`` -> ``attention_interface(..., **kwargs)``, which calls :meth:`attend`.
-    """
-
-    cache: SBDCache
-    cache_lens: torch.Tensor  # [B] int32, rows valid before this forward
-    n_commit: torch.Tensor  # [B] int32
-    n_valid: torch.Tensor  # [B] int32
-    layers_done: int = 0
-
-    def attend(self, module, query, key, value, scaling: float, dropout: float = 0.0) -> torch.Tensor:
-        """block_attention of this forward's rows over layer ``module.layer_idx``'s cache; returns [B, T, Hq, D]."""
-        if dropout != 0.0:
-            raise RuntimeError("SBD decoding does not support attention dropout: call model.eval()")
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-            raise RuntimeError("SBD decoding is inference only (the kernel has no backward): use torch.no_grad()")
-        layer = self.cache.layers[module.layer_idx]
-        if key.shape[2] != query.shape[2]:
-            raise RuntimeError(
-                "sbd_plan: the attention received cached keys; pass the SBDCache as past_key_values of the forward"
-            )
-        if layer.keys.dtype != query.dtype:
-            raise TypeError(f"SBDCache holds {layer.keys.dtype} but the model computes in {query.dtype}")
-        out = ops.block_attention(
-            query, key, value, layer.keys, layer.values, self.cache_lens, self.n_commit, self.n_valid, scaling
-        )
-        self.layers_done += 1
-        return out
 
 
 # --------------------------------------------------------------------------------------------------------

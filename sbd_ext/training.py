@@ -31,26 +31,26 @@ function. Each implementation wants a different kind of mask, which :func:`mask_
   falls back to SDPA for a custom 4D mask);
 - ``flash_attention_*``: refused, FlashAttention takes no arbitrary mask.
 
-SBD metadata recorded in ``model.config`` (read by the decoding side):
-
-``config.mask_token_id`` (int)
-    id of the mask token ``<m>`` in the model's vocabulary (set by :func:`add_mask_token`).
-``config.sbd_block_size_range`` (list of two ints ``[k_min, k_max]``, inclusive)
-    the block sizes the model was trained on; decoding should refuse block sizes outside it. Set by
-    :func:`add_mask_token` (the range intended for training) and overwritten by :class:`SBDTrainer` and
-    :func:`train_sbd` with the range they actually train on.
+SBD metadata (:mod:`sbd_ext.metadata`, on the model's text config): :func:`add_mask_token` records
+``mask_token_id`` and the intended ``sbd_block_size_range``; :class:`SBDTrainer` and :func:`train_sbd` overwrite
+the range with the one they actually train on.
 
 Entry points: :func:`add_mask_token`, :func:`sbd_batch` (the 2L input, labels and mask), :func:`sbd_loss`
-(one forward + the loss), :class:`SBDTrainer` (HF ``Trainer``; multi-GPU through accelerate/FSDP) and
-:func:`train_sbd` (a plain AdamW + cosine loop).
+(one forward + the loss), :class:`SBDTrainer` (HF ``Trainer``; multi-GPU through accelerate/FSDP),
+:func:`train_loop` (the package's one plain loop: AdamW, warm-up + cosine, clipping, progress, resume) and
+:func:`train_sbd` (:func:`train_loop` on the SBD objective).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,8 +67,15 @@ except ImportError:  # pragma: no cover - torch < 2.5
 
 from transformers import Trainer
 
+from .metadata import (
+    DEFAULT_BLOCK_SIZE_RANGE,
+    check_block_size_range,
+    get_sbd_metadata,
+    require_mask_token_id,
+    set_sbd_metadata,
+)
+
 IGNORE_INDEX = -100
-DEFAULT_BLOCK_SIZE_RANGE = (2, 16)
 MASK_FORMATS = ("bool", "additive", "block")
 
 __all__ = [
@@ -83,6 +90,8 @@ __all__ = [
     "sbd_loss",
     "sbd_mask_mod",
     "train_sbd",
+    "train_loop",
+    "lr_factor",
 ]
 
 
@@ -100,18 +109,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _check_range(block_size_range) -> tuple[int, int]:
-    try:
-        lo, hi = (int(v) for v in block_size_range)
-    except (TypeError, ValueError):
-        raise ValueError(f"block_size_range must be two ints (k_min, k_max), got {block_size_range!r}") from None
-    if not 1 <= lo <= hi:
-        raise ValueError(f"block_size_range must satisfy 1 <= k_min <= k_max, got {block_size_range!r}")
-    return lo, hi
-
-
 def _draw_block_size(block_size_range, generator: torch.Generator | None) -> int:
-    lo, hi = _check_range(block_size_range)
+    lo, hi = check_block_size_range(block_size_range)
     dev = generator.device if generator is not None else "cpu"
     return int(torch.randint(lo, hi + 1, (1,), generator=generator, device=dev).item())
 
@@ -131,7 +130,7 @@ def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_ra
     set to the mean of the existing tokens' rows, so the mask token starts as an "average" token and its output logit as
     the average logit. Sets ``config.mask_token_id`` and ``config.sbd_block_size_range``. Returns the id.
     """
-    lo, hi = _check_range(block_size_range)
+    lo, hi = check_block_size_range(block_size_range)
     emb = model.get_input_embeddings()
     n_rows = emb.weight.shape[0]
     fresh = False  # a token that did not exist before this call: its embedding rows need initialising
@@ -168,8 +167,7 @@ def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_ra
         if out_bias is not None:
             out_bias[init_rows] = out_bias[:n_real].float().mean().to(out_bias.dtype)
 
-    model.config.mask_token_id = mask_id
-    model.config.sbd_block_size_range = [lo, hi]
+    set_sbd_metadata(model, mask_id, (lo, hi))
     return mask_id
 
 
@@ -434,16 +432,10 @@ def sbd_loss(
     """
     hf = _unwrap(model)
     config = getattr(hf, "config", None)
-    if mask_token_id is None:
-        mask_token_id = getattr(config, "mask_token_id", None)
-        if mask_token_id is None:
-            raise ValueError(
-                "sbd_loss: no mask_token_id given and model.config.mask_token_id is not set "
-                "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
-            )
+    mask_token_id = require_mask_token_id(hf, mask_token_id, "sbd_loss")
     if block_size is None:
         if block_size_range is None:
-            block_size_range = getattr(config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
+            block_size_range = get_sbd_metadata(hf)[1] or DEFAULT_BLOCK_SIZE_RANGE
         k = _draw_block_size(block_size_range, generator)
     else:
         k = int(block_size)
@@ -521,18 +513,12 @@ class SBDTrainer(Trainer):
 
     def __init__(self, *args, block_size_range=None, mask_token_id: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        config = _unwrap(self.model).config
+        hf = _unwrap(self.model)
         if block_size_range is None:
-            block_size_range = getattr(config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
-        self.block_size_range = _check_range(block_size_range)
-        self.mask_token_id = mask_token_id if mask_token_id is not None else getattr(config, "mask_token_id", None)
-        if self.mask_token_id is None:
-            raise ValueError(
-                "SBDTrainer: no mask_token_id given and model.config.mask_token_id is not set "
-                "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
-            )
-        config.mask_token_id = int(self.mask_token_id)
-        config.sbd_block_size_range = list(self.block_size_range)
+            block_size_range = get_sbd_metadata(hf)[1] or DEFAULT_BLOCK_SIZE_RANGE
+        self.block_size_range = check_block_size_range(block_size_range)
+        self.mask_token_id = require_mask_token_id(hf, mask_token_id, "SBDTrainer")
+        set_sbd_metadata(hf, self.mask_token_id, self.block_size_range)
         self._k_rng = random.Random(self.args.seed)
         self._sbd_sums: dict[str, dict] = {}
 
@@ -576,8 +562,201 @@ class SBDTrainer(Trainer):
 
 
 # --------------------------------------------------------------------------------------------------------
-# plain loop
+# the training loop (one, used by train_sbd, the demo trainer and the SmolLM2 recipe)
 # --------------------------------------------------------------------------------------------------------
+def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Linear warm-up over ``warmup_steps`` (step 0 gets 1/warmup of the lr, not 0), then cosine decay from 1 to
+    ``min_lr_ratio`` at ``steps``. ``step`` counts optimizer steps taken so far (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    t = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _rng_state(r):
+    return r.get_state() if isinstance(r, torch.Generator) else r.getstate()
+
+
+def _set_rng_state(r, state) -> None:
+    if isinstance(r, torch.Generator):
+        r.set_state(state)
+    else:
+        r.setstate(state)
+
+
+class _Batches:
+    """Endless batches: a re-iterable (list, DataLoader) starts over when exhausted; a one-shot iterator ends."""
+
+    def __init__(self, data: Iterable):
+        self.data, self.it = data, iter(data)
+
+    def next(self):
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.data)
+            if self.it is self.data:  # a one-shot iterator: nothing left
+                return None
+            return next(self.it, None)
+
+
+def train_loop(
+    model: torch.nn.Module,
+    data: Iterable,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    steps: int,
+    *,
+    lr: float = 3e-4,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    warmup_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+    max_grad_norm: float | None = 1.0,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    log_every: int = 10,
+    progress: bool | str = True,
+    name: str = "train",
+    callback: Callable[[dict], None] | None = None,
+    eval_fn: Callable[[torch.nn.Module, int], dict] | None = None,
+    eval_every: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
+    rngs: Sequence[torch.Generator | random.Random] = (),
+) -> list[dict]:
+    """Train ``model`` for ``steps`` optimizer steps of ``loss_fn``: the package's one training loop.
+
+    loss_fn(model, batch) returns the loss or ``(loss, parts)``, parts a dict of scalars (tensors or numbers) that
+    are averaged over each logging interval next to ``loss`` (an int ``block_size`` part is skipped). ``data`` is
+    an iterable of batches, re-iterated when exhausted if it can be (a list, a DataLoader); a one-shot iterator
+    that runs out ends training early.
+
+    AdamW over ``params`` (default: the parameters that require grad) with ``lr``, ``betas``, ``weight_decay``;
+    the lr follows :func:`lr_factor` (linear warm-up over ``warmup_steps``, default min(200, steps // 10), then
+    cosine decay to ``min_lr_ratio`` × lr); gradients are clipped at ``max_grad_norm`` (None: no clipping); the
+    forward runs under autocast to ``autocast_dtype`` when given (bf16 on a GPU). Every ``log_every`` steps (and at
+    the last) a record {step, loss, <parts>, lr, elapsed_s} is appended to the returned history, shown on a tqdm bar
+    (``progress="lines"``, or tqdm missing: a printed line per record, for logs; False: nothing) and passed to
+    ``callback``.
+    ``eval_fn(model, step)``, every ``eval_every`` steps before the last, returns a dict recorded as
+    {step, **dict}; the model is put back in train mode afterwards.
+
+    Resume: with ``checkpoint`` (a file path), the model, optimizer and schedule state, the history, the states of
+    ``rngs`` (the generators ``loss_fn`` draws from) and the step are saved there every ``checkpoint_every`` steps
+    and at the end (atomically); a later call with the same path continues from the saved step, skipping the
+    batches already consumed, so an interrupted run finishes with the same weights as an uninterrupted one.
+    The model is left in eval mode.
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"train_loop: steps must be an int >= 0, got {steps!r}")
+    if log_every < 1:
+        raise ValueError(f"train_loop: log_every must be >= 1, got {log_every!r}")
+    params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+    if not params:
+        raise ValueError("train_loop: no trainable parameters (none requires grad)")
+    warmup_steps = min(200, steps // 10) if warmup_steps is None else int(warmup_steps)
+    warmup_steps = max(1, warmup_steps)
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup_steps, min_lr_ratio))
+    device = params[0].device
+
+    history: list[dict] = []
+    start = 0
+    ckpt_path = Path(checkpoint) if checkpoint is not None else None
+    if ckpt_path is not None and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        history = list(state["history"])
+        for r, st in zip(rngs, state["rngs"], strict=True):
+            _set_rng_state(r, st)
+        start = int(state["step"])
+
+    def save_checkpoint(step: int) -> None:
+        state = dict(
+            step=step,
+            model=model.state_dict(),
+            optimizer=opt.state_dict(),
+            scheduler=sched.state_dict(),
+            history=history,
+            rngs=[_rng_state(r) for r in rngs],
+        )
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_path.with_name(ckpt_path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, ckpt_path)
+
+    batches = _Batches(data)
+    for _ in range(start):  # the batches the saved steps consumed
+        batches.next()
+
+    bar = None
+    if progress is True and steps > start:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, initial=start, desc=name, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    sums: dict[str, torch.Tensor] = {}
+    n_acc, t0 = 0, time.perf_counter()
+    model.train()
+    for step in range(start + 1, steps + 1):
+        batch = batches.next()
+        if batch is None:
+            break
+        with autocast:
+            out = loss_fn(model, batch)
+        loss, parts = out if isinstance(out, tuple) else (out, {})
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        sched.step()
+        # Sums stay on the device: no host sync per step, one per logging interval.
+        for key, v in {"loss": loss, **parts}.items():
+            if key == "block_size" or key == "num_masked":
+                continue
+            v = torch.as_tensor(v).detach().float().to(device)
+            sums[key] = sums[key] + v if key in sums else v
+        n_acc += 1
+        if bar is not None:
+            bar.update(1)
+        if step % log_every == 0 or step == steps:
+            rec = {"step": step, **{k: round(float(v) / n_acc, 4) for k, v in sums.items()}}
+            rec["lr"] = sched.get_last_lr()[0]
+            rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            history.append(rec)
+            sums, n_acc = {}, 0
+            msg = " ".join(f"{k} {rec[k]:.4f}" for k in rec if k not in ("step", "lr", "elapsed_s"))
+            if bar is not None:
+                bar.set_postfix_str(msg)
+            elif progress:
+                rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
+                print(f"[{name}] step {step}/{steps} {msg} lr {rec['lr']:.2e} ({rate:.2f} steps/s)", flush=True)
+            if callback is not None:
+                callback(rec)
+        if eval_fn is not None and eval_every and step % eval_every == 0 and step < steps:
+            rec = {"step": step, **eval_fn(model, step)}
+            model.train()
+            history.append(rec)
+            if progress:
+                print(f"[{name}] step {step}: " + " ".join(f"{k} {v}" for k, v in rec.items() if k != "step"))
+        if ckpt_path is not None and checkpoint_every and step % checkpoint_every == 0 and step < steps:
+            save_checkpoint(step)
+    if bar is not None:
+        bar.close()
+    if ckpt_path is not None and steps > start:
+        save_checkpoint(steps)
+    model.eval()
+    return history
+
+
 def _as_batch(item, device) -> dict:
     if isinstance(item, torch.Tensor):
         return {"input_ids": item.to(device)}
@@ -592,79 +771,32 @@ def train_sbd(
     steps: int,
     lr: float = 3e-4,
     *,
-    warmup_steps: int | None = None,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    max_grad_norm: float | None = 1.0,
     block_size_range=None,
     mask_token_id: int | None = None,
     generator: torch.Generator | None = None,
-    log_every: int = 10,
-    progress: bool = True,
-    callback: Callable[[dict], None] | None = None,
+    **loop_kwargs,
 ) -> list[dict]:
-    """Train ``model`` on the SBD objective for ``steps`` optimizer steps; a plain single-process loop.
+    """Train ``model`` on the SBD objective for ``steps`` optimizer steps with :func:`train_loop`.
 
     data: an iterable of batches, each an input_ids tensor [B, L] or a dict with ``input_ids`` and optionally
-    ``attention_mask`` / ``labels``; re-iterated when exhausted if it can be (a list, a DataLoader), else training
-    stops early. AdamW (``lr``, ``betas``, ``weight_decay``), cosine decay to 0 after ``warmup_steps`` linear
-    warm-up steps (default min(200, steps // 10)), gradient clipping at ``max_grad_norm``. k is drawn per step in
-    ``block_size_range`` (default ``model.config.sbd_block_size_range`` or (2, 16)) from ``generator`` (which also
-    draws the masks). Every ``log_every`` steps the means over the interval of loss, ntp_loss, mask_loss,
-    mask_accuracy and the lr are appended to the returned history, shown on a tqdm bar (a plain print when tqdm is
-    missing or ``progress`` is False prints nothing) and passed to ``callback``.
+    ``attention_mask`` / ``labels``. k is drawn per step in ``block_size_range`` (default: the model's
+    ``sbd_block_size_range``, else (2, 16)) from ``generator``, which also draws the masks; the mask token is
+    ``mask_token_id`` (default: the model's). Both are recorded in the model's SBD metadata
+    (:mod:`sbd_ext.metadata`). Other keywords (``warmup_steps``, ``weight_decay``, ``betas``, ``max_grad_norm``,
+    ``log_every``, ``progress``, ``callback``, ``checkpoint``, ...) go to :func:`train_loop`; the history records
+    loss, ntp_loss, mask_loss and mask_accuracy.
     """
-    from transformers import get_cosine_schedule_with_warmup
-
-    hf = _unwrap(model)
+    mask_token_id = require_mask_token_id(model, mask_token_id, "train_sbd")
     if block_size_range is None:
-        block_size_range = getattr(hf.config, "sbd_block_size_range", None) or DEFAULT_BLOCK_SIZE_RANGE
-    lo, hi = _check_range(block_size_range)
-    if mask_token_id is None:
-        mask_token_id = getattr(hf.config, "mask_token_id", None)
-    if mask_token_id is None:
-        raise ValueError(
-            "train_sbd: no mask_token_id given and model.config.mask_token_id is not set "
-            "(call sbd_ext.training.add_mask_token(model, tokenizer) first)"
-        )
-    hf.config.mask_token_id = int(mask_token_id)
-    hf.config.sbd_block_size_range = [lo, hi]
-    if warmup_steps is None:
-        warmup_steps = min(200, steps // 10)
+        block_size_range = get_sbd_metadata(model)[1] or DEFAULT_BLOCK_SIZE_RANGE
+    lo, hi = check_block_size_range(block_size_range)
+    set_sbd_metadata(model, mask_token_id, (lo, hi))
     device = next(model.parameters()).device
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, warmup_steps, steps)
-
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=steps, desc="sbd", dynamic_ncols=True)
-        except ImportError:
-            bar = None
-
-    history: list[dict] = []
-    sums = torch.zeros(4, device=device)
-    n_acc, t0 = 0, time.perf_counter()
-    it = iter(data)
-    model.train()
-    for step in range(1, steps + 1):
-        try:
-            item = next(it)
-        except StopIteration:
-            it = iter(data)
-            if it is data:  # a one-shot iterator: nothing left
-                break
-            try:
-                item = next(it)
-            except StopIteration:
-                break
+    def loss_fn(model, item):
         b = _as_batch(item, device)
         k = _draw_block_size((lo, hi), generator)
-        loss, parts = sbd_loss(
+        return sbd_loss(
             model,
             b["input_ids"],
             mask_token_id=mask_token_id,
@@ -674,34 +806,8 @@ def train_sbd(
             labels=b.get("labels"),
             return_parts=True,
         )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
-        sched.step()
-        sums += torch.stack([loss.detach().float()] + [parts[n].float() for n in _PART_NAMES])
-        n_acc += 1
-        if bar is not None:
-            bar.update(1)
-        if step % log_every == 0 or step == steps:
-            vals = (sums / n_acc).tolist()
-            rec = dict(step=step, loss=vals[0], lr=sched.get_last_lr()[0])
-            rec.update(zip(_PART_NAMES, vals[1:], strict=True))
-            history.append(rec)
-            sums.zero_()
-            n_acc = 0
-            msg = (
-                f"loss {rec['loss']:.4f} ntp {rec['ntp_loss']:.4f} mask {rec['mask_loss']:.4f} "
-                f"acc {rec['mask_accuracy']:.3f}"
-            )
-            if bar is not None:
-                bar.set_postfix_str(msg)
-            elif progress:
-                rate = step / max(time.perf_counter() - t0, 1e-9)
-                print(f"sbd step {step}/{steps} {msg} lr {rec['lr']:.2e} ({rate:.1f} it/s)", flush=True)
-            if callback is not None:
-                callback(rec)
-    if bar is not None:
-        bar.close()
-    return history
+
+    loop_kwargs.setdefault("name", "sbd")
+    if generator is not None:
+        loop_kwargs.setdefault("rngs", (generator,))
+    return train_loop(model, data, loss_fn, steps, lr=lr, **loop_kwargs)

@@ -1,4 +1,4 @@
-"""``sbd-ext`` (and ``python -m sbd_ext``): Set Block Decoding on the embedded model, from the command line.
+"""``sbd-ext`` (and ``python -m sbd_ext.demo``): Set Block Decoding on the embedded model, from the command line.
 
     sbd-ext generate "Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?"
     sbd-ext generate --show-steps              # a held-out problem, and which tokens each forward revealed
@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     if expected is None and info.get("task") == "arith":
         expected = tasks.solve(question)
 
-    from .decoding import DEFAULT_THRESHOLDS
+    from ..decoding import DEFAULT_THRESHOLDS
 
     sampler = args.sampler or info.get("sampler", "eb")
     threshold = args.threshold
@@ -99,7 +99,7 @@ def cmd_generate(args) -> int:
         elif sampler == "confidence":
             threshold = DEFAULT_THRESHOLDS["confidence"]
         else:
-            threshold = 0.1  # the paper's reasoning gamma_low (the library default, 0.35, is its gamma_high)
+            threshold = 0.1  # the paper's reasoning gamma_low (the library default 0.35 is its chat gamma_low)
     block_size = args.block_size or info.get("block_size", 16)
     res = decode(
         model,

@@ -1,12 +1,14 @@
 """The models shipped inside the package (package data; nothing is downloaded).
 
-* ``sbd-arith`` (the default): a 0.8 M-parameter Llama (GQA, character vocabulary) pre-trained with next-token
-  prediction on the generated arithmetic word problems of :mod:`sbd_ext.tasks`, then fine-tuned with the SBD
+* ``sbd-arith`` (the default): a 0.8 M-parameter Llama (GQA, the project's BPE vocabulary of 238 tokens,
+  :mod:`sbd_ext.demo.tokenizer`) pre-trained with next-token
+  prediction on the generated arithmetic word problems of :mod:`sbd_ext.demo.tasks`, then fine-tuned with the SBD
   objective. Its config carries ``mask_token_id`` and ``sbd_block_size_range``.
 * ``ntp-arith``: the control, fine-tuned from the same pre-trained checkpoint with the same budget but plain
   next-token prediction.
+* ``sbd-sort`` / ``ntp-sort``: the same recipe on the list sort/reverse task.
 
-Both were produced by ``python -m sbd_ext.train_demo --install`` (see :mod:`sbd_ext.train_demo`). Each folder also
+All were produced by ``python -m sbd_ext.demo.train --install`` (see :mod:`sbd_ext.demo.train`). Each folder also
 holds ``sbd_demo.json``: the prompt template of the task and the decoding settings the evaluation chose.
 """
 

@@ -2,16 +2,16 @@
 
 One command, two scales::
 
-    python -m sbd_ext.finetune_smollm2 --smoke                 # CPU, ~1-3 min: a few steps, falling loss printed
-    python -m sbd_ext.finetune_smollm2 --steps 3000 --out DIR  # the real run, meant for a GPU (tens of minutes)
+    python -m sbd_ext.recipes.finetune_smollm2 --smoke                 # CPU, ~1-3 min: a few steps, loss printed
+    python -m sbd_ext.recipes.finetune_smollm2 --steps 3000 --out DIR  # the real run, for a GPU (tens of minutes)
 
 Recipe (the paper's Alg. 1 on a real pretrained Llama, scaled down):
 
-* model: SmolLM2-135M-Instruct from :mod:`sbd_ext.smollm2` (the offline GGUF, de-quantized to float32); the mask
+* model: SmolLM2-135M-Instruct from :mod:`sbd_ext.recipes.smollm2` (the offline GGUF, de-quantized to float32); the mask
   token ``<|mask|>`` is added with :func:`sbd_ext.training.add_mask_token` (new id 49152, embedding row = the
   mean row; the embedding is tied, so the output row too) and recorded in ``config.mask_token_id`` together with
   ``config.sbd_block_size_range`` = [2, 16].
-* data: the task of :mod:`sbd_ext.tasks` (GSM8K-shaped multi-step arithmetic word problems, disjoint train/test
+* data: the task of :mod:`sbd_ext.demo.tasks` (GSM8K-shaped multi-step arithmetic word problems, disjoint train/test
   splits); each sample is ``prompt + completion + EOS``, tokenized with the model's tokenizer, right-padded; the
   prompt tokens carry no loss (``labels = -100``), in both objectives.
 * SBD run: :func:`sbd_ext.training.sbd_loss` -- one forward over ``cat(x, x_hat)`` with the three-part mask, k ~
@@ -61,15 +61,15 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # the task
 # --------------------------------------------------------------------------------------------------------
 def task_problems(split: str, n: int | None, seed: int = 0) -> Iterator:
-    """Problems of the project's reasoning task, :func:`sbd_ext.tasks.problems` (``prompt``, ``completion``,
+    """Problems of the project's reasoning task, :func:`sbd_ext.demo.tasks.problems` (``prompt``, ``completion``,
     ``answer``; the train and test splits are disjoint by construction)."""
-    from . import tasks
+    from ..demo import tasks
 
     return tasks.problems(split, n=n, seed=seed)
 
 
 def extract_answer(text: str):
-    from .tasks import extract_answer as _extract
+    from ..demo.tasks import extract_answer as _extract
 
     return _extract(text)
 
@@ -153,8 +153,8 @@ def _device(name: str) -> torch.device:
 # model preparation
 # --------------------------------------------------------------------------------------------------------
 def _base_model(device: torch.device):
+    from ..training import add_mask_token
     from . import smollm2
-    from .training import add_mask_token
 
     model, tok = smollm2.load_smollm2(dtype=torch.float32, attn_implementation="sdpa")
     mask_id = add_mask_token(model, tok, block_size_range=(2, 16))
@@ -213,7 +213,7 @@ def _ntp_loss(model, batch) -> tuple[torch.Tensor, dict]:
 
 
 def _sbd_loss(model, batch, k: int, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
-    from .training import sbd_loss
+    from ..training import sbd_loss
 
     loss, parts = sbd_loss(
         model,
@@ -229,43 +229,36 @@ def _sbd_loss(model, batch, k: int, gen: torch.Generator) -> tuple[torch.Tensor,
 
 
 def _train(model, params, batches, objective: str, cfg: FinetuneConfig, device, log) -> list[dict]:
-    from transformers import get_cosine_schedule_with_warmup
+    """``cfg.steps`` steps of ``objective`` through :func:`sbd_ext.training.train_loop` (AdamW betas 0.9/0.95,
+    warm-up + cosine to 0, clip 1.0, bf16 autocast on a GPU); the batches are cycled in order."""
+    from ..training import train_loop
 
     lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.method == "lora" else 1e-4)
-    warmup = cfg.warmup if cfg.warmup is not None else min(200, cfg.steps // 10)
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = get_cosine_schedule_with_warmup(opt, warmup, cfg.steps)
     k_rng = random.Random(cfg.seed)  # same k sequence for every run with this seed
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def loss_fn(model, batch):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if objective == "sbd":
+            return _sbd_loss(model, batch, k_rng.randint(*cfg.block_size_range), gen)
+        return _ntp_loss(model, batch)
+
+    return train_loop(
+        model,
+        batches,
+        loss_fn,
+        cfg.steps,
+        lr=lr,
+        betas=(0.9, 0.95),
+        warmup_steps=cfg.warmup if cfg.warmup is not None else min(200, cfg.steps // 10),
+        max_grad_norm=1.0,
+        params=params,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        log_every=cfg.log_every,
+        progress="lines",
+        name=objective,
+        rngs=(k_rng, gen),
     )
-    hist, sums, n, t0 = [], {}, 0, time.perf_counter()
-    model.train()
-    for step in range(1, cfg.steps + 1):
-        batch = {k: v.to(device) for k, v in batches[(step - 1) % len(batches)].items()}
-        with autocast:
-            if objective == "sbd":
-                loss, parts = _sbd_loss(model, batch, k_rng.randint(*cfg.block_size_range), gen)
-            else:
-                loss, parts = _ntp_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        for key, v in {"loss": loss.detach(), **{k: v for k, v in parts.items() if k != "block_size"}}.items():
-            sums[key] = sums.get(key, 0.0) + float(v)
-        n += 1
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            rec = {"step": step, **{k: round(v / n, 4) for k, v in sums.items() if k != "num_masked"}}
-            rec["lr"] = float(f"{sched.get_last_lr()[0]:.3g}")
-            rec["s"] = round(time.perf_counter() - t0, 1)
-            hist.append(rec)
-            log(f"[{objective}] " + " ".join(f"{k} {v}" for k, v in rec.items()))
-            sums, n = {}, 0
-    model.eval()
-    return hist
 
 
 @torch.no_grad()
@@ -275,7 +268,7 @@ def _fixed_loss(model, batch, objective: str, device, seed: int = 1234) -> float
     was = model.training
     model.eval()
     if objective == "sbd":
-        from .training import sbd_loss
+        from ..training import sbd_loss
 
         gen = torch.Generator(device=device).manual_seed(seed)
         loss = sbd_loss(
@@ -336,9 +329,9 @@ def load_finetuned(folder: str | os.PathLike, dtype=torch.float32, attn_implemen
     """(model, tokenizer) = the base SmolLM2 + a result folder written by this module (``DIR/sbd`` or ``DIR/ntp``)."""
     from safetensors.torch import load_file
 
+    from ..metadata import set_sbd_metadata
+    from ..training import add_mask_token
     from . import smollm2
-    from .decoding import set_sbd_metadata
-    from .training import add_mask_token
 
     folder = Path(folder)
     meta = json.loads((folder / "sbd_config.json").read_text())
@@ -359,7 +352,7 @@ def load_finetuned(folder: str | os.PathLike, dtype=torch.float32, attn_implemen
         )
         if missing.unexpected_keys:
             raise ValueError(f"unexpected tensors in {folder}: {missing.unexpected_keys[:5]}")
-    set_sbd_metadata(model.config, mask_id, tuple(meta["sbd_block_size_range"]))
+    set_sbd_metadata(model, mask_id, tuple(meta["sbd_block_size_range"]))
     model.to(dtype)
     if device is not None:
         model.to(device)
@@ -516,9 +509,9 @@ def run(cfg: FinetuneConfig, log=print) -> dict:
         if cfg.method == "lora":
             model = model.merge_and_unload()
         if eval_problems:
-            from .decoding import set_sbd_metadata
+            from ..metadata import set_sbd_metadata
 
-            set_sbd_metadata(model.config, mask_id, cfg.block_size_range)
+            set_sbd_metadata(model, mask_id, cfg.block_size_range)
             if device.type == "cuda":
                 model.to(torch.bfloat16)
             trained[objective] = model
@@ -538,7 +531,9 @@ def run(cfg: FinetuneConfig, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m sbd_ext.finetune_smollm2", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m sbd_ext.recipes.finetune_smollm2", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--smoke", action="store_true", help="a short CPU run: few steps, short sequences, tiny eval")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=None)

@@ -7,7 +7,7 @@ inserted). Built with the ``tokenizers`` library and saved as ``tokenizer.json``
 ``AutoTokenizer.from_pretrained(folder)`` loads them offline with nothing but ``tokenizers`` installed.
 
 * :func:`build_bpe_tokenizer` (the demo models' tokenizer): a small BPE trained by the project on generated
-  problems of :mod:`sbd_ext.tasks`. Pre-tokenization keeps a word with its leading space, every digit apart (one
+  problems of :mod:`sbd_ext.demo.tasks`. Pre-tokenization keeps a word with its leading space, every digit apart (one
   token per digit, so numbers keep a fixed number of tokens), and runs of punctuation; the merges then make each
   template word one token (" bought", " apples", "\\n####"). ~240 tokens; a problem is ~70 tokens instead of ~180
   characters, which halves the training cost and gives an SBD block fixed token positions to fill in.

@@ -61,7 +61,7 @@ def decode(
     num_generated (lists of ints, one per prompt), seconds (total wall-clock), traces (with ``return_trace``),
     prompt_lengths.
     """
-    from .decoding import generate
+    from ..decoding import generate
 
     dev = next(model.parameters()).device
     out = {"completions": [], "nfe": [], "num_generated": [], "traces": [], "prompt_lengths": [], "token_ids": []}

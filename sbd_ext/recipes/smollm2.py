@@ -235,7 +235,7 @@ def ensure_checkpoint(path: str | os.PathLike | None = None, *, force: bool = Fa
     try:
         marker = _convert(gguf, tmp)
         if verbose:
-            print(f"sbd_ext.smollm2: converted {gguf.name} -> {folder} in {marker['convert_seconds']} s")
+            print(f"sbd_ext.recipes.smollm2: converted {gguf.name} -> {folder} in {marker['convert_seconds']} s")
         if folder.exists():
             if _cache_hit(folder) is not None and not force:
                 return folder  # another process finished first
@@ -270,7 +270,7 @@ def load_smollm2(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "sbd":
-        from . import hf  # noqa: F401  (registers "sbd")
+        from .. import hf  # noqa: F401  (registers "sbd")
     folder = ensure_checkpoint(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(

@@ -3,12 +3,12 @@
 One command (CPU, fp32; reproducible from ``--seed`` for a given thread count; ~55 min at the default 1 thread on a
 2-core AMD EPYC)::
 
-    python -m sbd_ext.train_demo --out runs/demo
+    python -m sbd_ext.demo.train --out runs/demo
 
-1. builds the project's BPE tokenizer (:mod:`sbd_ext.demo_tokenizer`, vocabulary 238; ``--tokenizer char`` for
+1. builds the project's BPE tokenizer (:mod:`sbd_ext.demo.tokenizer`, vocabulary 238; ``--tokenizer char`` for
    the character one) and a small GQA ``LlamaConfig`` (hidden 128, 4 layers, 4 query / 2 key-value heads,
    ~0.8 M parameters);
-2. **pre-trains** it for 2500 steps with next-token prediction on arithmetic word problems (:mod:`sbd_ext.tasks`,
+2. **pre-trains** it for 2500 steps with next-token prediction on arithmetic word problems (:mod:`sbd_ext.demo.tasks`,
    training split; loss on the answers, ``--pretrain-loss all`` for every token) -> ``OUT/pretrain``;
 3. from that checkpoint, two fine-tunes with the same budget (8000 steps each; same batches in the same order, same
    optimiser and schedule; loss on the answer only):
@@ -19,8 +19,8 @@ One command (CPU, fp32; reproducible from ``--seed`` for a given thread count; ~
 4. checks greedy next-token accuracy on held-out problems after each phase, and writes ``OUT/train_log.json``
    (all losses) next to the checkpoints (safetensors + config + generation config + tokenizer).
 
-``--install`` then copies ``OUT/sbd`` and ``OUT/ntp`` to ``sbd_ext/models/sbd-arith`` and ``.../ntp-arith``, the
-embedded models that ``sbd_ext.models.load_default()`` returns. Phases whose output folder already exists are
+``--install`` then copies ``OUT/sbd`` and ``OUT/ntp`` to ``sbd_ext/demo/models/sbd-arith`` and ``.../ntp-arith``, the
+embedded models that ``sbd_ext.demo.models.load_default()`` returns. Phases whose output folder already exists are
 reused with ``--resume``.
 
 Sequences are ``<bos> prompt completion <eos>`` followed by more ``<eos>`` up to the batch's longest sequence
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -44,7 +43,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from . import tasks
-from .demo_tokenizer import build_bpe_tokenizer, build_char_tokenizer
+from .tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
 IGNORE_INDEX = -100
 EOS_LOSS_TOKENS = 16  # trailing EOS positions with a loss (>= the largest block size)
@@ -196,76 +195,50 @@ def train_phase(
     check=None,
     check_every: int = 0,
 ) -> list[dict]:
-    """AdamW (betas 0.9/0.95, wd 0.1) + linear warm-up + cosine decay to 10% of ``lr``; grad clip 1.0.
+    """One phase through :func:`sbd_ext.training.train_loop`: AdamW (betas 0.9/0.95, wd 0.1), linear warm-up
+    (default steps // 20) + cosine decay to 10% of ``lr``, grad clip 1.0.
 
     objective: "ntp" (HF causal-LM loss) or "sbd" (:func:`sbd_ext.training.sbd_loss`, k drawn per step uniformly
-    in ``block_sizes`` and the masks from a generator seeded by ``seed``).
+    in ``block_sizes`` from ``random.Random(seed)`` and the masks from a generator seeded by ``seed``).
+    ``check(model)`` every ``check_every`` steps records the held-out accuracy in the history.
     """
-    if objective == "sbd":
-        from .training import sbd_loss
+    from ..training import sbd_loss, train_loop
+
     gen = torch.Generator().manual_seed(seed)
     krng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, steps // 20) if warmup is None else warmup
 
-    def lr_lambda(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    history: list[dict] = []
-    acc: dict[str, float] = {}
-    n_acc = 0
-    t0 = time.perf_counter()
-    model.train()
-    for step in range(1, steps + 1):
-        b = next(data)
+    def loss_fn(model, b):
         if objective == "sbd":
             k = krng.randint(*block_sizes)
-            loss, parts = sbd_loss(
-                model, b["input_ids"], labels=b["labels"], block_size=k, generator=gen, return_parts=True
-            )
-            vals = {
-                "loss": loss.item(),
-                "ntp_loss": parts["ntp_loss"].item(),
-                "mask_loss": parts["mask_loss"].item(),
-                "mask_acc": parts["mask_accuracy"].item(),
-            }
-        else:
-            loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
-            vals = {"loss": loss.item(), "ntp_loss": loss.item()}
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        for kk, v in vals.items():
-            acc[kk] = acc.get(kk, 0.0) + v
-        n_acc += 1
-        if step % log_every == 0 or step == steps:
-            el = time.perf_counter() - t0
-            rec = {"step": step, "lr": sched.get_last_lr()[0], "elapsed_s": round(el, 1)}
-            rec.update({kk: round(v / n_acc, 4) for kk, v in acc.items()})
-            history.append(rec)
-            acc, n_acc = {}, 0
-            extra = " ".join(f"{kk} {rec[kk]:.4f}" for kk in ("loss", "ntp_loss", "mask_loss", "mask_acc") if kk in rec)
-            print(f"[{name}] step {step}/{steps} {extra} lr {rec['lr']:.2e} ({step / el:.2f} steps/s)", flush=True)
-        if check is not None and check_every and step % check_every == 0 and step < steps:
-            acc_now = check(model)
-            model.train()
-            history.append({"step": step, f"heldout_{objective}_accuracy": acc_now})
-            print(f"[{name}] step {step}: held-out {objective.upper()}-decoding accuracy {acc_now}", flush=True)
-    model.eval()
-    return history
+            return sbd_loss(model, b["input_ids"], labels=b["labels"], block_size=k, generator=gen, return_parts=True)
+        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+        return loss, {"ntp_loss": loss.detach()}
+
+    return train_loop(
+        model,
+        data,
+        loss_fn,
+        steps,
+        lr=lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        warmup_steps=max(1, steps // 20) if warmup is None else warmup,
+        min_lr_ratio=0.1,
+        max_grad_norm=1.0,
+        log_every=log_every,
+        progress="lines",
+        name=name,
+        eval_fn=(lambda m, step: {f"heldout_{objective}_accuracy": check(m)}) if check is not None else None,
+        eval_every=check_every,
+        rngs=(gen, krng),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m sbd_ext.train_demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sbd_ext.demo.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/demo", help="output folder (pretrain/, sbd/, ntp/, train_log.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible, best on a busy machine)")
@@ -273,9 +246,9 @@ def parse_args(argv=None):
         "--task",
         choices=("arith", "sort"),
         default="arith",
-        help="training task (sbd_ext.tasks): arith word problems (the embedded default) or list sort/reverse",
+        help="training task (sbd_ext.demo.tasks): arith word problems (the embedded default) or list sort/reverse",
     )
-    ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="see sbd_ext.demo_tokenizer")
+    ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="see sbd_ext.demo.tokenizer")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -297,7 +270,7 @@ def parse_args(argv=None):
     ap.add_argument("--block-sizes", type=int, nargs=2, default=[2, 16], metavar=("K_MIN", "K_MAX"))
     ap.add_argument("--eval-problems", type=int, default=64, help="held-out problems for the quick check (0: none)")
     ap.add_argument("--resume", action="store_true", help="reuse phases whose output folder exists")
-    ap.add_argument("--install", action="store_true", help="copy the results into sbd_ext/models/")
+    ap.add_argument("--install", action="store_true", help="copy the results into sbd_ext/demo/models/")
     return ap.parse_args(argv)
 
 
@@ -363,7 +336,7 @@ def main(argv=None) -> dict:
             continue
         model = load(pre_dir)
         if kind == "sbd":
-            from .training import add_mask_token
+            from ..training import add_mask_token
 
             add_mask_token(model, tok, block_size_range=tuple(args.block_sizes))
         t = time.perf_counter()
@@ -415,7 +388,7 @@ DEMO_INFO = {
 
 
 def install(out: str | os.PathLike, task: str = "arith", dst_root: str | os.PathLike | None = None) -> None:
-    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/models/{sbd,ntp}-<task>``) with sbd_demo.json."""
+    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/demo/models/{sbd,ntp}-<task>``) with sbd_demo.json."""
     dst_root = Path(dst_root) if dst_root is not None else Path(__file__).parent / "models"
     for kind in ("sbd", "ntp"):
         name = f"{kind}-{task}"
