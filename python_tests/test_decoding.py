@@ -247,12 +247,48 @@ def test_default_eos_from_generation_config(model):
     assert _generated(out, 0) == g[: g.index(eos) + 1]
 
 
-def test_restores_attn_implementation():
+def test_switches_attn_implementation_once_with_a_warning():
+    """A model loaded with "sdpa" is switched to "sbd" for good (a per-call switch would race between threads),
+    with a warning the first time only."""
     m = tiny_llama(attn="sdpa")
     ids, mask = random_prompts([5], seed=1)
-    generate(m, ids, mask, block_size=4, max_new_tokens=6)
-    assert m.config._attn_implementation == "sdpa"
+    with pytest.warns(UserWarning, match="switched LlamaForCausalLM from attn_implementation='sdpa' to 'sbd'"):
+        generate(m, ids, mask, block_size=4, max_new_tokens=6)
+    assert m.config._attn_implementation == "sbd"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(m, ids, mask, block_size=4, max_new_tokens=6)
     assert sbd_ext.generate is generate
+
+
+def test_concurrent_generate_on_one_model():
+    """Four threads decoding different prompts on ONE model (loaded with "sdpa") each get exactly what a
+    single-threaded call gives (before the fix, one call's switch back to "sdpa" broke the others)."""
+    import threading
+
+    m = tiny_llama(attn="sdpa")
+    prompts = [random_prompts([3 + i, 6], seed=10 + i) for i in range(4)]
+    kw = dict(block_size=4, threshold=0.5, max_new_tokens=24, eos_token_id=[])
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            for _ in range(3):
+                results[i] = generate(m, *prompts[i], **kw).sequences
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    with pytest.warns(UserWarning, match="switched"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for i in range(4):
+        assert torch.equal(results[i], generate(m, *prompts[i], **kw).sequences)
 
 
 def test_bfloat16_runs(model):
@@ -338,11 +374,59 @@ def test_error_bad_types_and_devices(model):
         (dict(max_new_tokens=0), "max_new_tokens"),
     ],
 )
-def test_error_bad_arguments(model, kwargs, match):
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_error_bad_arguments(model, kwargs, match, mode):
+    """Settings are validated whatever the mode: NTP mode used to ignore bad SBD arguments silently."""
     ids = torch.randint(0, MASK_ID, (1, 4))
-    kwargs.setdefault("max_new_tokens", 4)
+    kwargs = {"max_new_tokens": 4, "mode": mode, **kwargs}
     with pytest.raises(ValueError, match=match):
         generate(model, ids, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(eos_token_id="12"), TypeError, "eos_token_id must be an int or a list"),
+        (dict(eos_token_id=["1", 2]), ValueError, "eos_token_id must hold token ids"),
+        (dict(eos_token_id=[-1]), ValueError, "eos_token_id"),
+        (dict(eos_token_id=1.0), TypeError, "eos_token_id"),
+        (dict(stop_token_ids="3"), TypeError, "stop_token_ids"),
+        (dict(eos_token_id=torch.tensor([1.0])), TypeError, "eos_token_id"),
+        (dict(pad_token_id=-2), ValueError, "pad_token_id"),
+        (dict(seed=2**63), ValueError, "seed"),
+        (dict(seed=1.5), ValueError, "seed"),
+        (dict(block_size=True), ValueError, "block_size"),
+        (dict(threshold="0.1"), ValueError, "threshold"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(strict_block_size=1), TypeError, "strict_block_size"),
+        (dict(max_new_tokens=2.0), ValueError, "max_new_tokens"),
+        (dict(blocksize=4), TypeError, "unknown generation setting"),
+    ],
+)
+def test_error_bad_settings(model, kwargs, exc, match):
+    ids = torch.randint(0, MASK_ID, (1, 4))
+    for mode in ("sbd", "ntp"):
+        with pytest.raises(exc, match=match):
+            generate(model, ids, **{"max_new_tokens": 4, "mode": mode, **kwargs})
+
+
+def test_generation_settings_object(model):
+    """One validated, frozen object: defaults resolved, keyword overrides on top, equal results either way."""
+    import dataclasses
+
+    from sbd_ext.decoding import DEFAULT_THRESHOLDS, GenerationSettings
+
+    st = GenerationSettings(block_size=4, sampler="confidence", eos_token_id=[3, 5], max_new_tokens=12)
+    assert st.threshold == DEFAULT_THRESHOLDS["confidence"] and st.eos_token_id == (3, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.block_size = 8
+    assert GenerationSettings.of(st, threshold=0.95).threshold == 0.95 and st.threshold == 0.9
+    ids, mask = random_prompts([4, 7], seed=2)
+    a = generate(model, ids, mask, st).sequences
+    b = generate(model, ids, mask, block_size=4, sampler="confidence", eos_token_id=[3, 5], max_new_tokens=12)
+    assert torch.equal(a, b.sequences)
+    with pytest.raises(TypeError, match="GenerationSettings"):
+        generate(model, ids, mask, {"block_size": 4})
 
 
 def test_error_nan_logits():

@@ -28,13 +28,13 @@ from .ops import block_attention, entropy_sample, mask_replace  # noqa: E402
 try:
     from . import cache, decoding, hf, metadata  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
     from .cache import SBDCache  # noqa: E402, F401
-    from .decoding import generate, generate_reference  # noqa: E402, F401
+    from .decoding import GenerationSettings, generate, generate_reference  # noqa: E402, F401
 except (ImportError, AttributeError) as _e:  # pragma: no cover - only with an incompatible transformers
     _HF_IMPORT_ERROR: Exception | None = _e
 else:
     _HF_IMPORT_ERROR = None
 
-_HF_NAMES = ("hf", "cache", "decoding", "metadata", "SBDCache", "generate", "generate_reference")
+_HF_NAMES = ("hf", "cache", "decoding", "metadata", "SBDCache", "GenerationSettings", "generate", "generate_reference")
 
 
 def __getattr__(name: str):

@@ -41,9 +41,10 @@ Decoding (per sequence; sequences of a batch advance independently)
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
-from collections.abc import Sequence
+import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "SBDCache",
     "SBDForwardPlan",
     "SBDGenerateOutput",
+    "GenerationSettings",
     "generate",
     "generate_reference",
     "sample_block",
@@ -101,32 +103,132 @@ class SBDGenerateOutput(ModelOutput):
 
 
 # --------------------------------------------------------------------------------------------------------
-# argument handling
+# settings: validated once
 # --------------------------------------------------------------------------------------------------------
-@dataclass
-class _Setup:
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _token_ids(value, name: str) -> tuple[int, ...] | None:
+    """None, an int, or a sequence / 1-D tensor of ints -> a tuple of ids >= 0; a clear error for anything else
+    (a string is refused: "12" is not the ids (1, 2))."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > 1:
+            raise TypeError(f"{name} must be an int or a 1-D integer tensor / list of ints, got {value!r}")
+        value = value.tolist()
+    if _is_int(value):
+        value = (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset, range)):
+        raise TypeError(f"{name} must be an int or a list of ints (token ids), got {type(value).__name__} {value!r}")
+    ids = tuple(value)
+    for t in ids:
+        if not _is_int(t) or not 0 <= t <= _INT64_MAX:
+            raise ValueError(f"{name} must hold token ids (ints >= 0), got {t!r} in {value!r}")
+    return ids
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How :func:`generate` decodes: every field is validated once, at construction, whatever the mode.
+
+    mode: "sbd" (set-block decoding) or "ntp" (one token per forward through the same cache and kernels).
+    block_size: k, the set-block size (SBD). sampler: "eb" (entropy-bounded, paper Eq. 8), "entropy" (entropy
+    threshold) or "confidence". threshold: gamma for "eb"/"entropy" (>= 0), tau for "confidence"; None ->
+    ``DEFAULT_THRESHOLDS[sampler]``. temperature: 0 -> argmax; > 0 -> sample from softmax(logits / temperature)
+    (Gumbel-max, Philox). seed: the Philox seed (an int64); forward f draws with offset f.
+    max_new_tokens: generated tokens per sequence at most; None -> the model's generation_config (max_new_tokens,
+    else max_length - longest prompt). eos_token_id: an int or ids; None -> generation_config / config EOS; ()
+    disables. stop_token_ids: more ids that stop a sequence like EOS. pad_token_id: fills ``sequences``; None ->
+    generation_config / config pad id, else the first EOS id, else 0. strict_block_size: refuse a k outside the
+    model's trained ``sbd_block_size_range``.
+
+    ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
+    :func:`generate`'s keywords do).
+    """
+
+    mode: str = "sbd"
+    block_size: int = 16
+    sampler: str = "eb"
+    threshold: float | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int | None = None
+    eos_token_id: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    strict_block_size: bool = True
+
+    def __post_init__(self):
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
+        if self.mode not in ("sbd", "ntp"):
+            raise ValueError(f"mode must be 'sbd' or 'ntp', got {self.mode!r}")
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+        if self.threshold is None:
+            set_("threshold", float(DEFAULT_THRESHOLDS[self.sampler]))
+        if not _is_number(self.threshold) or not math.isfinite(self.threshold):
+            raise ValueError(f"threshold must be a finite number, got {self.threshold!r}")
+        if self.sampler in ("eb", "entropy") and self.threshold < 0:
+            raise ValueError(f"threshold (gamma) of the {self.sampler!r} sampler must be >= 0, got {self.threshold}")
+        set_("threshold", float(self.threshold))
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        set_("temperature", float(self.temperature))
+        if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        set_("eos_token_id", _token_ids(self.eos_token_id, "eos_token_id"))
+        set_("stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids") or ())
+        if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
+            raise ValueError(f"pad_token_id must be a token id (an int >= 0), got {self.pad_token_id!r}")
+        if not isinstance(self.strict_block_size, bool):
+            raise TypeError(f"strict_block_size must be a bool, got {self.strict_block_size!r}")
+
+    @classmethod
+    def of(cls, settings: GenerationSettings | None = None, **overrides) -> GenerationSettings:
+        """``settings`` (default: all defaults) with ``overrides`` applied; unknown names are a TypeError."""
+        if settings is not None and not isinstance(settings, GenerationSettings):
+            raise TypeError(f"settings must be a GenerationSettings, got {type(settings).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown generation setting(s) {unknown}; the settings are {sorted(names)}")
+        if settings is None:
+            return cls(**overrides)
+        return dataclasses.replace(settings, **overrides) if overrides else settings
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One call's settings with the model's defaults filled in, plus what the model and the prompts decide."""
+
+    settings: GenerationSettings  # threshold, max_new_tokens, eos_token_id and pad_token_id resolved
     prompts: list[list[int]]
-    mode: str
-    block_size: int
-    sampler: str
-    threshold: float
-    temperature: float
-    seed: int
-    max_new_tokens: int
     stop_ids: frozenset
-    pad_id: int
     mask_id: int | None
     vocab: int
 
-
-def _as_id_list(x) -> list[int]:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.flatten().tolist()]
-    if isinstance(x, int):
-        return [x]
-    return [int(v) for v in x]
+    mode = property(lambda self: self.settings.mode)
+    sbd = property(lambda self: self.settings.mode == "sbd")
+    block_size = property(lambda self: self.settings.block_size if self.settings.mode == "sbd" else 1)
+    sampler = property(lambda self: self.settings.sampler)
+    threshold = property(lambda self: self.settings.threshold)
+    temperature = property(lambda self: self.settings.temperature)
+    seed = property(lambda self: self.settings.seed)
+    max_new_tokens = property(lambda self: self.settings.max_new_tokens)
+    pad_id = property(lambda self: self.settings.pad_token_id)
 
 
 def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -134,32 +236,8 @@ def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     return p.device, (model.dtype if hasattr(model, "dtype") else p.dtype)
 
 
-def _prepare(
-    model,
-    input_ids,
-    attention_mask,
-    *,
-    block_size,
-    sampler,
-    threshold,
-    temperature,
-    seed,
-    max_new_tokens,
-    eos_token_id,
-    stop_token_ids,
-    pad_token_id,
-    mode,
-    strict_block_size,
-) -> _Setup:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise TypeError("model must be a HuggingFace PreTrainedModel (it has no .config)")
-    cfg = config.get_text_config(decoder=True)
-    device, _ = _model_device_dtype(model)
-    vocab = int(cfg.vocab_size)
-
-    if mode not in ("sbd", "ntp"):
-        raise ValueError(f"mode must be 'sbd' or 'ntp', got {mode!r}")
+def _prompts(input_ids, attention_mask, device, vocab: int) -> list[list[int]]:
+    """The prompts as lists of ids, padding removed; clear errors for every malformed input."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -198,105 +276,79 @@ def _prepare(
         prompts.append(ids_host[b, lo:hi].tolist())
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise ValueError(f"input_ids holds token ids outside [0, vocab_size={vocab})")
+    return prompts
 
+
+def _fill_model_defaults(settings: GenerationSettings, model, cfg, longest_prompt: int) -> GenerationSettings:
+    """max_new_tokens, eos_token_id and pad_token_id from the model's generation_config / config when not given."""
     gen_cfg = getattr(model, "generation_config", None)
-    if max_new_tokens is None:
-        max_new_tokens = getattr(gen_cfg, "max_new_tokens", None)
-        if max_new_tokens is None:
+    fill = {}
+    if settings.max_new_tokens is None:
+        n = getattr(gen_cfg, "max_new_tokens", None)
+        if n is None:
             max_len = getattr(gen_cfg, "max_length", None) or 20  # HF's default max_length
-            max_new_tokens = max_len - max(len(p) for p in prompts)
-            if max_new_tokens < 1:
+            n = max_len - longest_prompt
+            if n < 1:
                 raise ValueError(
                     f"max_new_tokens not given and generation_config.max_length={max_len} leaves no room after the "
-                    f"longest prompt ({max(len(p) for p in prompts)} tokens); pass max_new_tokens"
+                    f"longest prompt ({longest_prompt} tokens); pass max_new_tokens"
                 )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    total = max(len(p) for p in prompts) + max_new_tokens
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    if max_pos is not None and total > max_pos:
-        raise ValueError(
-            f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-            f"model's max_position_embeddings = {max_pos}"
-        )
+        fill["max_new_tokens"] = n
+    eos = settings.eos_token_id
+    if eos is None:
+        eos = getattr(gen_cfg, "eos_token_id", None)
+        eos = getattr(cfg, "eos_token_id", None) if eos is None else eos
+        fill["eos_token_id"] = _token_ids(eos, "the model's eos_token_id") or ()
+    if settings.pad_token_id is None:
+        pad = getattr(gen_cfg, "pad_token_id", None)
+        pad = getattr(cfg, "pad_token_id", None) if pad is None else pad
+        if pad is None:
+            eos_ids = fill.get("eos_token_id", settings.eos_token_id)
+            pad = eos_ids[0] if eos_ids else 0
+        fill["pad_token_id"] = int(pad)
+    return dataclasses.replace(settings, **fill) if fill else settings
 
-    if eos_token_id is None:
-        eos_token_id = getattr(gen_cfg, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(cfg, "eos_token_id", None)
-    stop_ids = frozenset(_as_id_list(eos_token_id) + _as_id_list(stop_token_ids))
-    if pad_token_id is None:
-        pad_token_id = getattr(gen_cfg, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = getattr(cfg, "pad_token_id", None)
-        if pad_token_id is None:
-            eos_list = _as_id_list(eos_token_id)
-            pad_token_id = eos_list[0] if eos_list else 0
-    pad_token_id = int(pad_token_id)
 
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    seed = int(seed)
-
-    mask_id, block_range = get_sbd_metadata(config)
-    if mode == "ntp":
-        return _Setup(
-            prompts,
-            mode,
-            1,
-            "eb",
-            0.0,
-            float(temperature),
-            seed,
-            max_new_tokens,
-            stop_ids,
-            pad_token_id,
-            mask_id,
-            vocab,
-        )
-
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    if threshold is None:
-        threshold = DEFAULT_THRESHOLDS[sampler]
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
-        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
-    if sampler in ("eb", "entropy") and threshold < 0:
-        raise ValueError(f"threshold (gamma) of the {sampler!r} sampler must be >= 0, got {threshold}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+def _check_sbd_model(settings: GenerationSettings, mask_id, block_range, vocab: int) -> None:
     if mask_id is None:
         raise ValueError(
             f"the model config has no `{MASK_TOKEN_ATTR}`: it was not trained for SBD (or its SBD metadata was not "
-            f"saved). Set it with sbd_ext.decoding.set_sbd_metadata(model.config, mask_token_id=...), or use mode='ntp'"
+            f"saved). Set it with sbd_ext.metadata.set_sbd_metadata(model, mask_token_id=...), or use mode='ntp'"
         )
     if not 0 <= mask_id < vocab:
         raise ValueError(f"config.{MASK_TOKEN_ATTR} = {mask_id} is not a token id in [0, vocab_size={vocab})")
-    if block_range is not None and strict_block_size and not block_range[0] <= block_size <= block_range[1]:
+    k = settings.block_size
+    if block_range is not None and settings.strict_block_size and not block_range[0] <= k <= block_range[1]:
         raise ValueError(
-            f"block_size={block_size} is outside the block sizes the model was trained with "
+            f"block_size={k} is outside the block sizes the model was trained with "
             f"(config.{BLOCK_RANGE_ATTR} = [{block_range[0]}, {block_range[1]}]); pass strict_block_size=False to "
             f"decode with it anyway"
         )
-    return _Setup(
-        prompts,
-        mode,
-        block_size,
-        sampler,
-        float(threshold),
-        float(temperature),
-        seed,
-        max_new_tokens,
-        stop_ids,
-        pad_token_id,
-        mask_id,
-        vocab,
-    )
+
+
+def _job(model, input_ids, attention_mask, settings: GenerationSettings) -> _Job:
+    """Resolve ``settings`` against ``model`` and the prompts (model defaults, SBD metadata, position limit)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError("model must be a HuggingFace PreTrainedModel (it has no .config)")
+    cfg = config.get_text_config(decoder=True)
+    device, _ = _model_device_dtype(model)
+    vocab = int(cfg.vocab_size)
+    prompts = _prompts(input_ids, attention_mask, device, vocab)
+    longest = max(len(p) for p in prompts)
+    settings = _fill_model_defaults(settings, model, cfg, longest)
+    total = longest + settings.max_new_tokens
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos is not None and total > max_pos:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) = {total} exceeds the "
+            f"model's max_position_embeddings = {max_pos}"
+        )
+    mask_id, block_range = get_sbd_metadata(config)
+    if settings.mode == "sbd":
+        _check_sbd_model(settings, mask_id, block_range, vocab)
+    stop_ids = frozenset(settings.eos_token_id + settings.stop_token_ids)
+    return _Job(settings, prompts, stop_ids, mask_id, vocab)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -305,7 +357,7 @@ def _prepare(
 class _Seq:
     """Host-side state of one sequence: its tokens, the current block and the pending (uncommitted) tokens."""
 
-    def __init__(self, prompt: list[int], s: _Setup):
+    def __init__(self, prompt: list[int], s: _Job):
         self.s = s
         self.prompt = prompt
         self.gen: list[int] = []  # generated tokens of finished blocks (the output)
@@ -381,7 +433,7 @@ class _Seq:
             self.done = True
 
 
-def _block_tensor(seqs: list[_Seq], active: list[bool], s: _Setup) -> torch.Tensor:
+def _block_tensor(seqs: list[_Seq], active: list[bool], s: _Job) -> torch.Tensor:
     """[B, block_size] int64 on the CPU: each active sequence's block, then a filler that is not the mask id."""
     fill = s.pad_id if s.pad_id != s.mask_id else (0 if s.mask_id != 0 else 1)
     block = torch.full((len(seqs), s.block_size), fill, dtype=torch.int64)
@@ -422,7 +474,7 @@ def sample_block(
     return n_rev, n_rem, ent, pmax, tok
 
 
-def _finish(seqs: list[_Seq], s: _Setup, device, return_trace: bool, cache=None) -> SBDGenerateOutput:
+def _finish(seqs: list[_Seq], s: _Job, device, return_trace: bool, cache=None) -> SBDGenerateOutput:
     B = len(seqs)
     L = max(len(q.prompt) + len(q.gen) for q in seqs)
     out = torch.full((B, L), s.pad_id, dtype=torch.int64)
@@ -442,88 +494,113 @@ def _finish(seqs: list[_Seq], s: _Setup, device, return_trace: bool, cache=None)
     )
 
 
-@contextlib.contextmanager
-def _sbd_attention(model):
-    """Run the model with attn_implementation="sbd" (switching with set_attn_implementation and back if needed)."""
-    prev = model.config._attn_implementation
-    if prev == ATTN_IMPLEMENTATION:
-        yield
+_SWITCH_LOCK = threading.Lock()
+
+
+def _use_sbd_attention(model) -> None:
+    """Make ``model`` run the ``"sbd"`` attention, once and for good.
+
+    A per-call switch (and switch back) would be seen by every other thread using the same model, so a model loaded
+    with another implementation is switched permanently, under a lock, with a warning; for ordinary forwards
+    ``"sbd"`` gives what ``"sdpa"`` gives (it falls back to SDPA for custom masks and autograd). Concurrent
+    :func:`generate` calls on one model are then independent: each has its own cache and plan, and nothing else
+    in the model changes during a call.
+    """
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
+    with _SWITCH_LOCK:
+        prev = model.config._attn_implementation
+        if prev == ATTN_IMPLEMENTATION:
+            return
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"could not switch {type(model).__name__} to attn_implementation={ATTN_IMPLEMENTATION!r}; load it with "
                 f"from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})"
             )
-        yield
-    finally:
-        model.set_attn_implementation(prev)
+        warnings.warn(
+            f"sbd_ext.generate switched {type(model).__name__} from attn_implementation={prev!r} to "
+            f"{ATTN_IMPLEMENTATION!r} (same results for ordinary forwards); load the model with "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} to avoid this",
+            stacklevel=4,  # the caller of generate (past the no_grad wrapper)
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
 # the cached decoder
 # --------------------------------------------------------------------------------------------------------
-_COMMON_DOC = """
-    Args:
-        model: a HuggingFace causal LM (Llama family) in eval mode.
-        input_ids: [B, P] int token ids on the model's device.
-        attention_mask: [B, P] 0/1 (or bool), one contiguous run of 1s per row (left or right padding); ragged
-            prompts are re-packed per sequence. None: no padding.
-        block_size: k, the set-block size (SBD mode).
-        sampler: "eb" (entropy-bounded, paper Eq. 8), "entropy" (entropy threshold) or "confidence".
-        threshold: gamma for "eb"/"entropy", tau for "confidence"; default DEFAULT_THRESHOLDS[sampler].
-        temperature: 0 -> argmax; > 0 -> sample from softmax(logits / temperature) (Gumbel-max, Philox).
-        seed: the Philox seed; forward f uses offset f.
-        max_new_tokens: generated tokens per sequence at most; default from model.generation_config
-            (max_new_tokens, else max_length - longest prompt).
-        eos_token_id: int or list; default generation_config.eos_token_id, else config.eos_token_id. [] disables.
-        stop_token_ids: more ids that stop a sequence like EOS.
-        pad_token_id: fills ``sequences``; default generation_config / config pad id, else the first EOS id, else 0.
-        mode: "sbd" or "ntp" (next-token prediction through the same cache and kernels).
-        return_trace: fill ``trace``.
-        strict_block_size: refuse a block size outside config.sbd_block_size_range.
-    Returns:
-        SBDGenerateOutput.
-"""
+@dataclass
+class _Forward:
+    """The rows of one cached forward (host side): per sequence, ``n_commit`` committed rows (the finished block,
+    or the prompt, causal; their K/V are written now) followed by the current block's rows (the set block)."""
+
+    ids: torch.Tensor  # [B, T] int64 on the CPU
+    pos: torch.Tensor  # [B, T] int64 position ids
+    n_commit: list[int]
+    n_valid: list[int]
+    first: int  # first row whose logits are needed (the lm_head skips the rows before it)
 
 
-@torch.no_grad()
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    block_size: int = 16,
-    sampler: str = "eb",
-    threshold: float | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    mode: str = "sbd",
-    return_trace: bool = True,
-    return_cache: bool = False,
-    strict_block_size: bool = True,
-) -> SBDGenerateOutput:
-    s = _prepare(
-        model,
-        input_ids,
-        attention_mask,
-        block_size=block_size,
-        sampler=sampler,
-        threshold=threshold,
-        temperature=temperature,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        stop_token_ids=stop_token_ids,
-        pad_token_id=pad_token_id,
-        mode=mode,
-        strict_block_size=strict_block_size,
-    )
+def _next_forward(seqs: list[_Seq], job: _Job) -> _Forward:
+    """Alg. 3, lines "commit + fill": each active sequence contributes its pending tokens (the block it finished
+    last forward, or its prompt) as committed rows, then its current block (SBD)."""
+    B = len(seqs)
+    active = [not q.done for q in seqs]
+    n_commit = [len(q.pending) if a else 0 for q, a in zip(seqs, active, strict=True)]
+    n_block = [len(q.block) if (a and job.sbd) else 0 for q, a in zip(seqs, active, strict=True)]
+    n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
+    T = max(n_valid)
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    pos = torch.zeros(B, T, dtype=torch.int64)  # padding rows at position 0: never widens a dynamic RoPE
+    for b, q in enumerate(seqs):
+        if active[b]:
+            ids[b, : n_valid[b]] = torch.tensor(q.pending + (q.block if job.sbd else []), dtype=torch.int64)
+            pos[b, : n_valid[b]] = torch.arange(q.n_cached, q.n_cached + n_valid[b])
+    # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1.
+    first = min((c if job.sbd else c - 1) for c, a in zip(n_commit, active, strict=True) if a)
+    return _Forward(ids, pos, n_commit, n_valid, first)
+
+
+def _run_forward(model, cache: SBDCache, fw: _Forward, device) -> torch.Tensor:
+    """One forward over the cache; the kernel appends the committed rows' K/V. Returns logits [B, T - first, V]."""
+    T = fw.ids.shape[1]
+    with cache.forward_plan(fw.n_commit, fw.n_valid) as plan:
+        return model(
+            input_ids=fw.ids.to(device, non_blocking=True),
+            position_ids=fw.pos.to(device, non_blocking=True),
+            past_key_values=cache,
+            use_cache=True,
+            sbd_plan=plan,
+            logits_to_keep=T - fw.first,
+        ).logits
+
+
+def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: int) -> None:
+    """Alg. 3, "reveal": sample every block position, reveal by the sampler rule in place (SBD), or take the next
+    token (NTP); one device-to-host read; each sequence then advances (finished blocks move to the output)."""
+    B, K, device = len(seqs), job.block_size, logits.device
+    T_kept = logits.shape[1]
+    active = [not q.done for q in seqs]
+    if job.sbd:
+        rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K) - fw.first
+        rows = rows.clamp_(0, T_kept - 1).to(device)  # [B, K]; rows of absent positions are not used
+        x = torch.gather(logits, 1, rows.unsqueeze(-1).expand(B, K, logits.shape[-1]))  # [B, K, V] copy
+        block = _block_tensor(seqs, active, job).to(device)
+        n_rev, n_rem = sample_block(x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f)[:2]
+        back = torch.cat([n_rev.view(B, 1), n_rem.view(B, 1), block], dim=1).cpu()  # the one sync
+        for b, q in enumerate(seqs):
+            if active[b]:
+                q.after_sbd_forward(f, back[b, 2:].tolist(), int(back[b, 0]), int(back[b, 1]), b)
+    else:
+        rows = (torch.tensor(fw.n_commit) - 1 - fw.first).clamp_(0, T_kept - 1).to(device)
+        x = logits[torch.arange(B, device=device), rows]  # [B, V]
+        tok = ops.entropy_sample(x, job.temperature, job.seed, f)[2].cpu()  # the one sync
+        for b, q in enumerate(seqs):
+            if active[b]:
+                q.after_ntp_forward(f, int(tok[b]), b)
+
+
+def _check_runnable(model) -> tuple[torch.device, torch.dtype]:
     device, dtype = _model_device_dtype(model)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(
@@ -531,56 +608,47 @@ def generate(
         )
     if not kernel_available(device):
         raise RuntimeError(f"sbd_ext has no block_attention kernel for device {device} in this build")
-    B, K = len(s.prompts), s.block_size
-    seqs = [_Seq(p, s) for p in s.prompts]
-    cache = SBDCache(model.config, B, max(len(p) for p in s.prompts) + s.max_new_tokens, dtype, device)
-    sbd = s.mode == "sbd"
-    with _sbd_attention(model):
-        f = 0
-        while not all(q.done for q in seqs):
-            active = [not q.done for q in seqs]
-            n_commit = [len(q.pending) if a else 0 for q, a in zip(seqs, active, strict=True)]
-            n_block = [len(q.block) if (a and sbd) else 0 for q, a in zip(seqs, active, strict=True)]
-            n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
-            T = max(n_valid)
-            ids = torch.zeros(B, T, dtype=torch.int64)
-            pos = torch.zeros(B, T, dtype=torch.int64)  # padding rows at position 0: never widens a dynamic RoPE
-            for b, q in enumerate(seqs):
-                if active[b]:
-                    ids[b, : n_valid[b]] = torch.tensor(q.pending + (q.block if sbd else []), dtype=torch.int64)
-                    pos[b, : n_valid[b]] = torch.arange(q.n_cached, q.n_cached + n_valid[b])
-            # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1. Keep only the logits from the
-            # first row any sequence needs (the lm_head over a long prompt is skipped).
-            first = min((c if sbd else c - 1) for c, a in zip(n_commit, active, strict=True) if a)
-            with cache.forward_plan(n_commit, n_valid) as plan:
-                logits = model(
-                    input_ids=ids.to(device, non_blocking=True),
-                    position_ids=pos.to(device, non_blocking=True),
-                    past_key_values=cache,
-                    use_cache=True,
-                    sbd_plan=plan,
-                    logits_to_keep=T - first,
-                ).logits  # [B, T - first, V]
-            if sbd:
-                rows = torch.tensor(n_commit).view(B, 1) + torch.arange(K).view(1, K) - first
-                rows = rows.clamp_(0, T - first - 1).to(device)  # [B, K]; rows of absent positions are not used
-                x = torch.gather(logits, 1, rows.unsqueeze(-1).expand(B, K, logits.shape[-1]))  # [B, K, V] copy
-                block = _block_tensor(seqs, active, s).to(device)
-                n_rev, n_rem = sample_block(x, block, s.mask_id, s.sampler, s.threshold, s.temperature, s.seed, f)[:2]
-                back = torch.cat([n_rev.view(B, 1), n_rem.view(B, 1), block], dim=1).cpu()  # the one sync
-                for b, q in enumerate(seqs):
-                    if active[b]:
-                        q.after_sbd_forward(f, back[b, 2:].tolist(), int(back[b, 0]), int(back[b, 1]), b)
-            else:
-                rows = (torch.tensor(n_commit) - 1 - first).clamp_(0, T - first - 1).to(device)
-                x = logits[torch.arange(B, device=device), rows]  # [B, V]
-                _, _, tok = ops.entropy_sample(x, s.temperature, s.seed, f)
-                tok = tok.cpu()
-                for b, q in enumerate(seqs):
-                    if active[b]:
-                        q.after_ntp_forward(f, int(tok[b]), b)
-            f += 1
-    return _finish(seqs, s, input_ids.device, return_trace, cache if return_cache else None)
+    return device, dtype
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    settings: GenerationSettings | None = None,
+    *,
+    return_trace: bool = True,
+    return_cache: bool = False,
+    **overrides,
+) -> SBDGenerateOutput:
+    """SBD generation with the exact KV cache (see the module docstring); ``mode="ntp"`` for next-token decoding.
+
+    Args:
+        model: a HuggingFace causal LM (Llama family) in eval mode; switched to attn_implementation="sbd" for good
+            if it was loaded with another one (see :func:`_use_sbd_attention`).
+        input_ids: [B, P] int token ids on the model's device.
+        attention_mask: [B, P] 0/1 (or bool), one contiguous run of 1s per row (left or right padding); ragged
+            prompts are re-packed per sequence. None: no padding.
+        settings: a :class:`GenerationSettings`; ``**overrides`` are its fields by keyword (``block_size=8``,
+            ``sampler="eb"``, ``threshold=0.1``, ``temperature``, ``seed``, ``max_new_tokens``, ``eos_token_id``,
+            ``stop_token_ids``, ``pad_token_id``, ``mode``, ``strict_block_size``) applied on top of it.
+        return_trace: fill ``trace``. return_cache: also return the SBDCache (as ``past_key_values``).
+    Returns:
+        SBDGenerateOutput.
+    """
+    job = _job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
+    device, dtype = _check_runnable(model)
+    _use_sbd_attention(model)
+    seqs = [_Seq(p, job) for p in job.prompts]
+    cache = SBDCache(model.config, len(seqs), max(map(len, job.prompts)) + job.max_new_tokens, dtype, device)
+    f = 0
+    while not all(q.done for q in seqs):
+        fw = _next_forward(seqs, job)  # commit the finished block + fill the current one
+        logits = _run_forward(model, cache, fw, device)
+        _reveal(logits, fw, seqs, job, f)  # reveal; finished blocks move to the output
+        f += 1
+    return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -602,36 +670,15 @@ def generate_reference(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    settings: GenerationSettings | None = None,
     *,
-    block_size: int = 16,
-    sampler: str = "eb",
-    threshold: float | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    mode: str = "sbd",
     return_trace: bool = True,
-    strict_block_size: bool = True,
+    **overrides,
 ) -> SBDGenerateOutput:
-    s = _prepare(
-        model,
-        input_ids,
-        attention_mask,
-        block_size=block_size,
-        sampler=sampler,
-        threshold=threshold,
-        temperature=temperature,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        stop_token_ids=stop_token_ids,
-        pad_token_id=pad_token_id,
-        mode=mode,
-        strict_block_size=strict_block_size,
-    )
+    """The no-cache reference decoder: every forward recomputes each sequence with a dense mask through the model's
+    own attention (SDPA/eager; the 'sbd' backend falls back to SDPA for a 4D mask), one sequence at a time, and uses
+    the pure-PyTorch reference samplers. Same arguments and outputs as :func:`generate` (no return_cache)."""
+    s = _job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
     device, dtype = _model_device_dtype(model)
     B, K, V = len(s.prompts), s.block_size, s.vocab
     seqs = [_Seq(p, s) for p in s.prompts]
@@ -675,15 +722,3 @@ def generate_reference(
                     q.after_ntp_forward(f, int(tok[b]), b)
         f += 1
     return _finish(seqs, s, input_ids.device, return_trace)
-
-
-generate.__doc__ = (
-    "SBD generation with the exact KV cache (see the module docstring); mode='ntp' for next-token decoding.\n"
-    + _COMMON_DOC
-    + "        return_cache: also return the SBDCache (as ``past_key_values``).\n"
-)
-generate_reference.__doc__ = (
-    "The no-cache reference decoder: every forward recomputes each sequence with a dense mask through the model's\n"
-    "own attention (SDPA/eager; the 'sbd' backend falls back to SDPA for a 4D mask), one sequence at a time, and uses\n"
-    "the pure-PyTorch reference samplers. Same arguments and outputs as generate (no return_cache).\n" + _COMMON_DOC
-)

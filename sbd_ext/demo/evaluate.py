@@ -44,46 +44,34 @@ def decode(
     model,
     tok,
     prompts: Sequence[str],
+    settings=None,
     *,
-    mode: str = "sbd",
-    block_size: int = 16,
-    sampler: str = "eb",
-    threshold: float | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    max_new_tokens: int = 160,
     batch_size: int = 32,
     return_trace: bool = False,
+    **overrides,
 ) -> dict:
     """Decode ``prompts`` with :func:`sbd_ext.decoding.generate` in batches.
 
+    ``settings`` / ``**overrides``: a :class:`sbd_ext.decoding.GenerationSettings` and its fields by keyword, as
+    for ``generate``; the demo's defaults are ``max_new_tokens=160`` and the tokenizer's EOS and pad ids.
     Returns a dict: completions (text, special tokens and everything after the first EOS removed), nfe and
     num_generated (lists of ints, one per prompt), seconds (total wall-clock), traces (with ``return_trace``),
     prompt_lengths.
     """
-    from ..decoding import generate
+    from ..decoding import GenerationSettings, generate
 
+    demo_defaults = dict(max_new_tokens=160, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if settings is None:
+        settings = GenerationSettings(**{**demo_defaults, **overrides})
+    else:
+        settings = GenerationSettings.of(settings, **overrides)
     dev = next(model.parameters()).device
     out = {"completions": [], "nfe": [], "num_generated": [], "traces": [], "prompt_lengths": [], "token_ids": []}
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         chunk = list(prompts[i : i + batch_size])
         enc = tok(chunk, return_tensors="pt", padding=True, padding_side="left")
-        res = generate(
-            model,
-            enc.input_ids.to(dev),
-            enc.attention_mask.to(dev),
-            mode=mode,
-            block_size=block_size,
-            sampler=sampler,
-            threshold=threshold,
-            temperature=temperature,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            return_trace=return_trace,
-        )
+        res = generate(model, enc.input_ids.to(dev), enc.attention_mask.to(dev), settings, return_trace=return_trace)
         for b in range(len(chunk)):
             p = int(res.prompt_lengths[b])
             ids = res.sequences[b, p : p + int(res.num_generated[b])].tolist()

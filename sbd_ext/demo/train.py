@@ -388,7 +388,8 @@ DEMO_INFO = {
 
 
 def install(out: str | os.PathLike, task: str = "arith", dst_root: str | os.PathLike | None = None) -> None:
-    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/demo/models/{sbd,ntp}-<task>``) with sbd_demo.json."""
+    """Copy ``out/sbd`` and ``out/ntp`` into the package (``sbd_ext/demo/models/{sbd,ntp}-<task>``), with
+    sbd_demo.json."""
     dst_root = Path(dst_root) if dst_root is not None else Path(__file__).parent / "models"
     for kind in ("sbd", "ntp"):
         name = f"{kind}-{task}"

@@ -54,7 +54,7 @@ def load(
     name_or_path: str | Path = DEFAULT_MODEL,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "sbd",
 ):
     """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
