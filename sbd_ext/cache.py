@@ -136,6 +136,13 @@ class SBDCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("SBDCache has a fixed batch")
 
+    def rollback(self, b: int, length: int) -> None:
+        """Shorten sequence ``b`` to ``length`` valid rows (verify mode, after a correction): the rows after it
+        are stale and are overwritten by later commits; attention never reads past a sequence's length."""
+        if not 0 <= length <= self.seq_lens[b]:
+            raise ValueError(f"SBDCache.rollback: sequence {b} holds {self.seq_lens[b]} rows, cannot keep {length}")
+        self.seq_lens[b] = int(length)
+
     @contextlib.contextmanager
     def forward_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]):
         """Validate and expose one forward's plan; on a normal exit, advance ``seq_lens`` by ``n_commit``.

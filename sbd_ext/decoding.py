@@ -45,6 +45,7 @@ import dataclasses
 import math
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,10 @@ class SBDGenerateOutput(ModelOutput):
     trace: per sequence, one ``(forward index, positions revealed, tokens)`` tuple per forward (positions index
         into the row of ``sequences``); only positions kept in the output are listed. None unless return_trace.
     past_key_values: the :class:`SBDCache` (only with ``return_cache=True``; :func:`generate` only).
+    num_accepted, num_corrected: [B] int64 (verify mode; zeros otherwise): generated tokens that SBD revealed and
+        verification kept, and corrections (each the NTP choice that replaced the first disagreeing token of a
+        block, the rest of the block dropped); num_accepted + num_corrected = num_generated.
+    corrections: per sequence, the positions (in the row of ``sequences``) of corrected tokens (verify mode).
     """
 
     sequences: torch.Tensor | None = None
@@ -100,6 +105,9 @@ class SBDGenerateOutput(ModelOutput):
     tokens_per_forward: torch.Tensor | None = None
     trace: list | None = None
     past_key_values: SBDCache | None = None
+    num_accepted: torch.Tensor | None = None
+    num_corrected: torch.Tensor | None = None
+    corrections: list | None = None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -149,7 +157,8 @@ class GenerationSettings:
     else max_length - longest prompt). eos_token_id: an int or ids; None -> generation_config / config EOS; ()
     disables. stop_token_ids: more ids that stop a sequence like EOS. pad_token_id: fills ``sequences``; None ->
     generation_config / config pad id, else the first EOS id, else 0. strict_block_size: refuse a k outside the
-    model's trained ``sbd_block_size_range``.
+    model's trained ``sbd_block_size_range``. verify (SBD): lossless mode -- every revealed block is checked
+    against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -166,6 +175,7 @@ class GenerationSettings:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     strict_block_size: bool = True
+    verify: bool = False
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
@@ -195,6 +205,12 @@ class GenerationSettings:
             raise ValueError(f"pad_token_id must be a token id (an int >= 0), got {self.pad_token_id!r}")
         if not isinstance(self.strict_block_size, bool):
             raise TypeError(f"strict_block_size must be a bool, got {self.strict_block_size!r}")
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"verify must be a bool, got {self.verify!r}")
+        if self.verify and self.mode != "sbd":
+            raise ValueError(
+                "verify=True checks SBD's revealed blocks; it needs mode='sbd' (mode='ntp' is exact already)"
+            )
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **overrides) -> GenerationSettings:
@@ -222,6 +238,7 @@ class _Job:
 
     mode = property(lambda self: self.settings.mode)
     sbd = property(lambda self: self.settings.mode == "sbd")
+    verify = property(lambda self: self.settings.verify)
     block_size = property(lambda self: self.settings.block_size if self.settings.mode == "sbd" else 1)
     sampler = property(lambda self: self.settings.sampler)
     threshold = property(lambda self: self.settings.threshold)
@@ -355,36 +372,114 @@ def _job(model, input_ids, attention_mask, settings: GenerationSettings) -> _Job
 # per-sequence state machine, shared by the cached decoder and the reference
 # --------------------------------------------------------------------------------------------------------
 class _Seq:
-    """Host-side state of one sequence: its tokens, the current block and the pending (uncommitted) tokens."""
+    """Host-side state of one sequence: its output, the current block and the pending (uncached) tokens.
+
+    ``pending`` are the tokens after the cached prefix; they are committed (causal rows, K/V written) in the next
+    forward. In verify mode the last ``n_draft`` of them are a finished block's unverified tokens (drafts): that
+    forward's committed rows also give the next-token (NTP) choice at every draft position, which accepts the
+    agreeing prefix and corrects the first disagreement (:meth:`_verify`). Without verify, ``n_draft`` stays 0 and a
+    finished block goes straight to the output.
+    """
 
     def __init__(self, prompt: list[int], s: _Job):
         self.s = s
         self.prompt = prompt
-        self.gen: list[int] = []  # generated tokens of finished blocks (the output)
-        self.pending: list[int] = list(prompt)  # tokens in `prompt + gen` whose K/V are not cached yet
+        self.gen: list[int] = []  # the output (in verify mode: verified tokens only)
+        self.pending: list[int] = list(prompt)  # tokens after the cached prefix, committed in the next forward
+        self.n_draft = 0  # trailing pending tokens still to verify (verify mode)
         self.block: list[int] = []  # the current block (mask ids where masked); SBD only
+        self.block_verified = 0  # leading block positions revealed by the verified NTP choice (verify mode)
         self.done = False
         self.nfe = 0
+        self.corrected = 0  # corrections (one per rejected draft suffix)
+        self.corrections: list[int] = []  # positions (in the output row) of the corrected tokens
         self.trace: list[tuple[int, list[int], list[int]]] = []
-        if s.mode == "sbd":
+        if s.sbd:
             self._start_block()
 
     @property
     def n_cached(self) -> int:
-        return len(self.prompt) + len(self.gen) - len(self.pending)
+        return len(self.prompt) + len(self.gen) + self.n_draft - len(self.pending)
 
     @property
     def block_start(self) -> int:
-        return len(self.prompt) + len(self.gen)
+        return len(self.prompt) + len(self.gen) + self.n_draft
 
     def _start_block(self) -> None:
-        k = min(self.s.block_size, self.s.max_new_tokens - len(self.gen))
-        self.block = [self.s.mask_id] * k
+        k = min(self.s.block_size, self.s.max_new_tokens - len(self.gen) - self.n_draft)
+        self.block = [self.s.mask_id] * k  # k = 0: the drafts fill the budget, only their verification is left
+        self.block_verified = 0
 
-    def after_sbd_forward(self, f: int, block: list[int], n_rev: int, n_rem: int, b: int) -> None:
-        s, k = self.s, len(self.block)
-        block = block[:k]
+    def _finished(self) -> bool:
+        return self.n_draft == 0 and (
+            len(self.gen) >= self.s.max_new_tokens or (bool(self.gen) and self.gen[-1] in self.s.stop_ids)
+        )
+
+    def _cut_trace(self, end: int) -> None:
+        """Drop trace entries at positions >= end (tokens that will not be in the output)."""
+        self.trace = [
+            (g, [p for p in pos if p < end], [t for p, t in zip(pos, tok, strict=True) if p < end])
+            for g, pos, tok in self.trace
+        ]
+
+    def _verify(self, f: int, ntp: list[int]) -> int | None:
+        """Check the drafts against the NTP choices of this forward's committed rows (``ntp[i]`` = the choice for
+        the position after pending row i). Returns None when all are accepted, else the number of committed rows
+        whose K/V stay valid (the cache length is rolled back to n_cached + that)."""
+        base = len(self.pending) - self.n_draft  # row of the first draft
+        drafts = self.pending[base:]
+        for t, d in enumerate(drafts):
+            row = base + t - 1  # the committed row that predicts draft t (t = 0: checked when it was revealed)
+            if row >= 0 and (ntp[row] is None or ntp[row] < 0):
+                raise RuntimeError(
+                    f"verify: sequence got an invalid next-token distribution at forward {f} (NaN or +inf logits)"
+                )
+            if row >= 0 and d != ntp[row]:
+                c = ntp[row]
+                pos = self.block_start - self.n_draft + t
+                self._cut_trace(pos)
+                self.trace.append((f, [pos], [c]))
+                self.corrections.append(pos)
+                self.gen.extend(drafts[:t] + [c])
+                self.corrected += 1
+                self.pending, self.n_draft = [c], 0
+                return base + t
+        self.gen.extend(drafts)
+        self.pending, self.n_draft = [], 0
+        return None
+
+    def after_sbd_forward(
+        self, f: int, block: list[int], n_rev: int, n_rem: int, b: int, ntp: list[int | None] | None = None
+    ) -> int | None:
+        """Update after an SBD forward (``block``: the block as revealed in place; ``ntp``, verify mode: the NTP
+        choice after each of this sequence's committed rows, None where not computed). Returns, after a
+        correction, how many of this forward's committed rows keep their K/V (the caller rolls the cache back to
+        the length before the forward + that); else None."""
+        s = self.s
         self.nfe += 1
+        n_commit = len(self.pending)
+        if self.n_draft:  # verify mode: this forward committed a finished block's drafts
+            keep_rows = self._verify(f, ntp)
+            if keep_rows is not None:
+                # The block's predictions of this forward were conditioned on rejected drafts: drop them and start
+                # the block after the correction.
+                self.block = []
+                if self._finished():
+                    self.done = True
+                else:
+                    self._start_block()
+                return keep_rows
+        else:
+            self.pending = []  # committed (their K/V cached) by this forward
+        if self._finished():  # verify mode: the accepted drafts completed the output
+            self.done, self.block = True, []
+            return None
+        k = len(self.block)
+        if k == 0:
+            return None
+        if s.verify and n_commit > 0:
+            self.block_verified = 1  # position 0 was revealed from the last committed row's NTP choice
+        block = block[:k]
         if n_rem > 0 and n_rev == 0:
             raise RuntimeError(
                 f"SBD decoding: sequence {b} revealed no token at forward {f} although {n_rem} positions are masked: "
@@ -392,7 +487,6 @@ class _Seq:
             )
         revealed = [j for j in range(k) if self.block[j] == s.mask_id and block[j] != s.mask_id]
         self.block = block
-        self.pending = []
         stop = next((j for j in range(k) if block[j] in s.stop_ids and block[j] != s.mask_id), None)
         stopped = stop is not None and all(t != s.mask_id for t in block[:stop])
         if stopped:
@@ -404,21 +498,21 @@ class _Seq:
         start = self.block_start
         self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
         if keep is None:
-            return
+            return None
         if keep < k:
-            # Stopped at a stop token: drop the positions after it from this block's trace entries too.
-            end = start + keep
-            self.trace = [
-                (g, [p for p in pos if p < end], [t for p, t in zip(pos, tok, strict=True) if p < end])
-                for g, pos, tok in self.trace
-            ]
-        self.gen.extend(block[:keep])
-        if stopped or len(self.gen) >= s.max_new_tokens:
+            self._cut_trace(start + keep)  # stopped at a stop token: the positions after it are dropped
+        finished = block[:keep]
+        self.block = []
+        if s.verify and keep > self.block_verified:
+            self.pending, self.n_draft = finished, keep  # checked by the next forward's committed rows
+        else:
+            self.gen.extend(finished)
+            self.pending = finished
+        if self._finished():
             self.done = True
-            self.block = []
-            return
-        self.pending = block
-        self._start_block()
+        elif not stopped:
+            self._start_block()  # (after a stop token only the drafts' verification is left)
+        return None
 
     def after_ntp_forward(self, f: int, token: int, b: int) -> None:
         self.nfe += 1
@@ -443,6 +537,25 @@ def _block_tensor(seqs: list[_Seq], active: list[bool], s: _Job) -> torch.Tensor
     return block
 
 
+def position_key(b: int, p: int) -> int:
+    """The Philox offset of the next-token draw at absolute position ``p`` of batch row ``b`` (NTP mode and verify
+    mode): ``b * 2**40 + p``, drawn as row 0 of its own ``entropy_sample`` call. Keyed by position rather than by
+    forward, the same (seed, b, p) gives the same noise in every mode, which is what makes verify mode with
+    temperature > 0 return exactly NTP mode's sample."""
+    return (b << 40) + p
+
+
+def sample_positions(
+    logits: torch.Tensor, temperature: float, seed: int, keys: Sequence[int], impl=ops
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """entropy_sample of each row of ``logits`` [N, V] with its own Philox offset ``keys[i]`` (see
+    :func:`position_key`). Greedy needs no noise: one call."""
+    if temperature == 0.0 or logits.shape[0] == 0:
+        return impl.entropy_sample(logits, 0.0, seed, 0)
+    outs = [impl.entropy_sample(logits[i : i + 1], temperature, seed, int(key)) for i, key in enumerate(keys)]
+    return tuple(torch.cat([o[n] for o in outs]) for n in range(3))
+
+
 def sample_block(
     logits: torch.Tensor,
     block: torch.Tensor,
@@ -453,6 +566,7 @@ def sample_block(
     seed: int = 0,
     offset: int = 0,
     impl=ops,
+    keys: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SBD sampling step: reveal masked positions of ``block`` in place.
 
@@ -463,12 +577,16 @@ def sample_block(
         sampler, threshold: the mask_replace rule and its gamma / tau.
         temperature, seed, offset: entropy_sample's; position j of row b draws Philox row ``b * K + j``.
         impl: :mod:`sbd_ext.ops` (kernels) or :mod:`sbd_ext.reference`.
+        keys: [B * K] per-position Philox offsets (:func:`position_key`) instead of ``offset`` (verify mode).
     Returns:
         (n_revealed [B], n_remaining [B], entropy [B, K], max_prob [B, K], proposals [B, K]).
     """
     B, K, V = logits.shape
     logits[..., mask_id] = float("-inf")
-    ent, pmax, tok = impl.entropy_sample(logits.reshape(B * K, V), temperature, seed, offset)
+    if keys is None:
+        ent, pmax, tok = impl.entropy_sample(logits.reshape(B * K, V), temperature, seed, offset)
+    else:
+        ent, pmax, tok = sample_positions(logits.reshape(B * K, V), temperature, seed, keys, impl)
     ent, pmax, tok = ent.view(B, K), pmax.view(B, K), tok.view(B, K)
     n_rev, n_rem = impl.mask_replace(block, tok, ent, pmax, mask_id, sampler, threshold)
     return n_rev, n_rem, ent, pmax, tok
@@ -491,6 +609,9 @@ def _finish(seqs: list[_Seq], s: _Job, device, return_trace: bool, cache=None) -
         tokens_per_forward=n_gen.double() / nfe.clamp_min(1).double(),
         trace=[q.trace for q in seqs] if return_trace else None,
         past_key_values=cache,
+        num_accepted=torch.tensor([len(q.gen) - q.corrected if s.verify else 0 for q in seqs], dtype=torch.int64),
+        num_corrected=torch.tensor([q.corrected for q in seqs], dtype=torch.int64),
+        corrections=[list(q.corrections) for q in seqs],
     )
 
 
@@ -556,9 +677,19 @@ def _next_forward(seqs: list[_Seq], job: _Job) -> _Forward:
         if active[b]:
             ids[b, : n_valid[b]] = torch.tensor(q.pending + (q.block if job.sbd else []), dtype=torch.int64)
             pos[b, : n_valid[b]] = torch.arange(q.n_cached, q.n_cached + n_valid[b])
-    # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1.
-    first = min((c if job.sbd else c - 1) for c, a in zip(n_commit, active, strict=True) if a)
+    # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
+    # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
+    first = min(_first_row(q, c, job) for q, c, a in zip(seqs, n_commit, active, strict=True) if a)
     return _Forward(ids, pos, n_commit, n_valid, first)
+
+
+def _first_row(q: _Seq, c: int, job: _Job) -> int:
+    """The first of this forward's rows whose logits sequence ``q`` reads (``c`` committed rows)."""
+    if not job.sbd:
+        return c - 1
+    if job.verify and c > 0:
+        return max(c - q.n_draft - 1, 0)
+    return c
 
 
 def _run_forward(model, cache: SBDCache, fw: _Forward, device) -> torch.Tensor:
@@ -575,29 +706,69 @@ def _run_forward(model, cache: SBDCache, fw: _Forward, device) -> torch.Tensor:
         ).logits
 
 
-def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: int) -> None:
+def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: int) -> dict[int, int]:
     """Alg. 3, "reveal": sample every block position, reveal by the sampler rule in place (SBD), or take the next
-    token (NTP); one device-to-host read; each sequence then advances (finished blocks move to the output)."""
+    token (NTP); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
+    verify mode are checked first). Returns {batch row: committed rows to keep} for sequences whose drafts were
+    corrected (the caller rolls their cache length back)."""
     B, K, device = len(seqs), job.block_size, logits.device
-    T_kept = logits.shape[1]
+    T_kept, V = logits.shape[1], logits.shape[2]
     active = [not q.done for q in seqs]
-    if job.sbd:
-        rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K) - fw.first
-        rows = rows.clamp_(0, T_kept - 1).to(device)  # [B, K]; rows of absent positions are not used
-        x = torch.gather(logits, 1, rows.unsqueeze(-1).expand(B, K, logits.shape[-1]))  # [B, K, V] copy
-        block = _block_tensor(seqs, active, job).to(device)
-        n_rev, n_rem = sample_block(x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f)[:2]
-        back = torch.cat([n_rev.view(B, 1), n_rem.view(B, 1), block], dim=1).cpu()  # the one sync
-        for b, q in enumerate(seqs):
-            if active[b]:
-                q.after_sbd_forward(f, back[b, 2:].tolist(), int(back[b, 0]), int(back[b, 1]), b)
-    else:
-        rows = (torch.tensor(fw.n_commit) - 1 - fw.first).clamp_(0, T_kept - 1).to(device)
-        x = logits[torch.arange(B, device=device), rows]  # [B, V]
-        tok = ops.entropy_sample(x, job.temperature, job.seed, f)[2].cpu()  # the one sync
+    n_cached = [q.n_cached for q in seqs]
+
+    def gather(rows: torch.Tensor) -> torch.Tensor:  # rows [B, R] absolute -> logits [B, R, V]
+        rows = (rows - fw.first).clamp_(0, T_kept - 1).to(device)
+        return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, V))
+
+    if not job.sbd:
+        x = gather((torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V)
+        keys = [position_key(b, q.block_start) for b, q in enumerate(seqs)]
+        tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
         for b, q in enumerate(seqs):
             if active[b]:
                 q.after_ntp_forward(f, int(tok[b]), b)
+        return {}
+
+    block = _block_tensor(seqs, active, job).to(device)
+    synced = []
+    if job.verify:
+        # The NTP choice after each committed row the drafts' check needs: rows [lo, c) of each sequence.
+        lo = [_first_row(q, c, job) if (a and c > 0) else 0 for q, c, a in zip(seqs, fw.n_commit, active, strict=True)]
+        R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
+        rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
+        keys = [position_key(b, n_cached[b] + int(r) + 1) for b in range(B) for r in rows[b].tolist()]
+        ntp = sample_positions(gather(rows).reshape(B * R, V), job.temperature, job.seed, keys)[2].view(B, R)
+        # The last committed row's choice is the verified token at the block's first position: reveal it now.
+        last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
+        first_tok = ntp.gather(1, last.view(B, 1)).view(B)
+        can = torch.tensor(
+            [a and c > 0 and len(q.block) > 0 for q, c, a in zip(seqs, fw.n_commit, active, strict=True)],
+            device=device,
+        )
+        can &= (first_tok >= 0) & (block[:, 0] == job.mask_id)
+        block[:, 0] = torch.where(can, first_tok, block[:, 0])
+        synced.append(ntp)
+    rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K)
+    x = gather(rows)  # [B, K, V] copy; rows of absent positions are not used
+    keys = None
+    if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
+        keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
+    n_rev, n_rem = sample_block(
+        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )[:2]
+    back = torch.cat([n_rev.view(B, 1), n_rem.view(B, 1), block, *synced], dim=1).cpu()  # the one sync
+    rollback = {}
+    for b, q in enumerate(seqs):
+        if not active[b]:
+            continue
+        ntp_b = None
+        if job.verify:
+            got = back[b, 2 + K :].tolist()
+            ntp_b = [None] * lo[b] + got[: fw.n_commit[b] - lo[b]]
+        keep = q.after_sbd_forward(f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b)
+        if keep is not None:
+            rollback[b] = keep
+    return rollback
 
 
 def _check_runnable(model) -> tuple[torch.device, torch.dtype]:
@@ -645,8 +816,11 @@ def generate(
     f = 0
     while not all(q.done for q in seqs):
         fw = _next_forward(seqs, job)  # commit the finished block + fill the current one
+        lengths = list(cache.seq_lens)
         logits = _run_forward(model, cache, fw, device)
-        _reveal(logits, fw, seqs, job, f)  # reveal; finished blocks move to the output
+        rollback = _reveal(logits, fw, seqs, job, f)  # reveal; finished blocks move to the output (or are checked)
+        for b, keep in rollback.items():  # verify: rows after a correction are overwritten later
+            cache.rollback(b, lengths[b] + keep)
         f += 1
     return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
 
@@ -679,6 +853,8 @@ def generate_reference(
     own attention (SDPA/eager; the 'sbd' backend falls back to SDPA for a 4D mask), one sequence at a time, and uses
     the pure-PyTorch reference samplers. Same arguments and outputs as :func:`generate` (no return_cache)."""
     s = _job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
+    if s.verify:
+        raise ValueError("generate_reference has no verify mode: compare sbd_ext.generate(verify=True) with mode='ntp'")
     device, dtype = _model_device_dtype(model)
     B, K, V = len(s.prompts), s.block_size, s.vocab
     seqs = [_Seq(p, s) for p in s.prompts]
@@ -716,7 +892,8 @@ def generate_reference(
                 if active[b]:
                     q.after_sbd_forward(f, block[b].tolist(), int(n_rev[b]), int(n_rem[b]), b)
         else:
-            _, _, tok = reference.entropy_sample(x.view(B, V).cpu(), s.temperature, s.seed, f)
+            keys = [position_key(b, q.block_start) for b, q in enumerate(seqs)]
+            tok = sample_positions(x.view(B, V).cpu(), s.temperature, s.seed, keys, impl=reference)[2]
             for b, q in enumerate(seqs):
                 if active[b]:
                     q.after_ntp_forward(f, int(tok[b]), b)
