@@ -159,6 +159,8 @@ class GenerationSettings:
     generation_config / config pad id, else the first EOS id, else 0. strict_block_size: refuse a k outside the
     model's trained ``sbd_block_size_range``. verify (SBD): lossless mode -- every revealed block is checked
     against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly.
+    first_from_ntp (SBD): reveal a block's first position from the next-token choice of the forward's last
+    committed row (always done in verify mode) instead of from the block's own mask prediction.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -176,6 +178,7 @@ class GenerationSettings:
     pad_token_id: int | None = None
     strict_block_size: bool = True
     verify: bool = False
+    first_from_ntp: bool = False
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
@@ -207,6 +210,8 @@ class GenerationSettings:
             raise TypeError(f"strict_block_size must be a bool, got {self.strict_block_size!r}")
         if not isinstance(self.verify, bool):
             raise TypeError(f"verify must be a bool, got {self.verify!r}")
+        if not isinstance(self.first_from_ntp, bool):
+            raise TypeError(f"first_from_ntp must be a bool, got {self.first_from_ntp!r}")
         if self.verify and self.mode != "sbd":
             raise ValueError(
                 "verify=True checks SBD's revealed blocks; it needs mode='sbd' (mode='ntp' is exact already)"
@@ -239,6 +244,8 @@ class _Job:
     mode = property(lambda self: self.settings.mode)
     sbd = property(lambda self: self.settings.mode == "sbd")
     verify = property(lambda self: self.settings.verify)
+    # The block's first position from the commit rows' NTP choice (always in verify mode, where it is verified).
+    first_from_ntp = property(lambda self: self.settings.verify or self.settings.first_from_ntp)
     block_size = property(lambda self: self.settings.block_size if self.settings.mode == "sbd" else 1)
     sampler = property(lambda self: self.settings.sampler)
     threshold = property(lambda self: self.settings.threshold)
@@ -687,7 +694,7 @@ def _first_row(q: _Seq, c: int, job: _Job) -> int:
     """The first of this forward's rows whose logits sequence ``q`` reads (``c`` committed rows)."""
     if not job.sbd:
         return c - 1
-    if job.verify and c > 0:
+    if job.first_from_ntp and c > 0:
         return max(c - q.n_draft - 1, 0)
     return c
 
@@ -731,7 +738,7 @@ def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: 
 
     block = _block_tensor(seqs, active, job).to(device)
     synced = []
-    if job.verify:
+    if job.first_from_ntp:
         # The NTP choice after each committed row the drafts' check needs: rows [lo, c) of each sequence.
         lo = [_first_row(q, c, job) if (a and c > 0) else 0 for q, c, a in zip(seqs, fw.n_commit, active, strict=True)]
         R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))

@@ -24,8 +24,18 @@ import torch
 
 from . import tasks
 
-__all__ = ["decode", "run_eval", "markdown_table", "plot", "DEFAULT_GAMMAS", "DEFAULT_BLOCK_SIZES", "DEFAULT_SAMPLERS"]
+__all__ = [
+    "decode",
+    "run_eval",
+    "markdown_table",
+    "plot",
+    "DEFAULT_GAMMAS",
+    "DEFAULT_BLOCK_SIZES",
+    "DEFAULT_SAMPLERS",
+    "DEFAULT_VERIFY_BLOCK_SIZES",
+]
 
+DEFAULT_VERIFY_BLOCK_SIZES = (8,)
 DEFAULT_GAMMAS = (0.0, 0.005, 0.01, 0.05, 0.1, 0.35, 0.6, 1.0, 2.0)
 DEFAULT_BLOCK_SIZES = (8, 16)
 DEFAULT_SAMPLERS = ("eb", "entropy")
@@ -117,6 +127,7 @@ def run_eval(
     max_new_tokens: int = 160,
     task: str = "arith",
     progress: bool = True,
+    verify_block_sizes: Sequence[int] = DEFAULT_VERIFY_BLOCK_SIZES,
 ) -> dict:
     """Evaluate on the first ``n`` held-out problems of ``task``; returns {"rows": [...], "meta": {...}}."""
     from . import models
@@ -156,6 +167,15 @@ def run_eval(
                 name = f"SBD {sampler} k={k} gamma={g:g}"
                 rows.append(_row(name, str(sbd_model), "sbd", int(k), float(g), probs, res, sampler))
                 log(rows[-1])
+    # Verify mode (lossless: equals the SBD model's NTP decoding): the gamma trade-off is speed only.
+    for k in verify_block_sizes:
+        for g in gammas:
+            res = decode(
+                model, tok, prompts, block_size=int(k), sampler="eb", threshold=float(g), verify=True, **common
+            )
+            name = f"SBD verify eb k={k} gamma={g:g}"
+            rows.append(_row(name, str(sbd_model), "sbd+verify", int(k), float(g), probs, res, "eb"))
+            log(rows[-1])
     base = rows[0]["mean_nfe"]
     for r in rows:
         r["nfe_reduction"] = base / r["mean_nfe"]
@@ -191,14 +211,15 @@ def markdown_table(
         else:
             cell = f"{acc} ({r['nfe_reduction']:.2f}×)"
         name = r["name"]
-        if r["decoding"] == "sbd":
+        if r["decoding"] in ("sbd", "sbd+verify"):
             tag = ""
             if sampler is None or r.get("sampler") == sampler:
                 if gamma_low is not None and r["gamma"] == gamma_low:
                     tag = " = γ_low"
                 elif gamma_high is not None and r["gamma"] == gamma_high:
                     tag = " = γ_high"
-            name = f"SBD {r.get('sampler') or 'eb'}, k={r['block_size']}, γ={r['gamma']:g}{tag}"
+            kind = "SBD verify" if r["decoding"] == "sbd+verify" else "SBD"
+            name = f"{kind} {r.get('sampler') or 'eb'}, k={r['block_size']}, γ={r['gamma']:g}{tag}"
         lines.append(f"| {name} | {cell} |")
     lines += [
         "",
@@ -226,13 +247,14 @@ def plot(result: dict, path: str | Path) -> bool:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(7.2, 4.8), dpi=120)
     markers = iter("os^Dv<>ph")
-    curves = sorted({(r.get("sampler") or "eb", r["block_size"]) for r in rows if r["decoding"] == "sbd"})
-    for sampler, k in curves:
-        rs = [r for r in rows if r["decoding"] == "sbd" and (r.get("sampler") or "eb", r["block_size"]) == (sampler, k)]
-        rs.sort(key=lambda r: r["gamma"])
+    key = lambda r: (r["decoding"], r.get("sampler") or "eb", r["block_size"])  # noqa: E731
+    curves = sorted({key(r) for r in rows if r["decoding"] in ("sbd", "sbd+verify")})
+    for decoding, sampler, k in curves:
+        rs = sorted((r for r in rows if key(r) == (decoding, sampler, k)), key=lambda r: r["gamma"])
         xs, ys = [r["tokens_per_forward"] for r in rs], [100 * r["accuracy"] for r in rs]
-        ls = "-" if sampler == "eb" else "--"
-        (line,) = ax.plot(xs, ys, marker=next(markers), ls=ls, label=f"SBD k={k}, {sampler} sampler")
+        ls = ":" if decoding == "sbd+verify" else ("-" if sampler == "eb" else "--")
+        label = f"SBD {'verify ' if decoding == 'sbd+verify' else ''}k={k}, {sampler} sampler"
+        (line,) = ax.plot(xs, ys, marker=next(markers), ls=ls, label=label)
         for r, x, y in zip(rs, xs, ys, strict=True):
             if r["gamma"] in LABELLED_GAMMAS:  # the paper's gammas and the ends; the rest are in table.md
                 ax.annotate(
