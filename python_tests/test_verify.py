@@ -136,3 +136,20 @@ def test_verify_on_embedded_models(task, n):
     ver = decode(model, tok, prompts, block_size=8, sampler="eb", threshold=0.1, verify=True, batch_size=50)
     assert ver["token_ids"] == ntp["token_ids"]
     assert sum(ntp["nfe"]) / sum(ver["nfe"]) >= (5.0 if task == "arith" else 3.0)
+
+
+def test_first_from_ntp_reveals_block_start_from_commit_rows(models):
+    """first_from_ntp=True (plain SBD): every block's first token is the next-token choice of the forward that
+    committed what precedes it, so the first generated token is always NTP's; without it, the mask head decides."""
+    m = models[1]
+    ids, mask = random_prompts([4, 7, 5], seed=6)
+    kw = dict(max_new_tokens=6, eos_token_id=[], block_size=6, threshold=5.0)
+    ntp = generate(m, ids, mask, mode="ntp", max_new_tokens=1, eos_token_id=[])
+    on = generate(m, ids, mask, first_from_ntp=True, **kw)
+    off = generate(m, ids, mask, **kw)
+    for b in range(3):
+        p = int(on.prompt_lengths[b])
+        assert on.sequences[b, p] == ntp.sequences[b, p]
+    assert any(
+        off.sequences[b, int(off.prompt_lengths[b])] != ntp.sequences[b, int(ntp.prompt_lengths[b])] for b in range(3)
+    )

@@ -713,65 +713,72 @@ def _run_forward(model, cache: SBDCache, fw: _Forward, device) -> torch.Tensor:
         ).logits
 
 
+def _gather_rows(logits: torch.Tensor, fw: _Forward, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of absolute forward rows ``rows`` [B, R] (logits hold rows [fw.first, T)) -> [B, R, V] copy; rows
+    outside are clamped (their values are never used)."""
+    rows = (rows - fw.first).clamp_(0, logits.shape[1] - 1).to(logits.device)
+    return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, logits.shape[2]))
+
+
+def _reveal_ntp(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: int) -> None:
+    """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
+    B, V = len(seqs), logits.shape[2]
+    x = _gather_rows(logits, fw, (torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V)
+    keys = [position_key(b, q.block_start) for b, q in enumerate(seqs)]
+    tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
+    for b, q in enumerate(seqs):
+        if not q.done:
+            q.after_ntp_forward(f, int(tok[b]), b)
+
+
+def _commit_row_choices(
+    logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, block: torch.Tensor
+) -> tuple[torch.Tensor, list[int]]:
+    """The NTP choice after each committed row that the drafts' check needs, rows [lo[b], c[b]) -> ([B, R], lo);
+    the last committed row's choice is the token at the block's first position: written into ``block`` now."""
+    B, V, device = len(seqs), logits.shape[2], logits.device
+    live = [not q.done and c > 0 for q, c in zip(seqs, fw.n_commit, strict=True)]
+    lo = [_first_row(q, c, job) if ok else 0 for q, c, ok in zip(seqs, fw.n_commit, live, strict=True)]
+    R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
+    rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
+    keys = [position_key(b, seqs[b].n_cached + r + 1) for b in range(B) for r in rows[b].tolist()]
+    ntp = sample_positions(_gather_rows(logits, fw, rows).reshape(B * R, V), job.temperature, job.seed, keys)[2]
+    ntp = ntp.view(B, R)
+    last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
+    first_tok = ntp.gather(1, last.view(B, 1)).view(B)
+    can = torch.tensor([ok and len(q.block) > 0 for q, ok in zip(seqs, live, strict=True)], device=device)
+    can &= (first_tok >= 0) & (block[:, 0] == job.mask_id)
+    block[:, 0] = torch.where(can, first_tok, block[:, 0])
+    return ntp, lo
+
+
 def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: int) -> dict[int, int]:
-    """Alg. 3, "reveal": sample every block position, reveal by the sampler rule in place (SBD), or take the next
-    token (NTP); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
+    """Alg. 3, "reveal": sample every block position and reveal by the sampler rule in place (SBD; NTP mode: the
+    next token); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
     verify mode are checked first). Returns {batch row: committed rows to keep} for sequences whose drafts were
     corrected (the caller rolls their cache length back)."""
-    B, K, device = len(seqs), job.block_size, logits.device
-    T_kept, V = logits.shape[1], logits.shape[2]
-    active = [not q.done for q in seqs]
-    n_cached = [q.n_cached for q in seqs]
-
-    def gather(rows: torch.Tensor) -> torch.Tensor:  # rows [B, R] absolute -> logits [B, R, V]
-        rows = (rows - fw.first).clamp_(0, T_kept - 1).to(device)
-        return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, V))
-
     if not job.sbd:
-        x = gather((torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V)
-        keys = [position_key(b, q.block_start) for b, q in enumerate(seqs)]
-        tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
-        for b, q in enumerate(seqs):
-            if active[b]:
-                q.after_ntp_forward(f, int(tok[b]), b)
+        _reveal_ntp(logits, fw, seqs, job, f)
         return {}
-
-    block = _block_tensor(seqs, active, job).to(device)
-    synced = []
-    if job.first_from_ntp:
-        # The NTP choice after each committed row the drafts' check needs: rows [lo, c) of each sequence.
-        lo = [_first_row(q, c, job) if (a and c > 0) else 0 for q, c, a in zip(seqs, fw.n_commit, active, strict=True)]
-        R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
-        rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
-        keys = [position_key(b, n_cached[b] + int(r) + 1) for b in range(B) for r in rows[b].tolist()]
-        ntp = sample_positions(gather(rows).reshape(B * R, V), job.temperature, job.seed, keys)[2].view(B, R)
-        # The last committed row's choice is the verified token at the block's first position: reveal it now.
-        last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
-        first_tok = ntp.gather(1, last.view(B, 1)).view(B)
-        can = torch.tensor(
-            [a and c > 0 and len(q.block) > 0 for q, c, a in zip(seqs, fw.n_commit, active, strict=True)],
-            device=device,
-        )
-        can &= (first_tok >= 0) & (block[:, 0] == job.mask_id)
-        block[:, 0] = torch.where(can, first_tok, block[:, 0])
-        synced.append(ntp)
-    rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K)
-    x = gather(rows)  # [B, K, V] copy; rows of absent positions are not used
+    B, K = len(seqs), job.block_size
+    block = _block_tensor(seqs, [not q.done for q in seqs], job).to(logits.device)
+    ntp, lo = _commit_row_choices(logits, fw, seqs, job, block) if job.first_from_ntp else (None, None)
+    x = _gather_rows(logits, fw, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
     n_rev, n_rem = sample_block(
         x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
     )[:2]
-    back = torch.cat([n_rev.view(B, 1), n_rem.view(B, 1), block, *synced], dim=1).cpu()  # the one sync
+    parts = [n_rev.view(B, 1), n_rem.view(B, 1), block] + ([ntp] if job.verify else [])
+    back = torch.cat(parts, dim=1).cpu()  # the one sync
     rollback = {}
     for b, q in enumerate(seqs):
-        if not active[b]:
+        if q.done:
             continue
         ntp_b = None
         if job.verify:
-            got = back[b, 2 + K :].tolist()
-            ntp_b = [None] * lo[b] + got[: fw.n_commit[b] - lo[b]]
+            ntp_b = [None] * lo[b] + back[b, 2 + K :].tolist()[: fw.n_commit[b] - lo[b]]
         keep = q.after_sbd_forward(f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b)
         if keep is not None:
             rollback[b] = keep
