@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "checks.h"
 #include "sbd/common.h"
@@ -33,6 +34,12 @@ inline void check_mask_replace(const at::Tensor& tokens, const at::Tensor& propo
     check_size(op, name, t, 1, K, "tokens.size(1)");
     check_same_device(op, name, t, tokens, "tokens");
   }
+  // tokens is written while proposals / entropy / max_prob (and the other positions of tokens) are still read.
+  check_no_internal_overlap(op, "tokens", tokens);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"proposals", proposals},
+                         {"entropy", entropy},
+                         {"max_prob", max_prob}})
+    check_no_overlap(op, "tokens", tokens, name, t);
   TORCH_CHECK_VALUE(threshold == threshold, op, ": threshold must be a number, got NaN");
   if (rule != sbd::AcceptRule::kConfidenceThreshold)
     TORCH_CHECK_VALUE(threshold >= 0.0, op, ": the entropy threshold gamma must be >= 0, got ", threshold);

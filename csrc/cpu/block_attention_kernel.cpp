@@ -210,7 +210,7 @@ Unit describe(const BlockAttentionParams& p, int64_t item) {
   u.kvh = (item / p.n_panels) % p.Hkv;
   const int64_t panel = item % p.n_panels;
   u.g = p.Hq / p.Hkv;
-  u.nv = p.n_valid[u.b];
+  u.nv = p.valid(u.b);
   u.lane0 = panel * p.panel_lanes;
   u.lanes = std::clamp<int64_t>(u.g * u.nv - u.lane0, 0, p.panel_lanes);
   u.mp = (u.lanes + W - 1) / W * W;
@@ -230,7 +230,7 @@ class UnitRunner {
     if (u.lane0 == 0 && u.split == 0) append_and_pad(u);
     if (u.lanes == 0) return;
     // Cache rows of this split: equal shares rounded to whole blocks; the new rows go with the last split.
-    const int64_t len = p_.cache_lens[u.b];
+    const int64_t len = p_.cache_len(u.b);
     const int64_t share = ((len + p_.n_splits - 1) / p_.n_splits + kBlock - 1) / kBlock * kBlock;
     const int64_t c0 = std::min(len, u.split * share), c1 = std::min(len, c0 + share);
     const bool with_new = u.split == p_.n_splits - 1;
@@ -261,10 +261,10 @@ class UnitRunner {
 
  private:
   // Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid.
-  // Other units only read cache rows [0, cache_lens[b]), so the append races with nothing. k / v may already be
-  // views of those cache rows (a caller that writes K/V into its cache first): then there is nothing to copy.
+  // Other units only read cache rows [0, cache_lens[b]), and the binding refuses k / v that share memory with the
+  // caches, so the append races with nothing.
   void append_and_pad(const Unit& u) {
-    const int64_t len = p_.cache_lens[u.b], c = p_.n_commit[u.b], D = p_.D;
+    const int64_t len = p_.cache_len(u.b), c = p_.commit(u.b), D = p_.D;
     for (int64_t t = 0; t < c; ++t) {
       copy_row(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
                static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D);
@@ -276,9 +276,7 @@ class UnitRunner {
         std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
   }
 
-  static void copy_row(T* dst, const T* src, int64_t n) {
-    if (dst != src) std::memcpy(dst, src, n * sizeof(T));
-  }
+  static void copy_row(T* dst, const T* src, int64_t n) { std::memcpy(dst, src, n * sizeof(T)); }
 
   T* out_row(const Unit& u, int64_t t, int64_t h) const {
     return static_cast<T*>(p_.out) + ((u.b * p_.T + t) * p_.Hq + u.kvh * u.g + h) * p_.D;
@@ -287,7 +285,7 @@ class UnitRunner {
   // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
   // the padding lanes up to mp), and its max per tile and over the unit; state reset.
   void pack_queries(const Unit& u) {
-    const int64_t D = p_.D, mp = u.mp, c = p_.n_commit[u.b];
+    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b);
     float* qt = ws_.qt.get();
     max_lim_ = -1.f;
     for (int64_t m = 0; m < mp; ++m) {
@@ -453,7 +451,7 @@ void merge_item(const BlockAttentionParams& p, int64_t item) {
   const Unit u = describe(p, item);
   const int64_t D = p.D, pl = p.panel_lanes, ns = p.n_splits;
   const float* parts = p.partials + item * ns * p.partial_floats();
-  float scale[64];  // n_splits <= 64 (the binding caps it)
+  float scale[kMaxSplits];  // n_splits <= kMaxSplits (block_attention_plan caps it)
   for (int64_t m = 0; m < u.lanes; ++m) {
     sbd::SoftmaxState s = sbd::SoftmaxState::empty();
     for (int64_t i = 0; i < ns; ++i) {

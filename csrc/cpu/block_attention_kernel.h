@@ -5,34 +5,18 @@
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "sbd/block_attention_params.h"
 
 namespace sbd_cpu {
 
 enum class AttnDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-struct BlockAttentionParams {
-  // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D]; all of dtype `dtype`, unit stride
-  // along D, other strides in elements.
-  const void* q;
-  const void* k;
-  const void* v;
-  void* k_cache;
-  void* v_cache;
-  void* out;  // [B, T, Hq, D] contiguous, dtype `dtype`
+// The shared problem description (sbd/block_attention_params.h: pointers, sizes, strides, scale, lengths; on
+// the CPU the lengths are host copies the binding has validated) plus the CPU's work plan.
+struct BlockAttentionParams : sbd::BlockAttentionParams {
   AttnDtype dtype;
-  int64_t B, Hq, Hkv, T, D, S;
-  int64_t q_sb, q_sh, q_st;
-  int64_t k_sb, k_sh, k_st;
-  int64_t v_sb, v_sh, v_st;
-  int64_t kc_sb, kc_sh, kc_st;
-  int64_t vc_sb, vc_sh, vc_st;
-  // Host copies of the per-sequence lengths, already validated (n_commit <= n_valid <= T, len + n_commit <= S).
-  const int64_t* cache_lens;
-  const int64_t* n_commit;
-  const int64_t* n_valid;
-  float scale;
 
-  // Work decomposition, chosen by the binding (block_attention_cpu.cpp).
+  // Work decomposition, chosen by block_attention_plan below.
   // A work item is (b, kv head, panel): the g = Hq / Hkv query heads of that kv head times the valid new rows,
   // packed as g * n_valid[b] query rows ("lanes", head-major), cut into panels of panel_lanes lanes. Each item is
   // further cut into n_splits ranges of the cache (flash-decoding); split s of an item is unit
@@ -48,6 +32,14 @@ struct BlockAttentionParams {
   // One partial: acc^T [D][panel_lanes], then m [panel_lanes] and l [panel_lanes].
   int64_t partial_floats() const { return (D + 2) * panel_lanes; }
 };
+
+// Cache splits are capped so that the merge keeps one scale per split on the stack.
+constexpr int64_t kMaxSplits = 64;
+
+// Fills panel_lanes, n_panels and n_splits for `threads` worker threads (block_attention_plan.cpp). The lengths
+// must be valid; `partials` is left for the caller to allocate (n_units() * partial_floats() floats when
+// n_splits > 1).
+void block_attention_plan(BlockAttentionParams& p, int64_t threads);
 
 // Run units taken one at a time from `next` (shared by the threads; units are taken while next < n_units()):
 // attention of each unit's lanes over its share of the keys, the cache append of the committed rows (split 0 of

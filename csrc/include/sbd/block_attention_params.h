@@ -1,0 +1,82 @@
+// block_attention's problem description, shared by the CPU and the CUDA kernels, and the one definition of which
+// per-sequence lengths are valid (checked on the host by the CPU binding, on the device by the CUDA kernel).
+//
+// The torch-facing code fills this struct once (fill_block_attention_params in csrc/block_attention_checks.h);
+// each device derives its own params from it, adding only its work plan (sbd_cpu::BlockAttentionParams in
+// csrc/cpu/block_attention_kernel.h, sbd_cuda::BlockAttentionParams in csrc/cuda/kernels/block_attention.h).
+#pragma once
+
+#include <cstdint>
+
+#include "sbd/common.h"
+
+namespace sbd {
+
+// Why a sequence's lengths are invalid; kNone when they are valid. The order is the order of the checks.
+enum class LengthError : int32_t {
+  kNone = 0,
+  kNegativeCacheLen = 1,
+  kNegativeCommit = 2,
+  kNegativeValid = 3,
+  kValidExceedsT = 4,
+  kCommitExceedsValid = 5,
+  kCacheOverflow = 6,
+};
+
+// Sequence b of a call with T new rows and a cache of S rows is valid when
+//   cache_len >= 0,  0 <= n_commit <= n_valid <= T,  cache_len + n_commit <= S.
+// The last test is written as cache_len <= S - n_commit: once 0 <= n_commit <= T, S - n_commit cannot overflow,
+// whereas cache_len + n_commit does for cache_len near 2^63 (which once let an append write before the cache).
+SBD_HD LengthError block_attention_length_error(int64_t cache_len, int64_t n_commit, int64_t n_valid, int64_t T,
+                                                int64_t S) {
+  if (cache_len < 0) return LengthError::kNegativeCacheLen;
+  if (n_commit < 0) return LengthError::kNegativeCommit;
+  if (n_valid < 0) return LengthError::kNegativeValid;
+  if (n_valid > T) return LengthError::kValidExceedsT;
+  if (n_commit > n_valid) return LengthError::kCommitExceedsValid;
+  if (cache_len > S - n_commit) return LengthError::kCacheOverflow;
+  return LengthError::kNone;
+}
+
+// One length of a [B] int32 / int64 array (host or device memory, contiguous).
+SBD_HD int64_t load_length(const void* p, bool is64, int64_t b) {
+  return is64 ? static_cast<const int64_t*>(p)[b] : static_cast<const int32_t*>(p)[b];
+}
+
+struct BlockAttentionParams {
+  // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D]; all of one element type, unit stride
+  // along D, the other strides in elements (*_sb over B, *_sh over heads, *_st over rows).
+  const void* q;
+  const void* k;
+  const void* v;
+  void* k_cache;  // rows [cache_len(b), cache_len(b) + commit(b)) receive the committed rows' K/V
+  void* v_cache;
+  void* out;  // [B, T, Hq, D], contiguous, q's element type
+  int64_t B, Hq, Hkv, T, D, S;
+  int64_t q_sb, q_sh, q_st;
+  int64_t k_sb, k_sh, k_st;
+  int64_t v_sb, v_sh, v_st;
+  int64_t kc_sb, kc_sh, kc_st;
+  int64_t vc_sb, vc_sh, vc_st;
+  float scale;  // softmax scale
+  // [B] lengths, contiguous, int32 or int64 each (the *_i64 flags): host memory on the CPU (validated by the
+  // binding before the kernel runs), device memory on CUDA (validated by the kernel, see block_attention.cuh).
+  const void* cache_lens;
+  const void* n_commit;
+  const void* n_valid;
+  bool cache_lens_i64, n_commit_i64, n_valid_i64;
+
+  SBD_HD int64_t cache_len(int64_t b) const { return load_length(cache_lens, cache_lens_i64, b); }
+  SBD_HD int64_t commit(int64_t b) const { return load_length(n_commit, n_commit_i64, b); }
+  SBD_HD int64_t valid(int64_t b) const { return load_length(n_valid, n_valid_i64, b); }
+};
+
+// The first invalid sequence a CUDA launch found (block_attention_status in csrc/cuda/kernels/block_attention.h):
+// enough to rebuild the CPU binding's message on the host. `ready` is written last, after a system fence.
+struct BlockAttentionStatus {
+  int32_t code;  // a LengthError; claimed with atomicCAS from 0, so the first error found wins
+  int32_t ready;
+  int64_t b, cache_len, n_commit, n_valid, T, S;
+};
+
+}  // namespace sbd
