@@ -28,7 +28,23 @@ TORCH_LIBRARY(sbd_ext, m) {
       "float threshold) -> (Tensor, Tensor)");
 }
 
+#ifdef SBD_EXT_WITH_CUDA
+namespace sbd_ext {
+std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cuda.cu
+}
+#endif
+
 namespace {
+
+// The first invalid lengths a CUDA block_attention kernel found since the last call, as the message the CPU
+// binding raises for them, or "" (always "" without the CUDA kernels). Call after synchronising the device.
+std::string take_cuda_error() {
+#ifdef SBD_EXT_WITH_CUDA
+  return sbd_ext::take_block_attention_cuda_error();
+#else
+  return "";
+#endif
+}
 
 pybind11::dict build_info() {
   pybind11::dict d;
@@ -54,6 +70,9 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sbd_ext compiled kernels; the ops are reached through torch.ops.sbd_ext";
   m.def("build_info", &build_info, "How this extension was built: CUDA kernels, CPU ISA variants, debug flags.");
+  m.def("take_cuda_error", &take_cuda_error,
+        "The first invalid-lengths error a CUDA block_attention kernel recorded since the last call (\"\" if none); "
+        "see sbd_ext.ops.check_cuda_errors.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

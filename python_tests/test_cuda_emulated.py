@@ -54,7 +54,10 @@ ATTN = [  # (B, Hkv, g, T, D, S, lens, commit, valid)
     (2, 1, 3, 5, 64, 70, [0, 65], [2, 5], [5, 3]),
     (2, 2, 4, 16, 128, 300, [257, 1], [0, 16], [16, 9]),
     (1, 1, 4, 17, 64, 40, [23], [17], [17]),
-    (1, 2, 1, 3, 128, 20, [19], [3], [3]),  # 19 + 3 > 20: nothing may be written past the cache end
+    (1, 2, 1, 3, 128, 20, [19], [3], [3]),  # 19 + 3 > 20: invalid, so zero rows, no write, the error recorded
+    # Lengths past int32 and int64 limits, negative, n_valid > T: each sequence invalid in its own way, none written.
+    (3, 1, 2, 4, 64, 20, [2**63 - 1, 3, -1], [1, 2, 0], [4, 5, 2]),
+    (2, 1, 4, 4, 128, 20, [2**31, 16], [4, 4], [2**31 + 4, 4]),  # the second sequence is valid and must be exact
 ]
 
 

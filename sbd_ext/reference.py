@@ -11,6 +11,19 @@ import torch
 
 RULES = ("eb", "entropy", "confidence")
 
+# (atol, rtol) of an op's output against these references, per input dtype: the one table the op tests, the CUDA
+# emulator (tools/cuda_emu) and the model-level tests use. fp32: a 1e-5 relative bar. bf16 / fp16: about the
+# error of PyTorch's own low-precision run; tests that need that bar exactly measure PyTorch's error and assert
+# against 2x of it (python_tests/test_block_attention.py).
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+# A whole fp32 model forward through the "sbd" attention against the same model through SDPA: the 1e-5 rounding of
+# each attention call compounds over layers, norms and the LM head.
+MODEL_TOLERANCE_FP32 = (2e-5, 1e-4)
+
 
 # --------------------------------------------------------------------------------------------------------
 # block_attention
@@ -35,6 +48,27 @@ def block_attention_mask(
     cache_ok = (col_cache < lens) & row_valid
     new_ok = (col_new < nv) & row_valid & ((i >= c) | (col_new <= i))
     return torch.cat([cache_ok, new_ok], dim=-1)
+
+
+def block_attention_length_error(cache_len: int, n_commit: int, n_valid: int, T: int, S: int) -> str | None:
+    """Why one sequence's lengths are invalid for a call with T new rows and a cache of S rows, or None.
+
+    The contract of ``sbd_ext.block_attention`` (the kernels check it with sbd::block_attention_length_error, in
+    this order): ``cache_len >= 0``, ``0 <= n_commit <= n_valid <= T``, ``cache_len + n_commit <= S``.
+    """
+    if cache_len < 0:
+        return "cache_lens"
+    if n_commit < 0:
+        return "n_commit"
+    if n_valid < 0:
+        return "n_valid"
+    if n_valid > T:
+        return "n_valid > T"
+    if n_commit > n_valid:
+        return "n_commit > n_valid"
+    if cache_len + n_commit > S:
+        return "cache overflow"
+    return None
 
 
 def block_attention(

@@ -1,6 +1,7 @@
-// block_attention, CUDA binding: argument checks, device guard and stream, the work split and its workspace, dtype
-// dispatch to the raw-pointer launchers of csrc/cuda/kernels/block_attention.h. No host synchronisation: the
-// lengths stay on the device (the kernels clamp them, so bad values cannot cause out-of-bounds access).
+// block_attention, CUDA binding: argument checks (block_attention_checks.h, shared with the CPU binding), device
+// guard and stream, the shared params and the work plan, the workspace, dtype dispatch to the raw-pointer
+// launchers of csrc/cuda/kernels/block_attention.h. No host synchronisation: the lengths stay on the device and
+// the kernel validates them (block_attention_checks.h says how an invalid length is reported).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,7 +9,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -19,22 +22,48 @@
 #include "cuda/kernels/device_info.h"
 
 namespace sbd_ext {
+namespace {
+
+// The invalid-lengths record of an earlier launch as the CPU binding's message, or "" if there is none.
+std::string take_length_error() {
+  sbd::BlockAttentionStatus st;
+  if (!sbd_cuda::block_attention_take_status(&st)) return "";
+  return block_attention_length_message(static_cast<sbd::LengthError>(st.code), st.b, st.cache_len, st.n_commit,
+                                        st.n_valid, st.T, st.S) +
+         " (found on the GPU by an earlier block_attention call, which wrote zeros for that sequence's output rows "
+         "and appended nothing to its cache)";
+}
+
+void raise_length_error() {
+  const std::string msg = take_length_error();
+  TORCH_CHECK_VALUE(msg.empty(), msg);
+}
+
+}  // namespace
+
+// For sbd_ext._C.take_cuda_error (csrc/ops.cpp), which sbd_ext.ops.check_cuda_errors calls after a synchronize.
+std::string take_block_attention_cuda_error() { return take_length_error(); }
 
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                 at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
                                 const at::Tensor& n_valid, double scale) {
   constexpr const char* op = "block_attention";
-  // Shapes, dtypes, devices, strides and scale (block_attention_checks.h, shared with the CPU binding). The
-  // lengths' values are not read here: that would synchronise with the device; the kernels clamp every write to
-  // the cache instead, and the decoding loop checks the lengths on its host-side copy.
+  // An error an earlier call's kernel found is raised here, at the next call at the latest (like CUDA's own
+  // asynchronous errors); sbd_ext.ops.check_cuda_errors() raises it at once.
+  raise_length_error();
   check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor here, got device ", q.device());
-  TORCH_CHECK_VALUE(sbd_cuda::block_attention_supports_head_dim(static_cast<int>(D)), op,
-                    ": the CUDA kernels support head dims 64 and 128, got D = ", D);
-  TORCH_CHECK_VALUE(B * Hkv <= 65535, op, ": on CUDA B * Hkv must be <= 65535, got ", B * Hkv);
-  TORCH_CHECK_VALUE(S <= 0x7fffffff && T <= 0x7fffffff / std::max<int64_t>(Hq, 1), op, ": sizes too large");
+  TORCH_CHECK_VALUE(sbd_cuda::block_attention_supports_head_dim(D), op,
+                    ": the CUDA kernels support head dims 64 and 128, got D = q.size(3) = ", D,
+                    " (the CPU kernel supports any D)");
+  // Sizes the kernels index with 32-bit integers or use as grid dimensions.
+  TORCH_CHECK_VALUE(B * Hkv <= 65535, op, ": on CUDA B * Hkv must be <= 65535, got ", B, " * ", Hkv);
+  check_fits_int32(op, "the cache size k_cache.size(2)", S, "on CUDA ");
+  TORCH_CHECK_VALUE(T <= INT32_MAX / Hq, op, ": on CUDA T * Hq must be at most 2^31 - 1, got ", T, " * ", Hq);
+  TORCH_CHECK_VALUE(B * T * Hq <= int64_t{INT32_MAX} * 4, op, ": on CUDA B * T * Hq must be below 2^33, got ",
+                    B * T * Hq);
   // The caches are written in place, so they cannot be copied into an aligned layout: require it.
   for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"k_cache", k_cache}, {"v_cache", v_cache}})
     TORCH_CHECK_VALUE(rows_aligned16(t), op, ": on CUDA ", name,
@@ -52,30 +81,14 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
   const at::Tensor lens = cache_lens.contiguous(), commit = n_commit.contiguous(), valid = n_valid.contiguous();
 
   sbd_cuda::BlockAttentionParams p{};
-  p.q = qa.data_ptr();
-  p.k = ka.data_ptr();
-  p.v = va.data_ptr();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.out = out.data_ptr();
-  p.cache_lens = lens.data_ptr();
-  p.n_commit = commit.data_ptr();
-  p.n_valid = valid.data_ptr();
+  fill_block_attention_params(p, qa, ka, va, k_cache, v_cache, out, scale);
+  p.cache_lens = lens.const_data_ptr();
+  p.n_commit = commit.const_data_ptr();
+  p.n_valid = valid.const_data_ptr();
   p.cache_lens_i64 = lens.scalar_type() == at::kLong;
   p.n_commit_i64 = commit.scalar_type() == at::kLong;
   p.n_valid_i64 = valid.scalar_type() == at::kLong;
-  p.q_sb = qa.stride(0), p.q_sh = qa.stride(1), p.q_st = qa.stride(2);
-  p.k_sb = ka.stride(0), p.k_sh = ka.stride(1), p.k_st = ka.stride(2);
-  p.v_sb = va.stride(0), p.v_sh = va.stride(1), p.v_st = va.stride(2);
-  p.kc_sb = k_cache.stride(0), p.kc_sh = k_cache.stride(1), p.kc_ss = k_cache.stride(2);
-  p.vc_sb = v_cache.stride(0), p.vc_sh = v_cache.stride(1), p.vc_ss = v_cache.stride(2);
-  p.B = static_cast<int>(B);
-  p.Hq = static_cast<int>(Hq);
-  p.Hkv = static_cast<int>(Hkv);
-  p.T = static_cast<int>(T);
-  p.S = static_cast<int>(S);
-  p.D = static_cast<int>(D);
-  p.scale = static_cast<float>(scale);
+  p.status = sbd_cuda::block_attention_status();
   p.force_simt = env_flag("SBD_EXT_ATTN_SIMT");  // read per call, so tests can A/B the two kernels
   sbd_cuda::block_attention_plan(p, sbd_cuda::sm_count());
   // Tuning hook (benchmarks): a fixed number of cache splits instead of the heuristic's.
@@ -91,6 +104,10 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
     using scalar_t = decltype(tag);
     C10_CUDA_CHECK(sbd_cuda::launch_block_attention<scalar_t>(p, stream));
   });
+  if (env_flag("SBD_EXT_CUDA_SYNC_CHECKS")) {  // debugging: this call's own length error, raised by this call
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    raise_length_error();
+  }
   return out;
 }
 

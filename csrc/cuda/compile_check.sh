@@ -50,25 +50,9 @@ if [ "$BINDINGS" = 1 ]; then
   }
   PY_INC=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   ABI=$("$PYTHON" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
-  STUB=""
-  if [ ! -f csrc/block_attention_checks.h ]; then
-    # The CPU attention branch provides this header; until it is merged, declare the function the binding assumes.
-    mkdir -p "$OUT/stub"
-    cat >"$OUT/stub/block_attention_checks.h" <<'EOF'
-#pragma once
-#include "checks.h"
-namespace sbd_ext {
-void check_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
-                           const at::Tensor& n_valid, bool check_values);
-}
-EOF
-    STUB="-I$OUT/stub"
-    echo "compile_check: csrc/block_attention_checks.h not found; bindings use a stub declaring check_block_attention"
-  fi
   # C10_CUDA_NO_CMAKE_CONFIGURE_FILE: a CPU wheel lacks c10/cuda/impl/cuda_cmake_macros.h (it only sets export
   # macros). Host code only (-arch=sm_80, no kernels in these files).
-  BIND=(-std=c++20 -O0 -Icsrc/include -Icsrc $STUB $TORCH_INC -I"$PY_INC" --expt-relaxed-constexpr
+  BIND=(-std=c++20 -O0 -Icsrc/include -Icsrc $TORCH_INC -I"$PY_INC" --expt-relaxed-constexpr
         -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DSBD_EXT_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI"
         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
         -D__CUDA_NO_HALF2_OPERATORS__

@@ -422,6 +422,19 @@ template <typename T>
 T __shfl_sync(unsigned, T v, int src, int = 32) {
   return sbd_emu::shfl_from(v, src);
 }
+// Blocks run one at a time and the threads of a block are fibers switched only at collectives, so an atomic is a
+// plain read-modify-write and a fence has nothing to order.
+inline int atomicCAS(int* p, int compare, int val) {
+  const int old = *p;
+  if (old == compare) *p = val;
+  return old;
+}
+inline int atomicExch(int* p, int val) {
+  const int old = *p;
+  *p = val;
+  return old;
+}
+inline void __threadfence_system() {}
 inline uint4 __ldg(const uint4* p) {
   sbd_emu::check_global(p, 16, "__ldg");
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) sbd_emu::fail("misaligned 16-byte load");

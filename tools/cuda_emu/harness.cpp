@@ -95,8 +95,9 @@ int emu_entropy_sample(const void* logits, int dtype, int64_t N, int64_t V, int6
 
 // ptrs: q, k, v, k_cache, v_cache, out, cache_lens, n_commit, n_valid.
 // ints: lens_i64, commit_i64, valid_i64, q strides (3), k (3), v (3), k_cache (3), v_cache (3), B, Hq, Hkv, T, S, D.
+// status: the kernel's record of the first invalid sequence (sbd::BlockAttentionStatus, zeroed by the caller).
 int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtype, int num_sms, int force_simt,
-                        int* splits_out) {
+                        int* splits_out, sbd::BlockAttentionStatus* status) {
   sbd_cuda::BlockAttentionParams p{};
   p.q = ptrs[0];
   p.k = ptrs[1];
@@ -111,14 +112,15 @@ int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtyp
   p.q_sb = ints[3], p.q_sh = ints[4], p.q_st = ints[5];
   p.k_sb = ints[6], p.k_sh = ints[7], p.k_st = ints[8];
   p.v_sb = ints[9], p.v_sh = ints[10], p.v_st = ints[11];
-  p.kc_sb = ints[12], p.kc_sh = ints[13], p.kc_ss = ints[14];
-  p.vc_sb = ints[15], p.vc_sh = ints[16], p.vc_ss = ints[17];
-  p.B = static_cast<int>(ints[18]);
-  p.Hq = static_cast<int>(ints[19]);
-  p.Hkv = static_cast<int>(ints[20]);
-  p.T = static_cast<int>(ints[21]);
-  p.S = static_cast<int>(ints[22]);
-  p.D = static_cast<int>(ints[23]);
+  p.kc_sb = ints[12], p.kc_sh = ints[13], p.kc_st = ints[14];
+  p.vc_sb = ints[15], p.vc_sh = ints[16], p.vc_st = ints[17];
+  p.B = ints[18];
+  p.Hq = ints[19];
+  p.Hkv = ints[20];
+  p.T = ints[21];
+  p.S = ints[22];
+  p.D = ints[23];
+  p.status = status;
   p.scale = static_cast<float>(scale);
   p.force_simt = force_simt != 0;
   sbd_cuda::block_attention_plan(p, num_sms);

@@ -29,7 +29,6 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
 
 def load_reference():
@@ -40,6 +39,16 @@ def load_reference():
 
 
 ref = load_reference()
+TOL = ref.TOLERANCES
+# sbd::LengthError codes (csrc/include/sbd/block_attention_params.h) by the reference's names.
+LENGTH_ERRORS = {"cache_lens": 1, "n_commit": 2, "n_valid": 3, "n_valid > T": 4, "n_commit > n_valid": 5,
+                 "cache overflow": 6}  # fmt: skip
+
+
+class BlockAttentionStatus(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("ready", ctypes.c_int32)] + [
+        (name, ctypes.c_int64) for name in ("b", "cache_len", "n_commit", "n_valid", "T", "S")
+    ]
 
 
 def build(out: pathlib.Path) -> ctypes.CDLL:
@@ -70,7 +79,7 @@ def build(out: pathlib.Path) -> ctypes.CDLL:
     so.emu_set_skew.argtypes = [ctypes.c_uint64]
     so.emu_mask_replace.argtypes = [P, P, P, P, P, P, P, I64, I64, I64, INT, D]
     so.emu_entropy_sample.argtypes = [P, INT, I64, I64, I64, D, ctypes.c_uint64, ctypes.c_uint64, P, P, P, INT, P]
-    so.emu_block_attention.argtypes = [P, P, D, INT, INT, INT, P]
+    so.emu_block_attention.argtypes = [P, P, D, INT, INT, INT, P, P]
     return so
 
 
@@ -229,16 +238,22 @@ def check_block_attention(
     v = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
     kc = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
     vc = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
-    cl = torch.tensor(lens, dtype=len_dtype)
-    nc = torch.tensor(commit, dtype=len_dtype)
-    nv = torch.tensor(valid, dtype=torch.int32)
+    def as_lengths(vals, dtype):  # int64 where a value does not fit int32
+        return torch.tensor(vals, dtype=torch.int64 if any(not -(2**31) <= x < 2**31 for x in vals) else dtype)
+
+    cl, nc, nv = as_lengths(lens, len_dtype), as_lengths(commit, len_dtype), as_lengths(valid, torch.int32)
     scale = D**-0.5
-    # Reference on caches with T spare rows, cut back to S: lens + commit > S (the overflow case the kernel must
-    # survive by not writing past S) is then well defined for the reference too.
-    pad = torch.zeros(B, Hkv, T, D, dtype=dtype)
-    e_kc, e_vc = torch.cat([kc, pad], 2), torch.cat([vc, pad], 2)
-    e_out = ref.block_attention(q, k, v, e_kc, e_vc, cl, nc, nv, scale)
-    e_kc, e_vc = e_kc[:, :, :S], e_vc[:, :, :S]
+    # Invalid lengths (negative, n_commit > n_valid, n_valid > T, a cache overflow, values past int32): the kernel
+    # must treat the sequence as empty (zero output rows, cache untouched) and record the first such sequence.
+    errors = [ref.block_attention_length_error(lens[b], commit[b], valid[b], T, S) for b in range(B)]
+    e_kc, e_vc = kc.clone(), vc.clone()
+    e_out = torch.zeros(B, T, Hq, D, dtype=dtype)
+    for b in range(B):
+        if errors[b] is None:
+            sl = slice(b, b + 1)
+            e_out[sl] = ref.block_attention(
+                q[sl], k[sl], v[sl], e_kc[sl], e_vc[sl], cl[sl], nc[sl], nv[sl].long(), scale
+            )
     # q as the transpose of a [B, T, Hq, D] tensor (what a model's projection gives), or contiguous.
     q_strides = (T * Hq * D, D, Hq * D, 1) if strided_q else None
     gq, gk, gv = Guarded(q, q_strides), Guarded(k), Guarded(v)
@@ -252,9 +267,9 @@ def check_block_attention(
         gq.ptr(), gk.ptr(), gv.ptr(), gkc.ptr(), gvc.ptr(), out.ptr(), gl.ptr(), gc.ptr(), gn.ptr()
     )
     ints = (ctypes.c_int64 * 24)(
-        int(len_dtype == torch.int64),
-        int(len_dtype == torch.int64),
-        0,
+        int(cl.dtype == torch.int64),
+        int(nc.dtype == torch.int64),
+        int(nv.dtype == torch.int64),
         *gq.view.stride()[:3],
         *gk.view.stride()[:3],
         *gv.view.stride()[:3],
@@ -268,7 +283,10 @@ def check_block_attention(
         D,
     )
     splits = ctypes.c_int(0)
-    err = so.emu_block_attention(ptrs, ints, scale, DTYPES[dtype], num_sms, int(simt), ctypes.byref(splits))
+    status = BlockAttentionStatus()
+    err = so.emu_block_attention(
+        ptrs, ints, scale, DTYPES[dtype], num_sms, int(simt), ctypes.byref(splits), ctypes.byref(status)
+    )
     what = (
         f"block_attention B={B} Hkv={Hkv} g={g} T={T} D={D} S={S} lens={lens} commit={commit} valid={valid} "
         f"{dtype} sms={num_sms} simt={simt} splits={splits.value}"
@@ -277,6 +295,14 @@ def check_block_attention(
     for name, gg in (("q", gq), ("k", gk), ("v", gv), ("k_cache", gkc), ("v_cache", gvc), ("out", out)):
         gg.check(f"{what} {name}")
     assert torch.equal(gkc.view, e_kc) and torch.equal(gvc.view, e_vc), f"{what}: caches differ"
+    if any(e is not None for e in errors):
+        b = status.b
+        assert status.ready == 1 and 0 <= b < B and errors[b] is not None, f"{what}: invalid lengths not recorded"
+        assert status.code == LENGTH_ERRORS[errors[b]], f"{what}: recorded {status.code} for {errors[b]}"
+        got = (status.cache_len, status.n_commit, status.n_valid, status.T, status.S)
+        assert got == (lens[b], commit[b], valid[b], T, S), f"{what}: recorded {got}"
+    else:
+        assert status.ready == 0 and status.code == 0, f"{what}: valid lengths recorded as error {status.code}"
     atol, rtol = TOL[dtype]
     close(out.view.float(), e_out.float(), atol, rtol, what)
     return splits.value
@@ -324,7 +350,8 @@ def main() -> None:
                     (2, 1, 3, 5, 64, 70, [0, 65], [2, 5], [5, 3]),  # commit + block + padding, cache writes
                     (2, 2, 4, 16, 128, 300, [257, 1], [0, 16], [16, 9]),
                     (1, 1, 4, 17, 64, 40, [23], [17], [17]),  # M = 68 rows: two m-tiles, causal only
-                    (1, 2, 1, 3, 128, 20, [19], [3], [3]),  # cache overflow: 19 + 3 > 20 must not write past S
+                    (1, 2, 1, 3, 128, 20, [19], [3], [3]),  # cache overflow: 19 + 3 > 20, nothing may be written
+                    (3, 1, 2, 4, 64, 20, [2**63 - 1, 3, -1], [1, 2, 0], [4, 5, 2]),  # int64 extremes, n_valid > T
                 ]
                 if args.full:
                     cases += [

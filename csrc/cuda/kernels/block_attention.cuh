@@ -15,10 +15,15 @@
 // - One thread block per (m-tile, split, sequence x KV head) runs the online softmax over its keys and writes a
 //   partial (row max m, row sum l, unnormalised output) in fp32; a merge kernel combines the splits + 1 partials
 //   of each output row and writes [B, T, Hq, D] in q's dtype. Softmax runs in base 2 with the scale folded in
-//   (exp2(s * scale * log2 e - m)), in both kernels and the merge.
+//   (exp2(s * scale * log2 e - m)), in both kernels and the merge: the update of sbd/softmax_state.h with Exp2
+//   (softmax_advance<Exp2>), the CPU's rule in another base (that header says why the result is the same).
 // - The new-rows block of m-tile 0 also copies the committed rows' K/V into the cache at cache_lens[b]. No
-//   block of this launch reads cache rows >= cache_lens[b] (the new rows are read from k / v), so the copy
-//   races with nothing and needs no ordering; it is bounded by S whatever the lengths say.
+//   block of this launch reads cache rows >= cache_lens[b] (the new rows are read from k / v, which the binding
+//   guarantees do not share memory with the caches), so the copy races with nothing and needs no ordering.
+// - Lengths are read on the device and validated per sequence with sbd::block_attention_length_error, the
+//   function the CPU binding runs on the host (block_work). An invalid sequence is given no keys and no append, so
+//   its output rows are zeros and no length whatsoever leads outside a tensor; the new-rows block of its first
+//   kv head and m-tile records it in p.status (the first one found wins) for the binding to raise.
 //
 // Two attention kernels with one partial format:
 // - attn_mma_kernel (bf16 / fp16): tensor cores via mma.sync.m16n8k16 (fp32 accumulation), ldmatrix from an
@@ -42,6 +47,8 @@
 
 #include "cuda/kernels/block_attention.h"
 #include "cuda/kernels/common.cuh"
+#include "sbd/block_attention_params.h"
+#include "sbd/softmax_state.h"
 
 namespace sbd_cuda {
 namespace ba {
@@ -57,10 +64,25 @@ constexpr int kMaxSplits = 64;
 constexpr int kMergeRowsPerBlock = 4;  // merge kernel: one warp per output row
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The first invalid sequence of any launch since the host last took the record (block_attention_take_status).
+__device__ __forceinline__ void record_length_error(const BlockAttentionParams& p, sbd::LengthError err, int b,
+                                                    int64_t L, int64_t c, int64_t nv) {
+  sbd::BlockAttentionStatus* st = p.status;
+  if (st == nullptr || atomicCAS(&st->code, 0, static_cast<int32_t>(err)) != 0) return;
+  st->b = b;
+  st->cache_len = L;
+  st->n_commit = c;
+  st->n_valid = nv;
+  st->T = p.T;
+  st->S = p.S;
+  __threadfence_system();  // the fields reach host memory before `ready` does
+  atomicExch(&st->ready, 1);
+}
+
 // What one thread block works on.
 struct Work {
   int b, h, mt, split;
-  int L, c, nv;    // cache length (clamped to S), committed rows and valid rows (clamped to T)
+  int L, c, nv;    // cache length, committed rows and valid rows: validated, or all 0 for an invalid sequence
   bool is_new;     // the split of the T new rows (split == splits)
   int n;           // keys in this block's range: cache rows [key0, key0 + n) or new rows [0, n)
   int key0;
@@ -73,10 +95,19 @@ __device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
   w.split = blockIdx.y;
   w.b = static_cast<int>(blockIdx.z) / p.Hkv;
   w.h = static_cast<int>(blockIdx.z) % p.Hkv;
-  w.L = load_len(p.cache_lens, p.cache_lens_i64, w.b, p.S);
-  w.c = load_len(p.n_commit, p.n_commit_i64, w.b, p.T);
-  w.nv = load_len(p.n_valid, p.n_valid_i64, w.b, p.T);
   w.is_new = w.split == p.splits;
+  {
+    const int64_t L = p.cache_len(w.b), c = p.commit(w.b), nv = p.valid(w.b);
+    const sbd::LengthError err = sbd::block_attention_length_error(L, c, nv, p.T, p.S);
+    if (err == sbd::LengthError::kNone) {  // then 0 <= c <= nv <= T and 0 <= L <= S - c: all fit in int
+      w.L = static_cast<int>(L);
+      w.c = static_cast<int>(c);
+      w.nv = static_cast<int>(nv);
+    } else {
+      w.L = w.c = w.nv = 0;  // no keys, no append: zero output rows (the merge's empty-row convention)
+      if (w.is_new && w.mt == 0 && w.h == 0 && threadIdx.x == 0) record_length_error(p, err, w.b, L, c, nv);
+    }
+  }
   w.part = ((static_cast<int64_t>(w.b) * p.Hkv + w.h) * p.m_tiles + w.mt) * (p.splits + 1) + w.split;
   const int M = p.group * p.T;
   const int r_lo = w.mt * kBM;
@@ -106,21 +137,21 @@ __device__ __forceinline__ bool visible(const Work& w, int i, int key) {
   return i < w.nv && (i >= w.c || key <= i);
 }
 
-// The committed rows' K/V into the cache at L: rows j < c, and never past row S - 1.
+// The committed rows' K/V into the cache at L: rows j < c (L + c <= S: block_work validated the lengths).
 template <typename T, int D>
 __device__ __forceinline__ void append_committed(const BlockAttentionParams& p, const Work& w) {
   constexpr int kVec = ElemTraits<T>::kVec;
   constexpr int kChunks = D / kVec;  // 16-byte chunks per row
-  const int rows = min(w.c, p.S - w.L);
+  const int rows = w.c;
   const T* kb = static_cast<const T*>(p.k) + w.b * p.k_sb + w.h * p.k_sh;
   const T* vb = static_cast<const T*>(p.v) + w.b * p.v_sb + w.h * p.v_sh;
-  T* kcb = static_cast<T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.L) * p.kc_ss;
-  T* vcb = static_cast<T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.L) * p.vc_ss;
+  T* kcb = static_cast<T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.L) * p.kc_st;
+  T* vcb = static_cast<T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.L) * p.vc_st;
   for (int idx = threadIdx.x; idx < rows * kChunks; idx += blockDim.x) {
     const int64_t j = idx / kChunks;
     const int e = (idx % kChunks) * kVec;
-    *reinterpret_cast<uint4*>(kcb + j * p.kc_ss + e) = *reinterpret_cast<const uint4*>(kb + j * p.k_st + e);
-    *reinterpret_cast<uint4*>(vcb + j * p.vc_ss + e) = *reinterpret_cast<const uint4*>(vb + j * p.v_st + e);
+    *reinterpret_cast<uint4*>(kcb + j * p.kc_st + e) = *reinterpret_cast<const uint4*>(kb + j * p.k_st + e);
+    *reinterpret_cast<uint4*>(vcb + j * p.vc_st + e) = *reinterpret_cast<const uint4*>(vb + j * p.v_st + e);
   }
 }
 
@@ -136,15 +167,11 @@ __device__ __forceinline__ void write_empty_partial(const BlockAttentionParams& 
   for (int r = threadIdx.x; r < kBM; r += blockDim.x) part_ml(p)[part * kBM + r] = make_float2(-INFINITY, 0.f);
 }
 
-// Online-softmax step of one row: new running max from the tile's max; returns the factor for the old state
-// and sets `base`, the value subtracted from this tile's scores (0 while the row has seen no key, so that
-// exp2(-inf - base) = 0 rather than NaN).
+// Online-softmax step of one row, the shared rule in base 2 (sbd/softmax_state.h): new running max from the
+// tile's max; returns the factor for the old state and sets `base`, the value subtracted from this tile's scores
+// (0 while the row has seen no key, so that exp2(-inf - base) = 0 rather than NaN).
 __device__ __forceinline__ float softmax_rescale(float& m, float tile_max, float& base) {
-  const float m_new = fmaxf(m, tile_max);
-  base = m_new == -INFINITY ? 0.f : m_new;
-  const float alpha = exp2f(m - base);  // m == -inf -> 0
-  m = m_new;
-  return alpha;
+  return sbd::softmax_advance<sbd::Exp2>(m, tile_max, base);
 }
 
 // ---- tensor-core kernel (bf16 / fp16) ------------------------------------------------------------------
@@ -204,10 +231,10 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
     kstride = p.k_st;
     vstride = p.v_st;
   } else {
-    kbase = static_cast<const T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.key0) * p.kc_ss;
-    vbase = static_cast<const T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.key0) * p.vc_ss;
-    kstride = p.kc_ss;
-    vstride = p.vc_ss;
+    kbase = static_cast<const T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.key0) * p.kc_st;
+    vbase = static_cast<const T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.key0) * p.vc_st;
+    kstride = p.kc_st;
+    vstride = p.vc_st;
   }
   auto load_kv = [&](int t, int st) {
     for (int idx = tid; idx < kMmaBN * kChunks; idx += kThreads) {
@@ -396,10 +423,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
     kstride = p.k_st;
     vstride = p.v_st;
   } else {
-    kbase = static_cast<const T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.key0) * p.kc_ss;
-    vbase = static_cast<const T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.key0) * p.vc_ss;
-    kstride = p.kc_ss;
-    vstride = p.vc_ss;
+    kbase = static_cast<const T*>(p.k_cache) + w.b * p.kc_sb + w.h * p.kc_sh + static_cast<int64_t>(w.key0) * p.kc_st;
+    vbase = static_cast<const T*>(p.v_cache) + w.b * p.vc_sb + w.h * p.vc_sh + static_cast<int64_t>(w.key0) * p.vc_st;
+    kstride = p.kc_st;
+    vstride = p.vc_st;
   }
 
   const int row0 = w.mt * kBM + warp * kRows;  // packed row of this warp's first row
@@ -556,7 +583,7 @@ cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
 
 }  // namespace ba
 
-bool block_attention_supports_head_dim(int D) { return D == 64 || D == 128; }
+bool block_attention_supports_head_dim(int64_t D) { return D == 64 || D == 128; }
 
 void block_attention_plan(BlockAttentionParams& p, int num_sms) {
   p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
@@ -583,7 +610,7 @@ template <typename T>
 cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
   if (p.B == 0 || p.T == 0) return cudaSuccess;
   if (p.B < 0 || p.T < 0 || p.Hkv <= 0 || p.Hq <= 0 || p.Hq % p.Hkv != 0 || p.group != p.Hq / p.Hkv ||
-      p.S < 0 || p.splits < 1 || p.m_tiles < 1 || p.workspace == nullptr ||
+      p.S < 0 || p.S > INT_MAX || p.T > INT_MAX / p.Hq || p.splits < 1 || p.m_tiles < 1 || p.workspace == nullptr ||
       static_cast<int64_t>(p.m_tiles) * ba::kBM < static_cast<int64_t>(p.group) * p.T ||
       static_cast<int64_t>(p.B) * p.Hkv > 65535 || p.splits + 1 > 65535 ||
       static_cast<int64_t>(p.B) * p.T * p.Hq > static_cast<int64_t>(INT_MAX) * ba::kMergeRowsPerBlock)

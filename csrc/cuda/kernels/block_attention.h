@@ -8,31 +8,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sbd/block_attention_params.h"
+
 namespace sbd_cuda {
 
-struct BlockAttentionParams {
-  // Tensors of element type T (the launcher's template argument); every last dimension has stride 1, and every
-  // pointer and every other stride (in bytes) is a multiple of 16 (the binding guarantees it).
-  const void* q;  // [B, Hq, T, D]
-  const void* k;  // [B, Hkv, T, D]
-  const void* v;  // [B, Hkv, T, D]
-  void* k_cache;  // [B, Hkv, S, D], rows [cache_lens[b], cache_lens[b] + n_commit[b]) written
-  void* v_cache;  // [B, Hkv, S, D]
-  void* out;      // [B, T, Hq, D], contiguous
-  // [B] lengths in device memory, contiguous, int32 or int64 each (the *_i64 flags). Read on the device and
-  // clamped (cache_lens to [0, S], n_commit and n_valid to [0, T]), so bad values cannot cause out-of-bounds
-  // access; the binding does not read them on the host (that would synchronise).
-  const void* cache_lens;
-  const void* n_commit;
-  const void* n_valid;
-  bool cache_lens_i64, n_commit_i64, n_valid_i64;
-  int64_t q_sb, q_sh, q_st;     // element strides of q over B, Hq, T
-  int64_t k_sb, k_sh, k_st;     // of k over B, Hkv, T
-  int64_t v_sb, v_sh, v_st;     // of v
-  int64_t kc_sb, kc_sh, kc_ss;  // of k_cache over B, Hkv, S
-  int64_t vc_sb, vc_sh, vc_ss;  // of v_cache
-  int B, Hq, Hkv, T, S, D;
-  float scale;  // softmax scale
+// The shared problem description (sbd/block_attention_params.h, filled by the binding's shared code) plus the
+// CUDA work plan. On CUDA every pointer and every non-unit stride (in bytes) is a multiple of 16 (the binding
+// guarantees it); the lengths are device memory, validated per sequence by the kernel (block_work in
+// block_attention.cuh): an invalid sequence gets zero output rows and no cache write, and is reported in `status`.
+struct BlockAttentionParams : sbd::BlockAttentionParams {
   // Work split (block_attention_plan). The g = Hq / Hkv query heads of a KV head and the T rows are packed into
   // M = g * T rows (packed row r = i * g + head-in-group), cut into m_tiles tiles of 64; the cache of each
   // sequence is cut into `splits` ranges, and one more "split" holds the T new rows. One thread block per
@@ -44,12 +28,23 @@ struct BlockAttentionParams {
   void* workspace;  // block_attention_workspace_bytes(*this) bytes, 16-byte aligned
   // Use the CUDA-core kernel for bf16/fp16 too (fp32 always uses it). For debugging and A/B tests.
   bool force_simt;
+  // Where the kernel records the first invalid sequence it finds (null: not recorded). Must stay valid, and be
+  // readable by the host, after the launch returns: block_attention_status() below.
+  sbd::BlockAttentionStatus* status;
 };
 
-bool block_attention_supports_head_dim(int D);  // 64 and 128
+bool block_attention_supports_head_dim(int64_t D);  // 64 and 128
 // Fills group, m_tiles, splits for a GPU with `num_sms` SMs.
 void block_attention_plan(BlockAttentionParams& p, int num_sms);
 size_t block_attention_workspace_bytes(const BlockAttentionParams& p);
+
+// The process's status record for invalid lengths: mapped, pinned host memory (written by kernels on any device,
+// read by the host without a copy), allocated on first use; null if that allocation fails. Defined in
+// block_attention_launch.cu.
+sbd::BlockAttentionStatus* block_attention_status();
+// If a launch has recorded an invalid sequence since the last call, copy the record to *out, clear it and return
+// true. Without a synchronisation first, a running kernel's record may be seen by a later call.
+bool block_attention_take_status(sbd::BlockAttentionStatus* out);
 
 // Launches on `stream`: the attention kernel (which also appends the committed rows to the caches) and the
 // merge kernel. B == 0 or T == 0 launches nothing. T = float, __nv_bfloat16 or __half.

@@ -81,8 +81,9 @@ __host__ __device__ __forceinline__ I ceil_div(I a, I b) {
   return (a + b - 1) / b;
 }
 
-// A length read from device memory, int32 or int64, and clamped to [0, hi]: the kernels stay in bounds even
-// when the binding skipped the value checks (it does on CUDA, as they would need a device-to-host copy).
+// A length read from device memory, int32 or int64, and clamped to [0, hi]. The attention kernels validate the
+// lengths (block_work in block_attention.cuh) and give an invalid sequence only empty partial states; a kernel
+// that reads a length after them (the merge) needs no more than this clamp to stay in bounds.
 __device__ __forceinline__ int load_len(const void* p, bool is64, int64_t i, int hi) {
   const int64_t v = is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
   return v < 0 ? 0 : (v > hi ? hi : static_cast<int>(v));
