@@ -1,16 +1,19 @@
 """block_attention against sbd_ext.reference.block_attention (a dense masked softmax in fp32).
 
 Correctness bars: fp32 within 1e-5 (relative and absolute, utils.TOL); bf16 / fp16 within 2x the error that
-PyTorch's own low-precision attention (SDPA in that dtype) makes against the same fp32 reference. Every CPU test
-runs under each CPU kernel variant (cpu_isa fixture: default / avx2 / avx512 where available).
+PyTorch's own low-precision attention (SDPA in that dtype) makes against the same fp32 reference. Every test runs
+on every device present; the CPU tests run under each CPU kernel variant (isa_device: default / avx2 / avx512
+where available), CUDA once.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import assert_close
+from utils import CUDA_OK, DEVICE_ISAS, assert_close, run_block_attention
 
 import sbd_ext
 from sbd_ext import reference
@@ -44,12 +47,18 @@ def run_both(q, k, v, kc, vc, lens, commit, valid, scale=None):
     return out, ref, (kc1, vc1), (kc2, vc2)
 
 
-@pytest.fixture
-def isa_device(device, cpu_isa):
-    """The device, and on CUDA only one pass (the CPU ISA variant does not matter there)."""
-    if device.type != "cpu" and cpu_isa != sbd_ext.build_info()["cpu_isas"][-1]:
-        pytest.skip("CPU ISA variants only matter on the CPU")
-    return device
+CUDA_HEAD_DIMS = (64, 128)
+
+
+@pytest.fixture(params=DEVICE_ISAS, ids=lambda p: f"cpu-{p[1]}" if p[1] else p[0])
+def isa_device(request):
+    """Each CPU kernel variant on the CPU, and every other device once."""
+    device, isa = request.param
+    if isa is not None:
+        sbd_ext._C.set_cpu_isa(isa)
+    yield torch.device(device)
+    if isa is not None:
+        sbd_ext._C.set_cpu_isa("")
 
 
 # (B, Hkv, g, T, D, cache_lens, n_commit, n_valid): batch 1 and 3, D 64 / 128 (and an odd 40), GQA ratios 1, 3, 4,
@@ -67,7 +76,7 @@ CASES = [
     (3, 2, 4, 16, 64, [0, 1, 257], [16, 5, 0], [16, 9, 3]),  # sequences advancing independently, padding rows
     (3, 1, 3, 4, 128, [257, 0, 1], [2, 0, 4], [4, 2, 4]),
     (3, 2, 1, 8, 64, [1, 257, 0], [4, 8, 0], [8, 8, 0]),  # 2k layout k = 4; the last sequence is all padding
-    (3, 1, 4, 6, 40, [257, 1, 0], [3, 3, 0], [6, 6, 5]),  # odd head dim
+    (3, 1, 4, 6, 40, [257, 1, 0], [3, 3, 0], [6, 6, 5]),  # odd head dim (CPU only: CUDA refuses it, see the test)
     (1, 1, 4, 300, 64, [0], [300], [300]),  # a causal prefill: several lane panels, key blocks skipped causally
     (2, 2, 2, 200, 64, [5, 0], [120, 200], [190, 200]),  # long mixed rows
 ]
@@ -77,6 +86,10 @@ CASES = [
 def test_fp32_matches_reference(isa_device, case):
     B, Hkv, g, T, D, lens, commit, valid = case
     q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, 300, device=isa_device)
+    if isa_device.type == "cuda" and D not in CUDA_HEAD_DIMS:
+        with pytest.raises(ValueError, match=rf"the CUDA kernels support head dims 64 and 128, got D = .* = {D}"):
+            sbd_ext.block_attention(q, k, v, kc, vc, *(lengths(x, isa_device) for x in (lens, commit, valid)))
+        return
     out, ref, caches, ref_caches = run_both(
         q, k, v, kc, vc, lengths(lens, isa_device), lengths(commit, isa_device), lengths(valid, isa_device)
     )
@@ -176,17 +189,31 @@ def test_non_contiguous_inputs(isa_device):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
-def test_new_rows_already_in_cache(isa_device):
-    """k / v as views of the cache rows the append targets (a caller that writes K/V into its cache first)."""
+def test_new_rows_inside_the_cache_are_refused(device):
+    """k / v as views of the cache rows the append targets: the kernel would read rows it is writing (other
+    threads / thread blocks read the new rows while the append runs), so the op refuses them; clones are fine."""
     B, Hkv, g, T, D, S, L = 2, 2, 2, 6, 64, 32, 9
-    q, _, _, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=isa_device)
+    q, _, _, kc, vc = make_inputs(B, Hkv, g, T, D, S, device=device)
     k, v = kc[:, :, L : L + T], vc[:, :, L : L + T]
-    lens, commit, valid = lengths([L, L], isa_device), lengths([6, 2], isa_device), lengths([6, 5], isa_device)
-    expect_k, expect_v = kc.clone(), vc.clone()
-    ref = reference.block_attention(q, k.clone(), v.clone(), expect_k, expect_v, lens, commit, valid, 0.125)
-    out = sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125)
+    lens, commit, valid = lengths([L, L], device), lengths([6, 2], device), lengths([6, 5], device)
+    with pytest.raises(ValueError, match="k_cache is written in place and shares memory with k"):
+        sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125)
+    out, ref, caches, ref_caches = run_both(q, k.clone(), v.clone(), kc, vc, lens, commit, valid, 0.125)
     assert_close(out, ref)
-    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def test_fused_kv_buffer_is_accepted(device):
+    """k_cache and v_cache interleaved in one [B, Hkv, S, 2, D] buffer share a storage but no element."""
+    B, Hkv, g, T, D, S = 2, 2, 2, 4, 64, 16
+    q, k, v, _, _ = make_inputs(B, Hkv, g, T, D, S, device=device)
+    buf = torch.randn(B, Hkv, S, 2, D, device=device)
+    L, C, V = lengths([3, 0], device), lengths([2, 4], device), lengths([4, 4], device)
+    ref_k, ref_v = buf[..., 0, :].clone(), buf[..., 1, :].clone()
+    ref = reference.block_attention(q, k, v, ref_k, ref_v, L.cpu(), C.cpu(), V.cpu(), 0.125)
+    out = sbd_ext.block_attention(q, k, v, buf[..., 0, :], buf[..., 1, :], L, C, V, 0.125)
+    assert_close(out, ref)
+    assert torch.equal(buf[..., 0, :], ref_k) and torch.equal(buf[..., 1, :], ref_v)
 
 
 @pytest.mark.parametrize("threads", [3, 8])
@@ -250,6 +277,12 @@ def _good(device):
     )  # fmt: skip
 
 
+def _shifted_caches(args):
+    """k_cache and v_cache as two views of one buffer, one row apart."""
+    buf = torch.zeros(1, 2, 17, 64, device=args["q"].device)
+    return dict(k_cache=buf[:, :, :16], v_cache=buf[:, :, 1:])
+
+
 BAD = {
     "q int dtype": (lambda a: a.update(q=a["q"].long()), "q must have dtype"),
     "k dtype differs": (lambda a: a.update(k=a["k"].double()), "k must have the same dtype as q"),
@@ -265,17 +298,52 @@ BAD = {
     "cache_lens float": (lambda a: a.update(cache_lens=a["cache_lens"].float()), "cache_lens must have dtype"),
     "n_commit 2-D": (lambda a: a.update(n_commit=a["n_commit"][None]), "n_commit must be 1-D"),
     "n_valid wrong B": (lambda a: a.update(n_valid=a["n_valid"].repeat(2)), r"n_valid.size\(0\) must equal"),
-    "negative cache_lens": (lambda a: a["cache_lens"].fill_(-1), r"cache_lens\[0\] = -1 is negative"),
-    "negative n_commit": (lambda a: a["n_commit"].fill_(-2), r"n_commit\[0\] = -2 is negative"),
-    "n_commit > n_valid": (lambda a: a["n_valid"].fill_(1), r"n_commit\[0\] = 2 exceeds n_valid\[0\] = 1"),
-    "n_valid > T": (lambda a: a["n_valid"].fill_(5), r"n_valid\[0\] = 5 exceeds the number of new rows T = 4"),
-    "cache overflow": (lambda a: a["cache_lens"].fill_(15), r"cache overflow for sequence 0.*15 \+ 2 exceeds"),
     "q last stride": (
         lambda a: a.update(q=torch.cat([a["q"], a["q"]], -1)[..., ::2]),
         "q must be contiguous in its last dimension",
     ),
     "scale nan": (lambda a: a.update(scale=float("nan")), "scale must be a finite number"),
+    # Mutated caches that share memory with themselves or with another argument.
+    "k_cache expanded": (
+        lambda a: a.update(k_cache=a["k_cache"][:, :, :1].expand(-1, -1, 16, -1)),
+        "k_cache is written in place but some of its elements share memory",
+    ),
+    "v_cache overlaps itself": (
+        lambda a: a.update(v_cache=a["v_cache"].as_strided(a["v_cache"].shape, (1024, 512, 32, 1))),
+        "v_cache is written in place but some of its elements share memory",
+    ),
+    "caches overlap": (
+        lambda a: a.update(_shifted_caches(a)),
+        "k_cache is written in place and shares memory with v_cache",
+    ),
+    "q is the cache": (
+        lambda a: a.update(q=a["k_cache"].view(1, 4, 8, 64)[:, :, :4]),
+        "k_cache is written in place and shares memory with q",
+    ),
+    "v inside v_cache": (lambda a: a.update(v=a["v_cache"][:, :, 3:7]), "v_cache .* shares memory with v"),
+    "lengths inside the cache": (
+        lambda a: a.update(n_valid=a["k_cache"].view(torch.int32).view(-1)[:1]),
+        "k_cache is written in place and shares memory with n_valid",
+    ),
 }
+
+# Bad lengths: raised by the call on the CPU; on CUDA found by the kernel (run_block_attention), which then writes
+# zero output rows for the sequence and appends nothing.
+BAD_LENGTHS = {
+    "negative cache_lens": (lambda a: a["cache_lens"].fill_(-1), r"cache_lens\[0\] = -1 is negative"),
+    "negative n_commit": (lambda a: a["n_commit"].fill_(-2), r"n_commit\[0\] = -2 is negative"),
+    "n_commit > n_valid": (lambda a: a["n_valid"].fill_(1), r"n_commit\[0\] = 2 exceeds n_valid\[0\] = 1"),
+    "n_valid > T": (lambda a: a["n_valid"].fill_(5), r"n_valid\[0\] = 5 exceeds the number of new rows T = 4"),
+    "cache overflow": (lambda a: a["cache_lens"].fill_(15), r"cache overflow for sequence 0.*15 \+ 2 exceeds"),
+    # cache_lens + n_commit overflows int64 (this once passed the check and wrote before the cache)
+    "cache_lens int64 max": (lambda a: a.update(cache_lens=lengths([2**63 - 1], a["q"].device, torch.int64)),
+                             r"cache overflow for sequence 0.*9223372036854775807 \+ 2 exceeds"),
+    "n_commit int64 max": (lambda a: a.update(n_commit=lengths([2**63 - 1], a["q"].device, torch.int64)),
+                           r"n_commit\[0\] = 9223372036854775807 exceeds n_valid"),
+    "n_valid int32 max": (lambda a: a["n_valid"].fill_(2**31 - 1), r"n_valid\[0\] = 2147483647 exceeds"),
+    "cache_lens int64 min": (lambda a: a.update(cache_lens=lengths([-(2**63)], a["q"].device, torch.int64)),
+                             r"cache_lens\[0\] = -9223372036854775808 is negative"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -287,7 +355,46 @@ def test_bad_inputs(device, name):
         OP(**args)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+@pytest.mark.parametrize("name", list(BAD_LENGTHS))
+def test_bad_lengths(device, name):
+    args = _good(device)
+    mutate, pattern = BAD_LENGTHS[name]
+    mutate(args)
+    k_before, v_before = args["k_cache"].clone(), args["v_cache"].clone()
+    out, err = run_block_attention(**args)
+    assert err is not None, "invalid lengths were accepted"
+    assert re.search(pattern, str(err)), f"{str(err)!r} does not match {pattern!r}"
+    assert torch.equal(args["k_cache"], k_before) and torch.equal(args["v_cache"], v_before)
+    if device.type == "cpu":
+        assert out is None
+    else:  # the kernel ran, treating the sequence as empty
+        assert out.shape == (1, 4, 4, 64) and not out.any()
+
+
+def test_bad_lengths_in_a_batch_leave_the_valid_sequences_exact(device):
+    """One invalid sequence among valid ones: the CPU refuses the call; CUDA computes the valid sequences exactly
+    and writes nothing for the invalid one."""
+    q, k, v, kc, vc = make_inputs(3, 2, 2, 4, 64, 16, device=device)
+    L, C, V = lengths([3, 15, 0], device), lengths([2, 2, 4], device), lengths([4, 4, 4], device)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, err = run_block_attention(
+        q=q, k=k, v=v, k_cache=kc, v_cache=vc, cache_lens=L, n_commit=C, n_valid=V, scale=0.125
+    )
+    assert err is not None and "cache overflow for sequence 1" in str(err)
+    if device.type == "cpu":
+        assert out is None and torch.equal(kc, kc0)
+        return
+    keep = [0, 2]
+    rk, rv = kc0[keep].clone(), vc0[keep].clone()
+    ref = reference.block_attention(
+        q[keep], k[keep], v[keep], rk, rv, L[keep].cpu(), C[keep].cpu(), V[keep].cpu(), 0.125
+    )
+    assert_close(out[keep], ref)
+    assert not out[1].any() and torch.equal(kc[1], kc0[1]) and torch.equal(vc[1], vc0[1])
+    assert torch.equal(kc[keep], rk) and torch.equal(vc[keep], rv)
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="needs a second device (a GPU with sbd_ext's CUDA kernels)")
 def test_device_mismatch():
     args = _good("cuda")
     args["cache_lens"] = args["cache_lens"].cpu()

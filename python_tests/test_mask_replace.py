@@ -127,7 +127,13 @@ def test_invalid_proposals_are_never_revealed(device):
     # a proposal equal to the mask id is not a reveal either
     tokens = torch.full((1, 2), MASK, device=device)
     n_rev, _ = sbd_ext.mask_replace(
-        tokens, torch.tensor([[MASK, MASK]], device=device), torch.zeros(1, 2), torch.ones(1, 2), MASK, "entropy", 1.0
+        tokens,
+        torch.tensor([[MASK, MASK]], device=device),
+        torch.zeros(1, 2, device=device),
+        torch.ones(1, 2, device=device),
+        MASK,
+        "entropy",
+        1.0,
     )
     assert n_rev.item() == 0
 
@@ -174,11 +180,49 @@ def test_opcheck_and_compile():
         (lambda a: a.update(rule="greedy"), "rule must be one of"),
         (lambda a: a.update(threshold=-0.1), "gamma must be >= 0"),
         (lambda a: a.update(threshold=float("nan")), "threshold must be a number"),
+        # tokens is written in place: no memory shared with itself or with the other inputs
+        (
+            lambda a: a.update(tokens=a["tokens"][:1].expand(2, 4)),
+            "tokens is written in place but some of its elements share memory",
+        ),
+        (lambda a: a.update(proposals=a["tokens"]), "tokens is written in place and shares memory with proposals"),
+        (
+            lambda a: a.update(entropy=a["tokens"].view(torch.float32)[:, ::2]),
+            "tokens is written in place and shares memory with entropy",
+        ),
+        (lambda a: a.update(tokens=_overlapping_rows(a["tokens"])), "tokens is written in place but some"),
+        # the mask id travels as an int64: out-of-range or non-integer ids are refused in the wrapper
+        (lambda a: a.update(mask_id=2**63), "mask_id must be a token id that fits in int64"),
+        (lambda a: a.update(mask_id=-(2**63) - 1), "mask_id must be a token id that fits in int64"),
+        (lambda a: a.update(mask_id=99.5), "mask_id must be an integer"),
+        (lambda a: a.update(mask_id="99"), "mask_id must be an integer"),
+        (lambda a: a.update(mask_id=True), "mask_id must be an integer"),
     ],
 )
-def test_bad_inputs(change, match):
-    tokens, prop, ent, pmax = _case(2, 4, seed=0)
+def test_bad_inputs(device, change, match):
+    tokens, prop, ent, pmax = (t.to(device) for t in _case(2, 4, seed=0))
     args = dict(tokens=tokens, proposals=prop, entropy=ent, max_prob=pmax, mask_id=MASK, rule="eb", threshold=0.3)
     change(args)
+    before = args["tokens"].clone()
     with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
         sbd_ext.mask_replace(**args)
+    assert torch.equal(args["tokens"], before)
+
+
+def _overlapping_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """[2, 4] rows that are windows of one buffer 2 apart: positions 2, 3 of row 0 are positions 0, 1 of row 1."""
+    return torch.arange(6, device=tokens.device).as_strided((2, 4), (2, 1))
+
+
+@pytest.mark.parametrize("mask_id", [-(2**63), -1, 2**31, 2**63 - 1])
+def test_mask_ids_at_the_int64_limits(device, mask_id):
+    """Any int64 is a legal mask id: the op matches the reference at the limits (no truncation to 32 bits)."""
+    tokens, prop, ent, pmax = _case(3, 8, seed=5)
+    tokens[tokens == MASK] = mask_id
+    tokens[:, 0] = mask_id
+    ours = tokens.clone().to(device)
+    counts = sbd_ext.mask_replace(ours, prop.to(device), ent.to(device), pmax.to(device), mask_id, "eb", 0.4)
+    ref = tokens.clone()
+    ref_counts = R.mask_replace(ref, prop, ent, pmax, mask_id, "eb", 0.4)
+    assert torch.equal(ours.cpu(), ref) and torch.equal(counts[0].cpu(), ref_counts[0])
+    assert int(counts[0].sum()) > 0  # something was revealed: the mask id was recognised

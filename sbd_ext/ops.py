@@ -7,19 +7,32 @@ csrc/cpu/<name>_cpu.cpp and csrc/cuda/<name>_cuda.cu, and have pure-PyTorch refe
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-__all__ = ["block_attention", "entropy_sample", "mask_replace"]
+__all__ = ["block_attention", "check_cuda_errors", "entropy_sample", "mask_replace"]
 
 _U64 = 1 << 64
+_I64_MIN, _I64_END = -(1 << 63), 1 << 63
+
+
+def _as_int(x, op: str, name: str) -> int:
+    """x as a Python int: ints, integer NumPy scalars and 0-d integer tensors; not floats, bools or strings."""
+    if isinstance(x, bool):
+        raise TypeError(f"{op}: {name} must be an integer, got a bool ({x})")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an integer, got {type(x).__name__} {x!r}") from None
 
 
 def _as_int64(x: int, name: str) -> int:
     """Map a seed/offset in [-2^63, 2^64) onto the int64 the schema carries (same 64 bits)."""
-    x = int(x)
-    if not -(1 << 63) <= x < _U64:
-        raise ValueError(f"{name} must fit in 64 bits, got {x}")
-    return x - _U64 if x >= (1 << 63) else x
+    x = _as_int(x, "entropy_sample", name)
+    if not _I64_MIN <= x < _U64:
+        raise ValueError(f"entropy_sample: {name} must fit in 64 bits ([-2**63, 2**64)), got {x}")
+    return x - _U64 if x >= _I64_END else x
 
 
 def block_attention(
@@ -49,6 +62,14 @@ def block_attention(
     Returns:
         [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32.
     The lengths are not updated: after the last layer the caller adds n_commit to cache_lens.
+
+    Invalid lengths (negative, ``n_commit > n_valid``, ``n_valid > T``, ``cache_lens + n_commit > S``) raise a
+    ValueError naming the argument and the sequence. On the CPU it is raised by this call. On CUDA the lengths stay
+    on the device (reading them would synchronise and break CUDA-graph capture), so the kernel checks them: an
+    invalid sequence gets zero output rows and no cache write -- no lengths can make the kernel touch memory
+    outside its tensors -- and the same error is raised by the next CUDA ``block_attention`` call, or at once by
+    :func:`check_cuda_errors`. Every mutated tensor (k_cache, v_cache) must not share memory with itself or with
+    any other argument (ValueError). On CUDA the head dim must be 64 or 128 and the caches' rows 16-byte aligned.
     """
     B, T = q.shape[0], q.shape[2] if q.dim() == 4 else 0
     if n_commit is None:
@@ -58,6 +79,21 @@ def block_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.sbd_ext.block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, float(scale))
+
+
+def check_cuda_errors() -> None:
+    """Raise the invalid-lengths error a CUDA ``block_attention`` kernel found since the last check, if any.
+
+    Synchronises the current CUDA device first, so every call made before this one has been checked. The error is
+    the ValueError the CPU raises for the same lengths. Without CUDA kernels (or a GPU) this does nothing.
+    """
+    from . import _C
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    msg = _C.take_cuda_error()
+    if msg:
+        raise ValueError(msg)
 
 
 def entropy_sample(
@@ -103,8 +139,12 @@ def mask_replace(
     Returns:
         (n_revealed [B], n_remaining [B]) int64, on tokens' device. No host synchronisation happens inside.
         A sequence with masked positions left but none revealed has only invalid (NaN-logit) proposals.
+    ``tokens`` must not share memory with itself (an expanded view) or with the other inputs (ValueError).
     """
-    return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, int(mask_id), rule, float(threshold))
+    mask_id = _as_int(mask_id, "mask_replace", "mask_id")
+    if not _I64_MIN <= mask_id < _I64_END:
+        raise ValueError(f"mask_replace: mask_id must be a token id that fits in int64, got {mask_id}")
+    return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, float(threshold))
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------

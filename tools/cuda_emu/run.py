@@ -238,6 +238,7 @@ def check_block_attention(
     v = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
     kc = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
     vc = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+
     def as_lengths(vals, dtype):  # int64 where a value does not fit int32
         return torch.tensor(vals, dtype=torch.int64 if any(not -(2**31) <= x < 2**31 for x in vals) else dtype)
 
