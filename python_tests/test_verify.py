@@ -153,3 +153,20 @@ def test_first_from_ntp_reveals_block_start_from_commit_rows(models):
     assert any(
         off.sequences[b, int(off.prompt_lengths[b])] != ntp.sequences[b, int(ntp.prompt_lengths[b])] for b in range(3)
     )
+
+
+def test_cli_verify_marks_corrections_and_equals_ntp(capsys):
+    """`sbd-ext generate --verify --show-steps` on a held-out sort problem where verification corrects a token:
+    the completion is the NTP completion, the corrected token is marked `!`, the summary counts it."""
+    from sbd_ext.demo import cli
+
+    common = ["generate", "--model", "sbd-sort", "--example", "4", "--color", "never"]
+    assert cli.main([*common, "--mode", "ntp"]) == 0
+    ntp_completion = capsys.readouterr().out.split("\n\n")[0]
+    args = [*common, "--verify", "--show-steps", "--block-size", "8", "--threshold", "0.35"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n\n")[0] == ntp_completion
+    marks = [line for line in out.splitlines() if line.startswith(" " * 17 + "|")]
+    assert sum(line.count("!") for line in marks) == 1
+    assert "verified (1 corrections)" in out

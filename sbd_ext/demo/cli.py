@@ -3,6 +3,7 @@
     sbd-ext generate "Mia has 23 pens. She buys 5 more. She gives 8 to Sam. How many pens does Mia have now?"
     sbd-ext generate --show-steps              # a held-out problem, and which tokens each forward revealed
     sbd-ext generate --mode ntp "..."          # next-token decoding through the same cache, for comparison
+    sbd-ext generate --verify --show-steps     # lossless verify mode: NTP's output, corrected tokens marked
     sbd-ext generate --model PATH "..."        # any SBD-trained HF Llama folder (config.mask_token_id set)
     sbd-ext eval --out eval/                   # accuracy / NFE table (Markdown) and plot (PNG) on held-out problems
     sbd-ext models                             # the embedded models
@@ -34,10 +35,14 @@ def _visible(s: str) -> str:
     return s.replace("\n", "↵")
 
 
-def render_steps(tok, token_ids: list[int], trace: list, prompt_len: int, colour: bool) -> str:
+def render_steps(
+    tok, token_ids: list[int], trace: list, prompt_len: int, colour: bool, corrections: list[int] = ()
+) -> str:
     """One line per forward: the completion so far, masked / future positions as ``·``, the newly revealed tokens
-    highlighted (colour in a terminal, ``^`` markers underneath otherwise); then the completion with every token
-    coloured by the forward that revealed it."""
+    highlighted (colour in a terminal, ``^`` markers underneath otherwise; ``!`` for a token verify mode corrected,
+    ``corrections`` being indices into ``token_ids``); then the completion with every token coloured by the forward
+    that revealed it, corrected tokens underlined."""
+    corrected = set(corrections)
     pieces = [_visible(tok.decode([t])) for t in token_ids]
     when = [None] * len(pieces)
     lines = []
@@ -51,16 +56,20 @@ def render_steps(tok, token_ids: list[int], trace: list, prompt_len: int, colour
             piece = pieces[j] if when[j] is not None else "·"
             new = j in rel
             text.append(_paint(piece, _COLOURS[step % len(_COLOURS)], bold=True, enabled=colour and new))
-            marks.append(("^" if new else " ") * len(piece))
+            marks.append(("!" if new and j in corrected else "^" if new else " ") * len(piece))
         lines.append(f"forward {f + 1:3d} +{len(rel):2d} | " + "".join(text))
         if not colour:
             lines.append(" " * 17 + "| " + "".join(marks).rstrip())
     if colour:
         coloured = "".join(
             _paint(p, _COLOURS[w % len(_COLOURS)] if w is not None else None, enabled=True)
-            for p, w in zip(pieces, when, strict=True)
+            if j not in corrected
+            else f"\033[4;{_COLOURS[w % len(_COLOURS)]}m{p}\033[0m"
+            for j, (p, w) in enumerate(zip(pieces, when, strict=True))
         )
         lines.append("by forward:           " + coloured)
+        if corrected:
+            lines.append("(underlined: corrected by verification)")
     return "\n".join(lines)
 
 
@@ -79,7 +88,7 @@ def cmd_generate(args) -> int:
 
     expected = None
     if args.prompt is None:
-        problem = list(tasks.problems("test", args.example + 1))[-1]
+        problem = list(tasks.problems("test", args.example + 1, task=info.get("task", "arith")))[-1]
         question = problem.prompt
         expected = problem.answer
         print(f"(no prompt given: held-out problem #{args.example})")
@@ -114,6 +123,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=1,
         return_trace=args.show_steps,
+        verify=args.verify,
     )
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     completion = res["completions"][0]
@@ -122,9 +132,15 @@ def cmd_generate(args) -> int:
     print(_paint(completion, 1, enabled=colour))
     print()
     if args.show_steps:
-        print(render_steps(tok, res["token_ids"][0], res["traces"][0], res["prompt_lengths"][0], colour))
+        print(
+            render_steps(
+                tok, res["token_ids"][0], res["traces"][0], res["prompt_lengths"][0], colour, res["corrections"][0]
+            )
+        )
         print()
     how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {sampler} sampler {threshold:g}"
+    if args.verify and args.mode == "sbd":
+        how += f", verified ({len(res['corrections'][0])} corrections)"
     print(
         f"[{how}] NFE {nfe} | {ntok} tokens | {ntok / max(nfe, 1):.2f} tokens/forward | "
         f"{secs:.3f} s ({ntok / max(secs, 1e-9):.0f} tokens/s) | model load {t_load:.2f} s"
@@ -161,6 +177,7 @@ def cmd_eval(args) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         task=args.task,
+        verify_block_sizes=args.verify_block_sizes,
     )
     result["meta"]["seconds"] = time.perf_counter() - t
     files = save_results(result, args.out, g_low, g_high, sampler)
@@ -184,7 +201,7 @@ def cmd_models(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS, DEFAULT_SAMPLERS
+    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS, DEFAULT_SAMPLERS, DEFAULT_VERIFY_BLOCK_SIZES
 
     ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -204,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--show-steps", action="store_true", help="show which tokens each forward revealed")
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="lossless verify mode: every SBD token is checked against the model's own next-token choice; the "
+        "output equals --mode ntp's, in fewer forwards",
+    )
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's prompt template")
     g.add_argument("--example", type=int, default=0, help="which held-out problem when no prompt is given")
@@ -217,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gammas", type=float, nargs="+", default=list(DEFAULT_GAMMAS))
     e.add_argument("--block-sizes", type=int, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
     e.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS), choices=("eb", "entropy", "confidence"))
+    e.add_argument(
+        "--verify-block-sizes",
+        type=int,
+        nargs="*",
+        default=list(DEFAULT_VERIFY_BLOCK_SIZES),
+        help="block sizes evaluated in verify mode (eb sampler, every gamma); none to skip",
+    )
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--max-new-tokens", type=int, default=160)
     e.add_argument("--task", default="arith", choices=("arith", "sort"))

@@ -66,7 +66,8 @@ def decode(
     for ``generate``; the demo's defaults are ``max_new_tokens=160`` and the tokenizer's EOS and pad ids.
     Returns a dict: completions (text, special tokens and everything after the first EOS removed), nfe and
     num_generated (lists of ints, one per prompt), seconds (total wall-clock), traces (with ``return_trace``),
-    prompt_lengths.
+    prompt_lengths, token_ids (the generated ids), corrections (verify mode: indices into token_ids of the tokens
+    verification corrected).
     """
     from ..decoding import GenerationSettings, generate
 
@@ -76,7 +77,15 @@ def decode(
     else:
         settings = GenerationSettings.of(settings, **overrides)
     dev = next(model.parameters()).device
-    out = {"completions": [], "nfe": [], "num_generated": [], "traces": [], "prompt_lengths": [], "token_ids": []}
+    out = {
+        "completions": [],
+        "nfe": [],
+        "num_generated": [],
+        "traces": [],
+        "prompt_lengths": [],
+        "token_ids": [],
+        "corrections": [],
+    }
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         chunk = list(prompts[i : i + batch_size])
@@ -90,6 +99,7 @@ def decode(
             out["nfe"].append(int(res.nfe[b]))
             out["num_generated"].append(int(res.num_generated[b]))
             out["prompt_lengths"].append(p)
+            out["corrections"].append([c - p for c in res.corrections[b]])
             if return_trace:
                 out["traces"].append(res.trace[b])
     out["seconds"] = time.perf_counter() - t0
