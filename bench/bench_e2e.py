@@ -12,7 +12,8 @@ have 0.8 M parameters: more threads only add synchronisation). One round = all p
 - ``sbd_gamma_low`` / ``sbd_gamma_high`` (ours): SBD decoding of the SBD model ``sbd-arith`` with the block size,
   sampler and gamma_low / gamma_high of its ``sbd_demo.json``;
 - ``sbd_other_sampler`` (ours): the same at gamma_low with the other entropy rule (the entropy threshold when the
-  model's sampler is the paper's entropy-bounded one, and the reverse).
+  model's sampler is the paper's entropy-bounded one, and the reverse);
+- ``sbd_verify`` (ours): lossless verify mode at gamma_low (the SBD model's own NTP output, checked block by block).
 
 Each row's extra_info holds tokens generated, tokens/s, mean NFE and accuracy; a summary at the end of the module
 prints every row's tokens/s and how many times faster it answers than HF generate.
@@ -145,7 +146,7 @@ def test_sbd_ext_ntp_mode(benchmark, control, problems):
     )
 
 
-@pytest.mark.parametrize("which", ["gamma_low", "gamma_high", "other_sampler"])
+@pytest.mark.parametrize("which", ["gamma_low", "gamma_high", "other_sampler", "verify"])
 def test_sbd(benchmark, sbd_model, problems, which):
     model, tok = sbd_model
     info = models.demo_info(models.DEFAULT_MODEL)
@@ -154,7 +155,8 @@ def test_sbd(benchmark, sbd_model, problems, which):
         sampler = "entropy" if info.get("sampler", "eb") == "eb" else "eb"
         gamma = info.get("gamma_low", 0.1)
     else:
-        sampler, gamma = info.get("sampler", "eb"), info.get(which, 0.1 if which == "gamma_low" else 0.35)
+        key = "gamma_low" if which == "verify" else which
+        sampler, gamma = info.get("sampler", "eb"), info.get(key, 0.1 if key == "gamma_low" else 0.35)
     _sbd_ext_row(
         benchmark,
         f"sbd_{which}",
@@ -167,6 +169,7 @@ def test_sbd(benchmark, sbd_model, problems, which):
         block_size=k,
         sampler=sampler,
         threshold=gamma,
+        verify=which == "verify",
     )
     benchmark.extra_info["gamma"] = gamma
     benchmark.extra_info["block_size"] = k

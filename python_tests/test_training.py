@@ -62,7 +62,8 @@ def tiny_llama(attn="sdpa", vocab=V + 1, seed=0, init_range=0.02, tie=False, lay
 
 
 def brute_force_mask(L: int, k: int, length: int | None = None) -> torch.Tensor:
-    """DESIGN.md section 1, one (q, kv) pair at a time; padding keys (position >= length) masked out."""
+    """The SBD training mask (clean copy causal; the masked copy sees the clean blocks before its own and its whole
+    block), written out one (q, kv) pair at a time; padding keys (position >= length) masked out."""
     length = L if length is None else length
     T = 2 * L
     m = torch.zeros(T, T, dtype=torch.bool)

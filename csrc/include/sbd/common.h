@@ -15,7 +15,7 @@
 
 namespace sbd {
 
-// Acceptance rules of the in-place mask replacement (DESIGN.md section 1, "Samplers").
+// Acceptance rules of the in-place mask replacement (the paper's samplers; sbd_ext/reference.py mask_replace).
 enum class AcceptRule : int32_t {
   kEntropyBound = 0,         // EB sampler, paper Eq. 8: largest entropy-sorted prefix with sum_{j<s} H_(j) <= gamma
   kEntropyThreshold = 1,     // reveal every H_i < gamma; at least the lowest-entropy position
