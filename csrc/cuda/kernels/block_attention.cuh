@@ -537,10 +537,19 @@ struct F32x<4> {
   }
 };
 
+// A lane's N output values rounded to T and written as 4-byte words (16-bit values packed in pairs, as pack2
+// does for mma.sync); the warp's words are contiguous, so each row is written in whole 32-byte sectors.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) OutVec {  // N output elements as one 4- to 16-byte store
-  T e[N];
-};
+__device__ __forceinline__ void store_out(T* dst, const float (&a)[N]) {
+  if constexpr (std::is_same<T, float>::value) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) dst[k] = a[k];
+  } else {
+    static_assert(N % 2 == 0, "16-bit values are written in pairs");
+#pragma unroll
+    for (int k = 0; k < N; k += 2) reinterpret_cast<uint32_t*>(dst)[k / 2] = pack2<T>(a[k], a[k + 1]);
+  }
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeRowsPerBlock * 32) attn_merge_kernel(BlockAttentionParams p) {
@@ -601,10 +610,7 @@ __global__ void __launch_bounds__(kMergeRowsPerBlock * 32) attn_merge_kernel(Blo
       for (int k = 0; k < kPer; ++k) acc[k] *= inv;
     }
   }
-  OutVec<T, kPer> o;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) o.e[k] = from_float<T>(acc[k]);
-  *reinterpret_cast<OutVec<T, kPer>*>(static_cast<T*>(p.out) + orow * D + lane * kPer) = o;
+  store_out<T, kPer>(static_cast<T*>(p.out) + orow * D + lane * kPer, acc);
 }
 
 template <typename T, int D>
