@@ -277,10 +277,11 @@ for junit in sorted(glob.glob(os.path.join(res, "*.xml"))):
               if c.find("failure") is not None or c.find("error") is not None][:40]
 path = os.path.join(res, "cuda_ops.csv")
 if os.path.exists(path):
-    lines += ["", "| op | shape | impl | us | GB/s | % peak | x roofline |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| op | shape | impl | us | GB/s | % peak | x roofline | attn kernel us | merge us |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in csv.DictReader(open(path)):
         lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['gpu_us']} | {r['gb_per_s']} | "
-                     f"{r['pct_peak']} | {r['x_roofline']} |")
+                     f"{r['pct_peak']} | {r['x_roofline']} | {r.get('attn_us', '')} | {r.get('merge_us', '')} |")
 for log in sorted(glob.glob(os.path.join(res, "ncu_*.log"))):
     text = open(log).read()
     start = text.find('"ID"')
