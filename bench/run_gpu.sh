@@ -32,7 +32,7 @@
 #  0. Here, once, before the session (no device time): commit, then
 #       echo /.whl/ >> .git/info/exclude; echo /.carry/ >> .git/info/exclude
 #       python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux2014_x86_64 --platform any -d .whl gguf==0.17.1     # pure Python; numpy is there
+#         --platform manylinux2014_x86_64 -d .whl gguf==0.19.0        # pure Python; numpy is there
 #     and for SmolLM2 (94 MiB, more than one call carries): split the GGUF into two parts with its checksum,
 #       f=$(python3 -c 'from sbd_ext.recipes import smollm2; print(smollm2.gguf_path())')
 #       mkdir -p .carry/a .carry/b && split -b 48M "$f" /tmp/gguf.part. && mv /tmp/gguf.part.aa .carry/a/ &&

@@ -50,7 +50,8 @@ def test_uv_pip_install_builds_against_the_installed_torch(tmp_path):
         "sbd_ext.mask_replace(t, p, e, e, 5, 'eb', 0.1); assert t.tolist() == [[7, 1, 9]];"
         "print(torch.__version__, sbd_ext.build_info()['torch_version'], sbd_ext.__file__)"
     )
-    out = _run([py, "-c", check], cwd=tmp_path).split()
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package, not a checkout
+    out = _run([py, "-c", check], cwd=tmp_path, env=clean).split()
     assert out[0] == torch.__version__ and torch.__version__.startswith(out[1]), out
     assert str(venv) in out[2], f"imported {out[2]}, not the installed package"
     assert " torch==" not in log and "+ torch" not in log, f"uv installed another torch:\n{log}"
