@@ -3,7 +3,9 @@
 Environment variables:
   SBD_EXT_CUDA        auto (default) | 1 | 0. auto builds the CUDA kernels when torch is a CUDA build and nvcc
                       is found; 1 requires them (fails if impossible); 0 builds the CPU kernels only.
-  SBD_EXT_CUDA_ARCH   CUDA architectures, TORCH_CUDA_ARCH_LIST syntax (default "8.0;9.0a").
+  SBD_EXT_CUDA_ARCH   CUDA architectures, TORCH_CUDA_ARCH_LIST syntax (default: cuda_archs of tools/build_config.json,
+                      "8.0;9.0a"). It wins over an environment TORCH_CUDA_ARCH_LIST; without it, that variable is
+                      used if set. The build log says which list was used and where it came from.
   SBD_EXT_DEBUG       1 builds with -O0 -g and host-side asserts.
   SBD_EXT_NATIVE      1 adds -march=native to the (ISA-independent) C++ sources.
   MAX_JOBS            parallel compile jobs (ninja), as for every torch extension.
@@ -12,9 +14,13 @@ CPU kernels (csrc/cpu/*_kernel.cpp) are compiled once per instruction set (DEFAU
 into namespaces sbd_cpu::<ISA>; the bindings pick the widest one the running CPU supports (csrc/cpu/isa.h), as
 ATen does for its own kernels. The rest of the extension is compiled for the baseline ISA, so the wheel runs on
 any x86-64 machine.
+
+Compiler flags and the default CUDA architectures come from tools/build_config.json, shared with CMakeLists.txt and
+csrc/cuda/compile_check.sh.
 """
 
 import glob
+import json
 import os
 import platform
 import subprocess
@@ -35,6 +41,8 @@ except ImportError:  # pragma: no cover - only on a machine without torch
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(ROOT, "tools", "build_config.json")) as _f:
+    CONFIG = json.load(_f)
 
 
 def _cuda_wanted() -> bool:
@@ -59,22 +67,21 @@ def _cuda_wanted() -> bool:
     return have
 
 
-# Per-ISA flags; the macros select at::vec's implementation (ATen/cpu/vec/vec.h).
-ISA_FLAGS = {
-    "DEFAULT": [],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-DCPU_CAPABILITY_AVX2"],
-    "AVX512": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-mbmi2",
-        "-DCPU_CAPABILITY_AVX512",
-    ],
-}
+# Per-ISA flags (tools/build_config.json); the macros select at::vec's implementation (ATen/cpu/vec/vec.h).
+ISA_FLAGS = CONFIG["isa_flags"]
+
+
+def _cuda_arch_list() -> str:
+    """SBD_EXT_CUDA_ARCH, else TORCH_CUDA_ARCH_LIST, else tools/build_config.json; never silently another one."""
+    env_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    chosen, source = os.environ.get("SBD_EXT_CUDA_ARCH"), "SBD_EXT_CUDA_ARCH"
+    if not chosen and env_list:
+        chosen, source = env_list, "TORCH_CUDA_ARCH_LIST"
+    if not chosen:
+        chosen, source = ";".join(CONFIG["cuda_archs"]), "tools/build_config.json"
+    note = f" (TORCH_CUDA_ARCH_LIST={env_list!r} is overridden)" if env_list and env_list != chosen else ""
+    print(f"sbd_ext: CUDA architectures {chosen} from {source}{note}", file=sys.stderr)
+    return chosen
 
 
 def _isas():
@@ -95,8 +102,8 @@ class BuildExtWithISA(BuildExtension):
         cxx = os.environ.get("CXX", "c++")
         debug = os.environ.get("SBD_EXT_DEBUG", "0") == "1"
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        base = ["-std=c++20", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-        base += ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+        base = [f"-std={CONFIG['cxx_std']}", "-fPIC", *CONFIG["openmp_flags"], f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        base += CONFIG["cxx_debug_flags"] if debug else [*CONFIG["cxx_flags"], "-DNDEBUG"]
         base += [f"-I{p}" for p in ext.include_dirs + include_paths()]
         jobs, objects = [], []
         for src in kernels:
@@ -127,26 +134,27 @@ def _extension():
     with_cuda = _cuda_wanted()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     sources = [f for f in sources if not f.endswith("_kernel.cpp")]  # built per ISA by BuildExtWithISA
-    cxx = ["-O0", "-g", "-DSBD_EXT_DEBUG"] if debug else ["-O3"]
+    cxx = list(CONFIG["cxx_debug_flags"] if debug else CONFIG["cxx_flags"])
     # AVX-512/AVX2 code paths come from ATen's vectorised types (at::vec), which pick the widest ISA the
     # compiler is allowed; -march=native would make the wheel unportable, so it is opt-in.
     if os.environ.get("SBD_EXT_NATIVE", "0") == "1":
         cxx.append("-march=native")
-    cxx += ["-fopenmp"]
+    cxx += CONFIG["openmp_flags"]
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     kwargs = dict(
         name="sbd_ext._C",
         sources=sources,
         include_dirs=include_dirs,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=CONFIG["openmp_flags"],
     )
     if not with_cuda:
         kwargs["extra_compile_args"] = {"cxx": cxx}
         return CppExtension(**kwargs)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("SBD_EXT_CUDA_ARCH", "8.0;9.0a"))
+    # Set, not setdefault: an environment TORCH_CUDA_ARCH_LIST must not replace the chosen list unannounced.
+    os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list()
     kwargs["sources"] += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-    nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]
-    nvcc += ["--expt-relaxed-constexpr", "-DSBD_EXT_WITH_CUDA"]
+    # torch's CUDAExtension adds the __CUDA_NO_* defines (nvcc_defines of the config) itself.
+    nvcc = [*(CONFIG["nvcc_debug_flags"] if debug else CONFIG["nvcc_flags"]), "-DSBD_EXT_WITH_CUDA"]
     kwargs["extra_compile_args"] = {"cxx": cxx + ["-DSBD_EXT_WITH_CUDA"], "nvcc": nvcc}
     return CUDAExtension(**kwargs)
 

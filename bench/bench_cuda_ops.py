@@ -1,11 +1,15 @@
 """GPU benchmarks of the three CUDA kernels, each against its pure-PyTorch reference and PyTorch's best built-in.
 
     SBD_EXT_CUDA=1 python setup.py build_ext --inplace
-    pytest bench/bench_cuda_ops.py --benchmark-json=out.json       # or: bash bench/run_gpu.sh
+    pytest bench/bench_cuda_ops.py --benchmark-json=out.json       # or: bash bench/run_gpu.sh bench
 
 Timing: CUDA events around one call, after 3 warm-up calls, with the L2 cache flushed before every call by
-writing a 256 MiB buffer (so a cache that fits in the 50 MiB L2 of an H100 is still read from HBM, as it is in a
-real forward). pytest-benchmark's own (host) timer includes the flush and a synchronisation, so the numbers to
+reading a 256 MiB buffer (so a cache that fits in the 50 MiB L2 of an H100 is still read from HBM, as it is in a
+real forward). Reading, not writing: a write (fill_) leaves ~50 MiB of dirty lines that the timed kernel would pay
+to write back. block_attention's kernels are also timed one by one with torch.profiler (attn_us: the attention
+kernel, merge_us: the split-KV merge), and a 32-layer run (distinct caches per layer, the 32 calls captured in one
+CUDA graph) shows the cost of a whole model's attention without launch gaps.
+pytest-benchmark's own (host) timer includes the flush and a synchronisation, so the numbers to
 read are in extra_info: gpu_us (median of the event times), GB/s = bytes / gpu_us with the byte count stated per
 op, and pct_peak = that over the GPU's peak HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s; other GPUs from
 their memory clock and bus width when torch reports them). With SBD_BENCH_OUT set, every measurement is also
@@ -65,7 +69,26 @@ def flush_l2() -> None:
     global _flush_buf
     if _flush_buf is None:
         _flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    _flush_buf.fill_(1)
+    _flush_buf.amax()  # a read of every line: evicts what is cached and leaves nothing dirty
+
+
+def kernel_times(fn, rounds: int = 10) -> dict[str, float]:
+    """Device time (us) per call of `fn` of each sbd_ext CUDA kernel it launches (all its launches of that kernel,
+    averaged over `rounds` calls), by torch.profiler, the L2 flushed before each call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and "sbd_cuda" in e.name:
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {name: t / rounds for name, t in totals.items()}
 
 
 def gpu_times(fn, rounds: int, setup=None) -> list[float]:
@@ -107,6 +130,7 @@ def measure(
     rounds: int = ROUNDS,
     roofline_bytes: int | None = None,
     setup=None,
+    extra: dict | None = None,
 ) -> float:
     """Times fn, records the numbers in benchmark.extra_info and the CSV, returns the median in us."""
     times = gpu_times(fn, rounds, setup)
@@ -123,6 +147,7 @@ def measure(
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "commit": _git_commit(),
+        **(extra or {}),
     }
     if nbytes:
         gbs = nbytes / (med * 1e-6) / 1e9
@@ -160,6 +185,8 @@ def measure(
                     "gb_per_s",
                     "pct_peak",
                     "x_roofline",
+                    "attn_us",
+                    "merge_us",
                     "rounds",
                     "gpu",
                     "torch",
@@ -251,8 +278,10 @@ def test_block_attention(benchmark, shape, impl):
     # Bytes that must move: the K/V cache once (the roofline), plus the new rows' q / k / v and the output.
     kv_bytes = 2 * Hkv * L * D * 2
     nbytes = kv_bytes + (Hq * T * D * 2) * 2 + 2 * Hkv * T * D * 2 * 2
+    extra = None
     if impl == "sbd_ext":
         fn = lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)  # noqa: E731
+        extra = split_attention_merge(kernel_times(fn))
     elif impl == "reference":
         if L > 16384:
             pytest.skip("the dense fp32 reference at 32k is minutes of memory traffic per call; not informative")
@@ -281,6 +310,49 @@ def test_block_attention(benchmark, shape, impl):
         nbytes,
         rounds=ROUNDS if impl != "reference" else REF_ROUNDS,
         roofline_bytes=kv_bytes,
+        extra=extra,
+    )
+
+
+def split_attention_merge(per_kernel: dict[str, float]) -> dict[str, float]:
+    """attn_us (the attention kernel) and merge_us (the split-KV merge) from kernel_times' per-call times."""
+    attn = sum(t for name, t in per_kernel.items() if "attn_mma_kernel" in name or "attn_simt_kernel" in name)
+    merge = sum(t for name, t in per_kernel.items() if "attn_merge_kernel" in name)
+    return {"attn_us": round(attn, 2), "merge_us": round(merge, 2)}
+
+
+LAYERS = 32
+
+
+@pytest.mark.parametrize("L", [4096, 32768])
+def test_block_attention_32_layers_graph(benchmark, L):
+    """A Llama-3.1-8B forward's attention: 32 calls on 32 distinct caches (as a model's layers), captured in one
+    CUDA graph and replayed, so the time is the kernels' alone; x_roofline against reading all 32 caches once."""
+    Hq, Hkv, D, T = 32, 8, 128, 16
+    layers = [attn_inputs(Hq, Hkv, D, L, T, 0) for _ in range(LAYERS)]  # n_commit 0: replays write nothing
+
+    def forward():
+        for q, k, v, kc, vc, lens, commit, valid in layers:
+            sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, D**-0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    kv_bytes = LAYERS * 2 * Hkv * L * D * 2
+    measure(
+        benchmark,
+        "block_attention_32_layers",
+        "sbd_ext graph",
+        f"llama3.1-8b x{LAYERS} layers L={L} T={T} bf16",
+        graph.replay,
+        kv_bytes,
+        roofline_bytes=kv_bytes,
+        extra=split_attention_merge(kernel_times(forward, rounds=3)),
     )
 
 

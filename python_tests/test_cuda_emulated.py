@@ -86,3 +86,23 @@ def test_block_attention_emulated(so, case, dtype, kernel):
         len_dtype=torch.int64,
         strided_q=True,
     )
+
+
+MERGE = [  # (B, Hkv, g, T, D, S, lens, commit, valid)
+    # Many partials for the merge (the capacity S sets the split count, the length what is read): 64 cache splits +
+    # the new rows at D = 64 (65 partials, three rounds of 32 lanes), of which the 1000 keys fill 16; 33 + 1 at
+    # D = 128, 11 filled. The workspace starts as NaN: reading an empty partial's O rows would show.
+    (1, 1, 2, 8, 64, 16448, [1000], [3], [8]),
+    (1, 1, 4, 16, 128, 8448, [700], [0], [16]),
+]
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "mma"), (torch.float32, "simt")])
+@pytest.mark.parametrize("case", MERGE, ids=lambda c: f"D{c[4]}-S{c[5]}")
+def test_block_attention_merge_many_splits_emulated(so, case, dtype, kernel):
+    B, Hkv, g, T, D, S, lens, commit, valid = case
+    splits = emu.check_block_attention(
+        so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms=132, simt=kernel == "simt", seed=D,
+        len_dtype=torch.int32,
+    )  # fmt: skip
+    assert splits > 32, f"the case should give more partials than lanes, got {splits} splits"

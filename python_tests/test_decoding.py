@@ -440,6 +440,16 @@ def test_error_nan_logits():
         generate(m, ids, max_new_tokens=4, mode="ntp")
 
 
+def test_cache_under_a_read_only_max_cache_len(model, monkeypatch):
+    # transformers 5.17 (the GPU image's) defines Cache.max_cache_len as a read-only, deprecated property, so an
+    # SBDCache that assigned the attribute could not be built there.
+    from transformers.cache_utils import Cache
+
+    monkeypatch.setattr(Cache, "max_cache_len", property(lambda self: self.get_max_length()), raising=False)
+    cache = SBDCache(model.config, batch_size=2, max_cache_len=16)
+    assert cache.max_cache_len == 16 and cache.layers[0].keys.shape[2] == 16
+
+
 def test_error_cache_misuse(model):
     cache = SBDCache(model.config, batch_size=1, max_cache_len=16)
     ids = torch.randint(0, MASK_ID, (1, 4))

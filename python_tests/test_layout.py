@@ -64,3 +64,30 @@ def test_recipes_do_not_import_each_other_upwards():
         pkg = "sbd_ext.demo" if p.parent == PKG / "demo" else "sbd_ext.demo.models"
         hits = {m for m in _imported_modules(p, pkg) if m.startswith("sbd_ext.recipes")}
         assert not hits, f"{p} imports {hits}"
+
+
+def test_ops_stay_importable_when_the_hf_layer_cannot_load(tmp_path):
+    # A transformers release whose internals moved (simulated: a name sbd_ext.hf imports is gone) must not take the
+    # ops down with the attention backend; the HF names then raise an error that says why.
+    code = (
+        "import torch, transformers.utils.import_utils as iu; del iu.is_tracing\n"
+        "import sbd_ext\n"
+        "t = torch.tensor([[5, 1, 5]]); p = torch.tensor([[7, 8, 9]]); e = torch.zeros(1, 3)\n"
+        "rev, rem = sbd_ext.mask_replace(t, p, e, e, 5, 'eb', 0.1)\n"
+        "assert t.tolist() == [[7, 1, 9]] and rem.tolist() == [0], t\n"
+        "try:\n"
+        "    sbd_ext.generate\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(PKG.parent)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sbd_ext.generate could not be loaded with transformers" in r.stdout, r.stdout
+    assert "is_tracing" in r.stdout and "The ops (sbd_ext.block_attention" in r.stdout, r.stdout

@@ -104,7 +104,7 @@ class SBDCache(Cache):
         if batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"SBDCache: batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         self.seq_lens: list[int] = [0] * batch_size
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self._plan: SBDForwardPlan | None = None
         layers = [
             SBDLayer(self, batch_size, n_kv, head_dim, max_cache_len, dtype, device)
@@ -115,6 +115,13 @@ class SBDCache(Cache):
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
+
+    # A read-only property: transformers 5.17 defines Cache.max_cache_len as one (deprecated, without a setter), so
+    # assigning the attribute fails there; this overrides it on every version, without the deprecation warning.
+    @property
+    def max_cache_len(self) -> int:
+        """Rows per sequence in every layer (the capacity S of the K/V buffers)."""
+        return self._max_cache_len
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens, default=0)

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA kernels on a machine without a GPU (CI): every csrc/cuda/*_launch.cu (kernels and
-# launchers, no torch headers) is compiled with nvcc for sm_80 and sm_90a. Warnings are errors; ptxas reports
-# register spills. Exits non-zero if any file fails.
+# launchers, no torch headers) is compiled with nvcc for the architectures of tools/build_config.json (sm_80 and
+# sm_90a), with its flags (the same as setup.py's and CMake's). Warnings are errors; ptxas reports register spills.
+# Exits non-zero if any file fails.
 #
 #   bash csrc/cuda/compile_check.sh              # the launch files (what CI runs)
 #   bash csrc/cuda/compile_check.sh --bindings   # also the torch-facing *_cuda.cu bindings, host code only,
 #                                                # against the installed torch's headers (a CPU wheel has the
 #                                                # c10/cuda headers they use); about 30 s more per file
-# Environment: NVCC (default nvcc), JOBS (parallel compiles, default 2), PYTHON (for --bindings, default python).
+# Environment: NVCC (default nvcc), JOBS (parallel compiles, default 2), PYTHON (reads the config; default python3),
+# SBD_EXT_CUDA_ARCH (architectures instead of the config's, TORCH_CUDA_ARCH_LIST syntax, e.g. "9.0a").
 set -u
 cd "$(dirname "$0")/../.."
 
 NVCC=${NVCC:-nvcc}
 JOBS=${JOBS:-2}
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 BINDINGS=0
 for arg in "$@"; do
   case "$arg" in
@@ -29,17 +31,39 @@ fi
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/sbd_cuda_check.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
 
-# The __CUDA_NO_* macros are what torch's CUDAExtension passes to nvcc (no implicit half / bf16 conversions).
-COMMON=(-std=c++17 -O3 -Icsrc/include -Icsrc --expt-relaxed-constexpr -Werror all-warnings -Xptxas -warn-spills
-        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
-        -D__CUDA_NO_HALF2_OPERATORS__)
-ARCHS=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a)
+# Flags and architectures from tools/build_config.json, one word per line, read into arrays.
+config() {
+  "$PYTHON" -c '
+import json, os, sys
+c = json.load(open("tools/build_config.json"))
+what, words = sys.argv[1], []
+if what == "common":
+    words = ["-std=" + c["cuda_std"], "-Icsrc/include", "-Icsrc", *c["nvcc_flags"], *c["nvcc_check_flags"]]
+    words += [f"-D{d}" for d in c["nvcc_defines"]]
+elif what == "bind":
+    words = [*c["nvcc_flags"], *(f"-D{d}" for d in c["nvcc_defines"])]
+else:  # gencode: -gencode arch=compute_90a,code=sm_90a per architecture
+    for a in (os.environ.get("SBD_EXT_CUDA_ARCH") or ";".join(c["cuda_archs"])).replace(" ", ";").split(";"):
+        if a:
+            n = a.replace(".", "").replace("+PTX", "")
+            words += ["-gencode", f"arch=compute_{n},code=sm_{n}"]
+print("\n".join(words))
+' "$1"
+}
+mapfile -t COMMON < <(config common)
+mapfile -t ARCHS < <(config gencode)
+mapfile -t BIND_FLAGS < <(config bind)
+if [ "${#COMMON[@]}" = 0 ] || [ "${#ARCHS[@]}" = 0 ]; then
+  echo "compile_check: cannot read tools/build_config.json with $PYTHON" >&2
+  exit 1
+fi
+ARCH_NAMES=$(printf '%s\n' "${ARCHS[@]}" | sed -n 's/.*code=//p' | paste -sd, -)
 
 echo "compile_check: $("$NVCC" --version | tail -n 2 | head -n 1)"
 
 declare -a names=() cmds=()
 for src in csrc/cuda/*_launch.cu; do
-  names+=("$src [sm_80, sm_90a]")
+  names+=("$src [$ARCH_NAMES]")
   cmds+=("$NVCC ${COMMON[*]} ${ARCHS[*]} -c $src -o $OUT/$(basename "$src" .cu).o")
 done
 
@@ -52,10 +76,8 @@ if [ "$BINDINGS" = 1 ]; then
   ABI=$("$PYTHON" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
   # C10_CUDA_NO_CMAKE_CONFIGURE_FILE: a CPU wheel lacks c10/cuda/impl/cuda_cmake_macros.h (it only sets export
   # macros). Host code only (-arch=sm_80, no kernels in these files).
-  BIND=(-std=c++20 -O0 -Icsrc/include -Icsrc $TORCH_INC -I"$PY_INC" --expt-relaxed-constexpr
+  BIND=(-std=c++20 -Icsrc/include -Icsrc $TORCH_INC -I"$PY_INC" "${BIND_FLAGS[@]}" -O0
         -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DSBD_EXT_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI"
-        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
-        -D__CUDA_NO_HALF2_OPERATORS__
         -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -arch=sm_80)
   for src in csrc/cuda/*_cuda.cu; do
     names+=("$src [binding, host]")

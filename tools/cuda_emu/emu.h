@@ -435,8 +435,14 @@ inline int atomicExch(int* p, int val) {
   return old;
 }
 inline void __threadfence_system() {}
-inline uint4 __ldg(const uint4* p) {
-  sbd_emu::check_global(p, 16, "__ldg");
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) sbd_emu::fail("misaligned 16-byte load");
+namespace sbd_emu {
+template <typename V>
+V ldg(const V* p) {  // a checked, aligned load of 8 or 16 bytes
+  check_global(p, sizeof(V), "__ldg");
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(V) != 0) fail("misaligned vector load");
   return *p;
 }
+}  // namespace sbd_emu
+inline uint4 __ldg(const uint4* p) { return sbd_emu::ldg(p); }
+inline float4 __ldg(const float4* p) { return sbd_emu::ldg(p); }
+inline float2 __ldg(const float2* p) { return sbd_emu::ldg(p); }

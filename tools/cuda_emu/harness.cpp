@@ -8,11 +8,14 @@
 
 namespace {
 
-// Workspaces get 256 guard bytes on each side; an out-of-bounds write there fails the call.
+// Workspaces get 256 guard bytes on each side; an out-of-bounds write there fails the call. With `poison`, the
+// workspace itself starts as NaN bytes, so a kernel that reads a partial result nobody wrote gets NaN output.
 struct Guarded {
   std::vector<unsigned char> buf;
   size_t n;
-  explicit Guarded(size_t bytes) : buf(bytes + 512, 0xA5), n(bytes) {}
+  explicit Guarded(size_t bytes, bool poison = false) : buf(bytes + 512, 0xA5), n(bytes) {
+    if (poison) std::memset(buf.data() + 256, 0xFF, n);
+  }
   void* data() { return buf.data() + 256; }
   bool intact() const {
     for (size_t i = 0; i < 256; ++i)
@@ -125,7 +128,7 @@ int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtyp
   p.force_simt = force_simt != 0;
   sbd_cuda::block_attention_plan(p, num_sms);
   *splits_out = p.splits;
-  Guarded ws(sbd_cuda::block_attention_workspace_bytes(p));
+  Guarded ws(sbd_cuda::block_attention_workspace_bytes(p), /*poison=*/true);
   p.workspace = ws.data();
   sbd_emu::register_range(ws.data(), ws.n);
   const int err = dispatch(dtype, [&](auto tag) {
