@@ -513,6 +513,9 @@ class SBDTrainer(Trainer):
 
     def __init__(self, *args, block_size_range=None, mask_token_id: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        # Same statement for transformers versions without ``loss_is_scaled_for_ga`` (5.17, the GPU image's): they
+        # divide by the accumulation steps only when the model is not marked as taking loss kwargs.
+        self.model_accepts_loss_kwargs = False
         hf = _unwrap(self.model)
         if block_size_range is None:
             block_size_range = get_sbd_metadata(hf)[1] or DEFAULT_BLOCK_SIZE_RANGE
