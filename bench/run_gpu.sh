@@ -80,7 +80,14 @@ echo "run_gpu: stage $STAGE$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)'), re
 # Carried wheels (.whl/, see step 0) and the SmolLM2 stand-in package go to /tmp/sbd_site, first on the path.
 SITE=/tmp/sbd_site
 mkdir -p "$SITE"
-export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout goes on the path when it holds (or, on the GPU, will hold) an in-place build. A dry run beside an
+# installed package (CI: `pip install .` then pytest) must import the installed one: then neither the checkout nor
+# the working directory may shadow it (PYTHONSAFEPATH, Python >= 3.11, keeps `python -m`/`-c` from adding the cwd).
+if [ "$DRY" != 1 ] || compgen -G "sbd_ext/_C*.so" >/dev/null; then
+  export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     >"$RES/wheels.log" 2>&1 || echo "run_gpu: installing the carried wheels failed (wheels.log)"
