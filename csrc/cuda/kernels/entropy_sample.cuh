@@ -2,11 +2,15 @@
 // vocabulary.
 //
 // Each thread streams its share of a row with 16-byte loads (kUnroll = 4 loads in flight per thread) and keeps
-// the shared online state of sbd/entropy_state.h (running max m, s = sum e^(x-m), t = sum e^(x-m)(x-m)) and a
-// running argmax of the score: the logit (temperature 0) or logit / T + Gumbel noise from Philox
-// (sbd/philox.h, the counter layout the CPU kernel and the reference use, so a (seed, offset) gives the same
-// token on every device and under every work split). Per-thread states are merged with EntropyState::merge /
-// ArgmaxState::merge over warp shuffles, then across the warps of the block.
+// the shared online state of sbd/entropy_state.h (running max m, r = sum e^(x-m) but the max's 1, u = sum
+// e^(x-m)(m-x)) and a running argmax of the score: the logit (temperature 0) or sbd::gumbel_score, logit / T +
+// Gumbel noise from Philox (sbd/gumbel.h, sbd/philox.h: the counter layout and the exactly rounded score the CPU
+// kernel uses, so a (seed, offset) gives the same token on every device and under every work split). Sampling
+// takes the exact fast path of sbd/gumbel.h per element: no Philox for an entry whose logit / T plus the largest
+// noise cannot reach the thread's best score so far, no logarithm for one whose per-draw noise bound cannot (on
+// real logits, where the bulk of the vocabulary lies 20+ below the max, that skips most of the ~20 instructions
+// per element of Philox, which would otherwise outlast the row's DRAM time on an H100). Per-thread states are
+// merged with EntropyState::merge / ArgmaxState::merge over warp shuffles, then across the warps of the block.
 //
 // Work split: a 16 x 128256 bf16 block of logits is 4.1 MB, 1.2 us of H100 DRAM time (3.35 TB/s), so the
 // 10 us target is lost to latency, not bandwidth, unless every SM pulls its share at once: with few rows each
@@ -21,9 +25,9 @@
 // increasing order (head, then its vectors in order, then tail); across threads ArgmaxState::merge breaks ties
 // by index. Ties therefore go to the lowest index, as torch.argmax does.
 //
-// Build: not with --use_fast_math. The Gumbel score uses logf and an IEEE division, as the CPU kernel and the
-// reference do; fast math would turn them into approximations and sampled tokens would differ from the CPU's
-// far more often than at the rare 1-ulp near-ties (the softmax statistics use __expf either way).
+// Build: not with --use_fast_math. The Gumbel score is an IEEE division plus sbd::log_f32 (explicit fmas), the
+// CPU kernel's exact operations; fast math would approximate the division and sampled tokens would differ from
+// the CPU's (the softmax statistics use __expf either way: see sbd/entropy_state.h for its error).
 //
 // Included by exactly one translation unit, csrc/cuda/entropy_sample_launch.cu.
 #pragma once
@@ -36,6 +40,7 @@
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/entropy_sample.h"
 #include "sbd/entropy_state.h"
+#include "sbd/gumbel.h"
 #include "sbd/philox.h"
 
 namespace sbd_cuda {
@@ -49,7 +54,7 @@ constexpr int kMergeRowsPerBlock = 8;  // merge kernel: one warp per row
 
 // Partial state of one (row, split), 32 bytes.
 struct alignas(16) Partial {
-  float m, s, t;
+  float m, r, u;
   int32_t invalid;
   float best;
   int32_t pad;
@@ -71,8 +76,8 @@ __device__ __forceinline__ RowState shfl_xor(const RowState& x, int mask) {
   constexpr unsigned kAll = 0xffffffffu;
   RowState y;
   y.e.m = __shfl_xor_sync(kAll, x.e.m, mask);
-  y.e.s = __shfl_xor_sync(kAll, x.e.s, mask);
-  y.e.t = __shfl_xor_sync(kAll, x.e.t, mask);
+  y.e.r = __shfl_xor_sync(kAll, x.e.r, mask);
+  y.e.u = __shfl_xor_sync(kAll, x.e.u, mask);
   y.e.invalid = __shfl_xor_sync(kAll, static_cast<int>(x.e.invalid), mask) != 0;
   y.a.best = __shfl_xor_sync(kAll, x.a.best, mask);
   y.a.index = __shfl_xor_sync(kAll, static_cast<long long>(x.a.index), mask);
@@ -101,7 +106,8 @@ __device__ __forceinline__ RowState block_reduce(RowState x) {
   return x;
 }
 
-// Score of one vocab entry: the logit, or logit / T + Gumbel(u) with u drawn for (seed, offset, row, j).
+// Score of one vocab entry: the logit, or sbd::gumbel_score with the draw for (seed, offset, row, j), computed only
+// where sbd::may_reach says it could beat the thread's best (the exact fast path of sbd/gumbel.h).
 template <bool kSample>
 struct Scorer {
   float temperature;
@@ -113,6 +119,8 @@ struct Scorer {
   __device__ __forceinline__ void push(RowState& st, float x, int64_t j) {
     st.e.push(x);
     if constexpr (kSample) {
+      const float xs = x / temperature;
+      if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, st.a.best)) return;
       const uint32_t q = static_cast<uint32_t>(j >> 2);
       if (q != quad) {  // one Philox call per 4 consecutive vocab entries
         quad = q;
@@ -120,7 +128,8 @@ struct Scorer {
       }
       const int k = static_cast<int>(j & 3);  // selects, not a dynamically indexed (local-memory) array
       const uint32_t w = k == 0 ? r.x[0] : k == 1 ? r.x[1] : k == 2 ? r.x[2] : r.x[3];
-      st.a.push(sbd::gumbel_score(x, temperature, sbd::philox_uniform(w)), j);
+      if (!sbd::may_reach(xs, sbd::gumbel_noise_bound(w), st.a.best)) return;
+      st.a.push(sbd::gumbel_score(x, temperature, w), j);
     } else {
       st.a.push(x, j);
     }
@@ -189,8 +198,8 @@ __global__ void __launch_bounds__(kThreads) entropy_sample_kernel(EntropySampleP
   } else {
     Partial out;
     out.m = st.e.m;
-    out.s = st.e.s;
-    out.t = st.e.t;
+    out.r = st.e.r;
+    out.u = st.e.u;
     out.invalid = st.e.invalid ? 1 : 0;
     out.best = st.a.best;
     out.pad = 0;
@@ -210,7 +219,7 @@ __global__ void __launch_bounds__(kMergeRowsPerBlock * 32) entropy_sample_merge_
   for (int s = lane; s < p.splits; s += 32) {
     const Partial q = parts[s];
     RowState o;
-    o.e = sbd::EntropyState{q.m, q.s, q.t, q.invalid != 0};
+    o.e = sbd::EntropyState{q.m, q.r, q.u, q.invalid != 0};
     o.a = sbd::ArgmaxState{q.best, q.index};
     st.merge(o);
   }
