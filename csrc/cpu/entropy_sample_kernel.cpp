@@ -8,7 +8,7 @@
 //
 // The chosen token: greedy keeps the first index of the maximum. Sampling is Gumbel-max with the exact fast path
 // of sbd/gumbel.h: a tile whose max cannot reach the best score so far is skipped whole; otherwise the best is first
-// raised to the exact score of the tile's max entry, then groups of 32 entries (8 Philox quads) are tested against
+// raised to the exact score of the tile's max entry, then groups of 64 entries (16 Philox quads) are tested against
 // the best with the noise bound kGumbelNoiseMax (no Philox at all when none passes), then with the per-draw bound
 // gumbel_noise_bound (Philox, no logarithm), and only the entries that pass get their exact score
 // sbd::gumbel_score, the function the CUDA kernel calls. Exact scores are compared as (score, lowest index first),
@@ -40,7 +40,7 @@ using Vec = at::vec::Vectorized<float>;
 namespace {
 
 // 1024 fp32 = 4 KB: a tile stays in L1 (32-64 KB) for its second and third sweeps (statistics, sampling). A
-// multiple of 32, so every tile starts a Philox group of 8 quads.
+// multiple of 64, so every tile starts a Philox group of 16 quads.
 constexpr int64_t kTile = 1024;
 
 template <typename T>
@@ -99,8 +99,15 @@ inline sbd::EntropyState tile_state(const float* x, int64_t n, float m) {
   return sbd::EntropyState{m, r + (ties - 1.f), u, false};
 }
 
+// Vectorised: sampling looks up the max of nearly every tile, and a scalar scan cost ~1 cycle per logit.
 inline int64_t first_index_of(const float* x, int64_t n, float v) {
-  for (int64_t i = 0; i < n; ++i)
+  int64_t i = 0;
+  const Vec vv(v);
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    // zero_mask has a bit per lane that compares equal to 0.0: every lane but the (all-ones) matches
+    if ((Vec::loadu(x + i) == vv).zero_mask() != (1 << Vec::size()) - 1) break;
+  }
+  for (; i < n; ++i)
     if (x[i] == v) return i;
   return -1;
 }
@@ -125,36 +132,52 @@ struct RowSampler {
 };
 
 #if defined(SBD_ENTROPY_SAMPLE_AVX2)
-// (hi, lo) 32-bit halves of a * m per lane, m the same 32-bit constant in every lane.
-inline __m256i mulhilo8(__m256i a, __m256i m, __m256i* lo) {
-  const __m256i even = _mm256_mul_epu32(a, m);                         // lanes 0, 2, 4, 6 as 64-bit products
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // lanes 1, 3, 5, 7
-  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+// The parts of sbd::philox_for_vocab_quad's input that a row shares: the round keys and counter words 1 to 3.
+struct PhiloxRow8 {
+  __m256i k0[10], k1[10], c1, c2, c3;
+
+  PhiloxRow8(uint64_t seed, uint64_t offset, uint32_t row) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[r] = _mm256_set1_epi32(static_cast<int>(a));
+      k1[r] = _mm256_set1_epi32(static_cast<int>(b));
+    }
+    c1 = _mm256_set1_epi32(static_cast<int>(row));
+    c2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
+    c3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+  }
+};
+
+// One Philox round on 4 quads held one per 64-bit lane (the low 32 bits; the high halves carry don't-care bits,
+// which _mm256_mul_epu32 never reads): the 64-bit products are the (hi, lo) pairs directly, so a round is 2
+// multiplies, 2 shifts and 4 xors, with no blends to repack 32-bit lanes.
+inline void philox_round4(__m256i& c0, __m256i& c1, __m256i& c2, __m256i& c3, __m256i m0, __m256i m1, __m256i k0,
+                          __m256i k1) {
+  const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
+  c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), k0);
+  c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), k1);
+  c1 = p1;
+  c3 = p0;
 }
 
-// sbd::philox_for_vocab_quad for the 8 quads q0 .. q0 + 7 of `row` at once; out[k] lane i is the word of vocab
-// index 4 q0 + 8 k + i (element order).
-inline void philox_words8(uint64_t seed, uint64_t offset, uint32_t row, uint32_t q0, __m256i out[4]) {
-  __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(q0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i c1 = _mm256_set1_epi32(static_cast<int>(row));
-  __m256i c2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
-  __m256i c3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+// sbd::philox_for_vocab_quad for the 8 quads q0 .. q0 + 7 of a row at once, as two interleaved sets of 4: the even
+// quads and the odd ones, so that packing the two sets' low halves puts quad q in 32-bit lane q.
+// out[k] lane i is the word of vocab index 4 q0 + 8 k + i (element order).
+inline void philox_words8(const PhiloxRow8& pr, uint32_t q0, __m256i out[4]) {
   const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
   const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  const __m256i q = _mm256_set1_epi64x(q0);
+  __m256i a0 = _mm256_add_epi64(q, _mm256_setr_epi64x(0, 2, 4, 6)), a1 = pr.c1, a2 = pr.c2, a3 = pr.c3;
+  __m256i b0 = _mm256_add_epi64(q, _mm256_setr_epi64x(1, 3, 5, 7)), b1 = pr.c1, b2 = pr.c2, b3 = pr.c3;
   for (int r = 0; r < 10; ++r) {
-    __m256i lo0, lo1;
-    const __m256i hi0 = mulhilo8(c0, m0, &lo0);
-    const __m256i hi1 = mulhilo8(c2, m1, &lo1);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-    c1 = lo1;
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    philox_round4(a0, a1, a2, a3, m0, m1, pr.k0[r], pr.k1[r]);
+    philox_round4(b0, b1, b2, b3, m0, m1, pr.k0[r], pr.k1[r]);
   }
-  // c_l lane q = word l of quad q: a 4 x 4 transpose in each 128-bit half, then the halves regrouped.
+  // Word l of quad q in 32-bit lane q, then a 4 x 4 transpose in each 128-bit half and the halves regrouped.
+  const auto pack = [](__m256i even, __m256i odd) {
+    return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  };
+  const __m256i c0 = pack(a0, b0), c1 = pack(a1, b1), c2 = pack(a2, b2), c3 = pack(a3, b3);
   const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpacklo_epi32(c2, c3);
   const __m256i t2 = _mm256_unpackhi_epi32(c0, c1), t3 = _mm256_unpackhi_epi32(c2, c3);
   const __m256i q04 = _mm256_unpacklo_epi64(t0, t1), q15 = _mm256_unpackhi_epi64(t0, t1);
@@ -165,24 +188,26 @@ inline void philox_words8(uint64_t seed, uint64_t offset, uint32_t row, uint32_t
   out[3] = _mm256_permute2x128_si256(q26, q37, 0x31);
 }
 
-// sbd::gumbel_noise_bound on 8 lanes (the same operations).
-inline __m256 noise_bound8(__m256i w) {
+// sbd::reach_base on 8 lanes.
+inline __m256 reach_base8(__m256 xs) {
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xs);
+  return _mm256_fmadd_ps(ax, _mm256_set1_ps(sbd::kBoundRelSlack), xs);
+}
+
+// Lanes where reach_base(xs) + gumbel_noise_bound(w) >= best, as a bit mask: the bound's last fma takes the reach
+// base as its addend and the bound's constant moves to the right side (best - c0), which the slack also covers.
+inline int may_reach_bound8(__m256 base, __m256i w, __m256 best_minus_c0) {
   const __m256i k = _mm256_srli_epi32(_mm256_xor_si256(w, _mm256_set1_epi32(-1)), 9);
   const __m256 kb = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_cvtepi32_ps(k)));
-  return _mm256_fmadd_ps(kb, _mm256_set1_ps(-sbd::kLn2 / 8388608.0f), _mm256_set1_ps(150.0f * sbd::kLn2 + sbd::kBoundSlack));
+  const __m256 v = _mm256_fmadd_ps(kb, _mm256_set1_ps(sbd::kNoiseBoundSlope), base);
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, best_minus_c0, _CMP_GE_OQ));
 }
 
-// sbd::may_reach on 8 lanes, as a mask of the lanes that may reach best (NaN lanes never do).
-inline int may_reach8(__m256 xs, __m256 bound, float best) {
-  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xs);
-  const __m256 v = _mm256_fmadd_ps(ax, _mm256_set1_ps(sbd::kBoundRelSlack), _mm256_add_ps(xs, bound));
-  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(best), _CMP_GE_OQ));
-}
-
-// Entries [0, n) of a tile starting at vocab index j0 (a multiple of 32), in groups of 32 = 8 Philox quads.
+// Entries [0, n) of a tile starting at vocab index j0 (a multiple of 64), in groups of 64 = 16 Philox quads.
 inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
-  constexpr int kGroup = 32;
-  const __m256 vinv = _mm256_set1_ps(inv_t), gmax = _mm256_set1_ps(sbd::kGumbelNoiseMax);
+  constexpr int kGroup = 64;
+  const PhiloxRow8 pr(p.seed, p.offset, row);
+  const __m256 vinv = _mm256_set1_ps(inv_t);
   alignas(32) float pad[kGroup];
   alignas(32) uint32_t words[8];
   for (int64_t g = 0; g < n; g += kGroup) {
@@ -192,17 +217,19 @@ inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
       std::copy(xg, x + n, pad);
       xg = pad;
     }
-    __m256 xs[4];
-    int any = 0;
-    for (int k = 0; k < 4; ++k) {
-      xs[k] = _mm256_mul_ps(_mm256_loadu_ps(xg + 8 * k), vinv);
-      any |= may_reach8(xs[k], gmax, am.best);
+    __m256 base[8];
+    __m256 any = _mm256_setzero_ps();
+    const __m256 best_minus_gmax = _mm256_set1_ps(am.best - sbd::kGumbelNoiseMax);
+    for (int k = 0; k < 8; ++k) {
+      base[k] = reach_base8(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * k), vinv));
+      any = _mm256_or_ps(any, _mm256_cmp_ps(base[k], best_minus_gmax, _CMP_GE_OQ));
     }
-    if (!any) continue;  // no noise lifts any of the 32 entries to the best: no Philox
-    __m256i w[4];
-    philox_words8(p.seed, p.offset, row, static_cast<uint32_t>((j0 + g) >> 2), w);
-    for (int k = 0; k < 4; ++k) {
-      int lanes = may_reach8(xs[k], noise_bound8(w[k]), am.best);
+    if (_mm256_testz_ps(any, any)) continue;  // no noise lifts any of the 64 entries to the best: no Philox
+    __m256i w[8];
+    philox_words8(pr, static_cast<uint32_t>((j0 + g) >> 2), w);
+    philox_words8(pr, static_cast<uint32_t>((j0 + g) >> 2) + 8, w + 4);
+    for (int k = 0; k < 8; ++k) {
+      int lanes = may_reach_bound8(base[k], w[k], _mm256_set1_ps(am.best - sbd::kNoiseBoundC0));
       if (!lanes) continue;
       _mm256_store_si256(reinterpret_cast<__m256i*>(words), w[k]);
       for (; lanes; lanes &= lanes - 1) {

@@ -97,7 +97,7 @@ int emu_entropy_sample(const void* logits, int dtype, int64_t N, int64_t V, int6
 // The Gumbel noise over all 2^23 draws (the bits philox_uniform keeps): out[0] = the largest sbd::gumbel_noise,
 // out[1] = the smallest margin gumbel_noise_bound(w) - gumbel_noise(w), out[2] = the largest |gumbel_noise - the
 // fp64 noise of the same u|, out[3] = the largest relative error of sbd::log_f32 over every 61st float in
-// [2^-26, 64).
+// [2^-26, 64), out[4] = sbd::kGumbelNoiseMax.
 void emu_gumbel_bounds(double* out) {
   double max_noise = -1e30, min_margin = 1e30, max_err = 0.0, max_log_rel = 0.0;
   for (uint32_t k = 0; k < (1u << 23); ++k) {
@@ -117,6 +117,7 @@ void emu_gumbel_bounds(double* out) {
   out[1] = min_margin;
   out[2] = max_err;
   out[3] = max_log_rel;
+  out[4] = sbd::kGumbelNoiseMax;
 }
 
 // The Gumbel-max token of each row of fp32 logits [N, V] (row stride V) by brute force: every entry's exact score

@@ -93,6 +93,9 @@ constexpr float kGumbelNoiseMax = 16.75f;
 constexpr float kLn2 = 0.693147180559945f;
 constexpr float kBoundSlack = 1e-3f;
 constexpr float kBoundRelSlack = 1.0f / 1048576.0f;
+// gumbel_noise_bound(w) = kb * kNoiseBoundSlope + kNoiseBoundC0, kb = bits(float(k)) as a float (below).
+constexpr float kNoiseBoundSlope = -kLn2 / 8388608.0f;
+constexpr float kNoiseBoundC0 = 150.0f * kLn2 + kBoundSlack;
 
 // An upper bound of gumbel_noise(w) from integer operations: with u = philox_uniform(w) and k = 2^23 - 1 - (w >> 9)
 // (so 1 - u = (k + 1/2) 2^-23), -log u >= 1 - u gives G <= 23 ln 2 - ln(k + 1/2) <= ln 2 (23 - log2 k), and
@@ -103,14 +106,17 @@ constexpr float kBoundRelSlack = 1.0f / 1048576.0f;
 SBD_HD float gumbel_noise_bound(uint32_t w) {
   const uint32_t k = (~w) >> 9;
   const float kb = static_cast<float>(static_cast<int32_t>(float_bits(static_cast<float>(k))));
-  return fma_f32(kb, -kLn2 / 8388608.0f, 150.0f * kLn2 + kBoundSlack);
+  return fma_f32(kb, kNoiseBoundSlope, kNoiseBoundC0);
 }
 
+// x / T plus its relative slack, the left side of every reach test (NaN for -inf and NaN).
+SBD_HD float reach_base(float xs) { return fma_f32(xs < 0.f ? -xs : xs, kBoundRelSlack, xs); }
+
 // Whether a score x / T + G with G <= bound may reach `best` (a score already seen). When this is false the exact
-// score is strictly below best: the slack absorbs the rounding of x / T + G, of this test, and of the bound.
-// -inf and NaN xs never reach (NaN makes the row invalid anyway).
-SBD_HD bool may_reach(float xs, float bound, float best) {
-  return fma_f32(xs < 0.f ? -xs : xs, kBoundRelSlack, xs + bound) >= best;
-}
+// score is strictly below best: the slacks absorb the rounding of x / T + G, of this test (best - bound included:
+// where it rounds by more than 1e-3, |best| > 2^13, and a score that could reach best has |x / T| as large, whose
+// 2^-20 relative slack exceeds the 2^-24 relative rounding), and of the bound. -inf and NaN xs never reach (NaN makes
+// the row invalid anyway).
+SBD_HD bool may_reach(float xs, float bound, float best) { return reach_base(xs) >= best - bound; }
 
 }  // namespace sbd
