@@ -111,6 +111,7 @@ __device__ __forceinline__ RowState block_reduce(RowState x) {
 template <bool kSample>
 struct Scorer {
   float temperature;
+  float inv_temperature;  // for the bounds only: a multiply, not an IEEE division per element (the slack covers it)
   uint64_t seed, offset;
   uint32_t row;
   uint32_t quad = 0xffffffffu;  // the vocab quad whose Philox output `r` holds
@@ -119,7 +120,7 @@ struct Scorer {
   __device__ __forceinline__ void push(RowState& st, float x, int64_t j) {
     st.e.push(x);
     if constexpr (kSample) {
-      const float xs = x / temperature;
+      const float xs = x * inv_temperature;
       if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, st.a.best)) return;
       const uint32_t q = static_cast<uint32_t>(j >> 2);
       if (q != quad) {  // one Philox call per 4 consecutive vocab entries
@@ -188,7 +189,8 @@ __global__ void __launch_bounds__(kThreads) entropy_sample_kernel(EntropySampleP
   const T* x = static_cast<const T*>(p.logits) + row * p.row_stride;
   const int64_t lo = split * p.chunk;
   const int64_t hi = lo + p.chunk < p.V ? lo + p.chunk : p.V;
-  Scorer<kSample> sc{p.temperature, p.seed, p.offset, static_cast<uint32_t>(row)};
+  Scorer<kSample> sc{p.temperature, kSample ? 1.f / p.temperature : 0.f, p.seed, p.offset,
+                     static_cast<uint32_t>(row)};
   RowState st = RowState::empty();
   if (lo < hi) scan_range<T, kSample>(x, lo, hi, st, sc);
   st = block_reduce(st);
