@@ -7,7 +7,8 @@
 // read once; the second sweep over a tile hits L1.
 //
 // The chosen token: greedy keeps the first index of the maximum. Sampling is Gumbel-max with the exact fast path
-// of sbd/gumbel.h: a tile whose max cannot reach the best score so far is skipped whole; otherwise the best is first
+// of sbd/gumbel.h, in a second pass over the chunk (still in L2) that visits its tiles by decreasing max: a tile
+// whose max cannot reach the best score so far ends the pass (no later tile can); otherwise the best is first
 // raised to the exact score of the tile's max entry, then groups of 64 entries (16 Philox quads) are tested against
 // the best with the noise bound kGumbelNoiseMax (no Philox at all when none passes), then with the per-draw bound
 // gumbel_noise_bound (Philox, no logarithm), and only the entries that pass get their exact score
@@ -39,8 +40,8 @@ using Vec = at::vec::Vectorized<float>;
 
 namespace {
 
-// 1024 fp32 = 4 KB: a tile stays in L1 (32-64 KB) for its second and third sweeps (statistics, sampling). A
-// multiple of 64, so every tile starts a Philox group of 16 quads.
+// 1024 fp32 = 4 KB: a tile stays in L1 (32-64 KB) for its second sweep (statistics) and for the sampling pass's
+// group loop. A multiple of 64, so every tile starts a Philox group of 16 quads.
 constexpr int64_t kTile = 1024;
 
 template <typename T>
@@ -270,36 +271,58 @@ inline void RowSampler::tile(int64_t j0, const float* x, int64_t n, float m) {
 template <typename T>
 void run_chunk(const EntropySampleParams& p, int64_t row, int64_t j0, int64_t j1, sbd::EntropyState* state,
                sbd::ArgmaxState* best) {
+  constexpr int kMaxTiles = static_cast<int>((kVocabChunk + kTile - 1) / kTile);
   const T* src = static_cast<const T*>(p.logits) + row * p.row_stride;
   alignas(64) float buf[kTile];
   const bool sample = p.temperature > 0.f;
-  sbd::EntropyState st = sbd::EntropyState::empty();
-  sbd::ArgmaxState am = sbd::ArgmaxState::empty();
-  RowSampler sampler{p, static_cast<uint32_t>(row), sample ? 1.f / p.temperature : 0.f};
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t n = std::min(kTile, j1 - j);
-    const float* x;
+  const auto tile_ptr = [&](int64_t j, int64_t n) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
-      x = src + j;
+      return src + j;
     } else {
       load_tile(src + j, n, buf);
-      x = buf;
+      return buf;
     }
+  };
+  // Pass 1, statistics (and the greedy argmax): every tile once, its max kept for pass 2.
+  sbd::EntropyState st = sbd::EntropyState::empty();
+  sbd::ArgmaxState am = sbd::ArgmaxState::empty();
+  float tile_m[kMaxTiles];
+  int tiles = 0;
+  for (int64_t j = j0; j < j1; j += kTile, ++tiles) {
+    const int64_t n = std::min(kTile, j1 - j);
+    const float* x = tile_ptr(j, n);
     const float m = tile_max(x, n);
+    tile_m[tiles] = m;
     if (m != m || m == INFINITY) {  // NaN or +inf: the row is invalid, nothing else matters
       st.invalid = true;
       break;
     }
     if (m == -INFINITY) continue;  // every entry banned
     st.merge(tile_state(x, n, m));
-    if (sample) {
-      sampler.tile(j, x, n, m);
-    } else if (m > am.best) {
-      am = sbd::ArgmaxState{m, j + first_index_of(x, n, m)};
-    }
+    if (!sample && m > am.best) am = sbd::ArgmaxState{m, j + first_index_of(x, n, m)};
   }
   *state = st;
-  *best = sample ? sampler.am : am;
+  if (!sample || st.invalid) {
+    *best = am;
+    return;
+  }
+  // Pass 2, sampling: tiles by decreasing max, so the best score starts from the chunk's max entry and, once the
+  // next tile's max cannot reach it, neither can any later one (on LLM-like logits most tiles are never read
+  // again). The chunk (64 KB of fp32) is still in L2. The visiting order does not change the token: RowSampler
+  // compares (score, lowest index first).
+  int order[kMaxTiles];
+  for (int t = 0; t < tiles; ++t) order[t] = t;
+  std::stable_sort(order, order + tiles, [&](int a, int b) { return tile_m[a] > tile_m[b]; });
+  RowSampler sampler{p, static_cast<uint32_t>(row), 1.f / p.temperature};
+  for (int i = 0; i < tiles; ++i) {
+    const int t = order[i];
+    const float m = tile_m[t];
+    if (m == -INFINITY || !sbd::may_reach(m * sampler.inv_t, sbd::kGumbelNoiseMax, sampler.am.best)) break;
+    const int64_t j = j0 + static_cast<int64_t>(t) * kTile;
+    const int64_t n = std::min(kTile, j1 - j);
+    sampler.tile(j, tile_ptr(j, n), n, m);
+  }
+  *best = sampler.am;
 }
 
 }  // namespace
