@@ -7,10 +7,12 @@
 // Gumbel noise from Philox (sbd/gumbel.h, sbd/philox.h: the counter layout and the exactly rounded score the CPU
 // kernel uses, so a (seed, offset) gives the same token on every device and under every work split). Sampling
 // takes the exact fast path of sbd/gumbel.h per element: no Philox for an entry whose logit / T plus the largest
-// noise cannot reach the thread's best score so far, no logarithm for one whose per-draw noise bound cannot (on
-// real logits, where the bulk of the vocabulary lies 20+ below the max, that skips most of the ~20 instructions
-// per element of Philox, which would otherwise outlast the row's DRAM time on an H100). Per-thread states are
-// merged with EntropyState::merge / ArgmaxState::merge over warp shuffles, then across the warps of the block.
+// noise cannot reach the thread's best score so far, no logarithm for one whose per-draw noise bound cannot. The
+// best is per thread (~30 entries each for 16 x 128256 on an H100), so Philox is skipped only after the thread has
+// met a high entry, and the logarithms where the per-draw bound falls short. Sharing a block-wide best (seeded
+// with the row max) would skip most of Philox on LLM-like logits, ~20 instructions per element that may outlast
+// the row's DRAM time on an H100: to measure on a GPU first. Per-thread states are merged with EntropyState::merge /
+// ArgmaxState::merge over warp shuffles, then across the warps of the block.
 //
 // Work split: a 16 x 128256 bf16 block of logits is 4.1 MB, 1.2 us of H100 DRAM time (3.35 TB/s), so the
 // 10 us target is lost to latency, not bandwidth, unless every SM pulls its share at once: with few rows each
