@@ -1,7 +1,12 @@
 """entropy_sample on the CPU vs its reference and vs the PyTorch composite (log_softmax, entropy, argmax).
 
-Reproduce: pytest bench/bench_entropy_sample.py --benchmark-only
+Reproduce: OMP_NUM_THREADS=1 pytest bench/bench_entropy_sample.py --benchmark-only
 Shapes: 16 x 128256 logits (Llama-3 vocabulary, one 16-token block), fp32 and bf16; 16 x 49152 (SmolLM2).
+Logits: N(0, 3^2), where nearly every entry needs its Philox draw when sampling at T = 0.8 (the worst case of the
+sampling fast path); and "peaked", LLM-like rows (a bulk ~20 below a few top tokens) where most are skipped.
+The "ours is N× faster" column of the summary gives sampled / greedy for the "ours-sampling" rows. The groups name
+the CPU kernel variant that ran (sbd_ext.build_info()["cpu_isa"]); the CSV note (--sbd-csv) lists the CPU's
+vector ISA flags.
 GB/s = N * V * element size / time (the logits are read once).
 """
 
@@ -13,6 +18,18 @@ from sbd_ext import reference as R
 
 SHAPES = [(16, 128256), (16, 49152)]
 DTYPES = [torch.float32, torch.bfloat16]
+ISA = sbd_ext.build_info()["cpu_isa"]
+
+
+def cpu_flags() -> str:
+    """The CPU's vector ISA flags that matter to the kernels (from /proc/cpuinfo; empty elsewhere)."""
+    want = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+    return " ".join(w for w in want if w in flags)
 
 
 def composite(x):
@@ -21,10 +38,11 @@ def composite(x):
     return -(lp.exp() * lp).sum(-1), lp.max(-1).values.exp(), x.argmax(-1)
 
 
-def _run(benchmark, fn, x, role, name):
+def _run(benchmark, fn, x, role, name, kind=""):
     n, v = x.shape
-    benchmark.group = f"entropy_sample {n}x{v} {str(x.dtype).replace('torch.', '')} (CPU)"
+    benchmark.group = f"entropy_sample {n}x{v} {str(x.dtype).replace('torch.', '')}{kind} (CPU, {ISA})"
     benchmark.extra_info["role"] = role
+    benchmark.extra_info["note"] = f"cpu_isa {ISA}; flags {cpu_flags()}"
     result = benchmark.pedantic(fn, args=(x,), rounds=30, warmup_rounds=3, iterations=1)
     benchmark.extra_info["GB/s"] = n * v * x.element_size() / benchmark.stats.stats.median / 1e9
     return result
@@ -52,3 +70,28 @@ def test_composite(benchmark, logits):
 
 def test_reference(benchmark, logits):
     _run(benchmark, lambda x: R.entropy_sample(x), logits, "reference", "reference")
+
+
+@pytest.fixture(scope="module")
+def peaked_logits():
+    """LLM-like rows: a bulk N(-20, 2^2) below five top tokens N(10, 2^2) (16 x 128256 fp32)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 128256, generator=g) * 2 - 20
+    top = torch.randint(0, 128256, (16, 5), generator=g)
+    x.scatter_(1, top, torch.randn(16, 5, generator=g) * 2 + 10)
+    return x
+
+
+def test_ours_greedy_peaked(benchmark, peaked_logits):
+    _run(benchmark, lambda x: sbd_ext.entropy_sample(x), peaked_logits, "ours", "greedy", " peaked")
+
+
+def test_ours_sampled_peaked(benchmark, peaked_logits):
+    _run(
+        benchmark,
+        lambda x: sbd_ext.entropy_sample(x, 0.8, seed=1, offset=2),
+        peaked_logits,
+        "ours-sampling",
+        "sampled",
+        " peaked",
+    )

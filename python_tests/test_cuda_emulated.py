@@ -7,6 +7,7 @@ ldmatrix / mma.sync fragment, cp.async stage), with out-of-bounds checks. A smal
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 import shutil
@@ -27,6 +28,9 @@ pytestmark = [
 
 sys.path.insert(0, str(ROOT / "tools" / "cuda_emu"))
 import run as emu  # noqa: E402
+from test_entropy_sample import entropy_f64, expf_error_bound, near_one_hot_logits, sampling_cases  # noqa: E402
+
+import sbd_ext  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,48 @@ def test_mask_replace_emulated(so, B, K, rule):
 @pytest.mark.parametrize("num_sms", [1, 132])  # one block per row / the row split across blocks + merge
 def test_entropy_sample_emulated(so, dtype, temperature, num_sms):
     emu.check_entropy_sample(so, 6, 4099, dtype, temperature, num_sms, seed=1, pad=3, offset_elems=1)
+
+
+def test_gumbel_bounds_exhaustive(so):
+    """Over all 2^23 draws: the noise stays below kGumbelNoiseMax, gumbel_noise_bound is above the noise with room for
+    every rounding (sbd/gumbel.h), the noise is within 1e-5 of the fp64 noise, and log_f32 is within ~1 ulp."""
+    out = (ctypes.c_double * 5)()
+    so.emu_gumbel_bounds(out)
+    max_noise, min_margin, max_err, log_rel, noise_max_constant = out
+    assert 16.63 < max_noise < noise_max_constant - 1e-3, (max_noise, noise_max_constant)  # 24 ln 2 = 16.636
+    assert min_margin > 5e-4, min_margin  # the bound's 1e-3 slack is barely touched by rounding
+    assert max_err < 1e-5, max_err
+    assert log_rel < 2.5e-7, log_rel
+
+
+@pytest.mark.parametrize("case", ["randn", "peaked", "flat", "ties", "ramp"])
+@pytest.mark.parametrize("num_sms", [1, 132])
+def test_entropy_sample_emulated_tokens_equal_cpu(so, case, num_sms):
+    """The CUDA kernel's sampled tokens equal the CPU kernel's bit for bit, and both equal the brute-force argmax of
+    the exact scores (no fast path): the fast path is exact and the scores round alike on both devices."""
+    x = sampling_cases()[case][:8]
+    for seed, temperature in [(0, 0.3), (1, 1.0), (2, 2.5), (2**64 - 5, 0.8)]:
+        cpu = sbd_ext.entropy_sample(x, temperature, seed, 77)[2]
+        *_, tok, _ = emu.run_entropy_sample(so, x, temperature, seed, 77, num_sms)
+        exact = emu.gumbel_argmax(so, x, temperature, seed, 77)
+        assert torch.equal(tok, exact), (case, seed, tok.tolist(), exact.tolist())
+        assert torch.equal(cpu, exact), (case, seed, cpu.tolist(), exact.tolist())
+
+
+def test_entropy_near_one_hot_emulated(so):
+    """With __expf's rounding emulated (SBD_EMULATE_DEVICE_EXPF), the CUDA kernel's near-zero entropies keep the
+    relative accuracy, and test_entropy_sample.py's device-aware bound (expf_error_bound) covers its error."""
+    x = near_one_hot_logits("cpu")[:, :5000].contiguous()
+    truth = entropy_f64(x)
+    ent, *_ = emu.run_entropy_sample(so, x, 0.0, 0, 0, num_sms=132)
+    err = (ent.double() - truth).abs()
+    assert (err <= 2e-5 * truth + expf_error_bound(x)).all(), (err / truth).tolist()
+    wide = torch.randn(4, 20000, generator=torch.Generator().manual_seed(5)) * 8 + 100
+    ent, *_ = emu.run_entropy_sample(so, wide, 0.0, 0, 0, num_sms=132)
+    ref = sbd_ext.reference.entropy_sample(wide)[0].double()
+    truth = entropy_f64(wide)
+    allowed = 2 * (ref - truth).abs().max() + 1e-6 + expf_error_bound(wide)
+    assert ((ent.double() - truth).abs() <= allowed).all()
 
 
 ATTN = [  # (B, Hkv, g, T, D, S, lens, commit, valid)

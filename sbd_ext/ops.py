@@ -27,6 +27,16 @@ def _as_int(x, op: str, name: str) -> int:
         raise TypeError(f"{op}: {name} must be an integer, got {type(x).__name__} {x!r}") from None
 
 
+def _as_float(x, op: str, name: str) -> float:
+    """x as a Python float: ints, floats, NumPy scalars and 0-d tensors; not bools or strings (float("0.5") is 0.5)."""
+    if isinstance(x, (bool, str, bytes)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__} {x!r}") from None
+
+
 def _as_int64(x: int, name: str) -> int:
     """Map a seed/offset in [-2^63, 2^64) onto the int64 the schema carries (same 64 bits)."""
     x = _as_int(x, "entropy_sample", name)
@@ -104,15 +114,23 @@ def entropy_sample(
     Args:
         logits: [N, V] fp32, bf16 or fp16, unit stride along V. -inf entries are banned tokens.
         temperature: 0 picks the argmax (first maximum); T > 0 draws from softmax(logits / T) by Gumbel-max.
-        seed, offset: the Philox stream; the draw of row r is a pure function of (seed, offset, r), identical
-            on CPU and CUDA. Advance ``offset`` between calls that must draw independently.
+            Temperatures below ``sbd_ext.reference.GREEDY_TEMPERATURE`` (1e-6) are greedy too: below it logits / T
+            overflows fp32 for large logits, and a sample differs from the argmax only between logits within ~20 T.
+            A finite number >= 0 that fits in fp32.
+        seed, offset: the Philox stream, integers in [-2**63, 2**64) (values >= 2**63 are their two's complement
+            int64, the same 64 bits); the draw of row r is a pure function of (seed, offset, r), and the token is
+            identical on CPU and CUDA (every score is computed with the same correctly rounded operations).
+            Advance ``offset`` between calls that must draw independently.
 
     Returns:
         (entropy fp32 [N] in nats, max_prob fp32 [N], token int64 [N]), the first two of softmax(logits) at
         temperature 1. A row with a NaN or +inf logit, or with all logits -inf, is invalid: NaN, NaN, -1.
     """
     return torch.ops.sbd_ext.entropy_sample(
-        logits, float(temperature), _as_int64(seed, "seed"), _as_int64(offset, "offset")
+        logits,
+        _as_float(temperature, "entropy_sample", "temperature"),
+        _as_int64(seed, "seed"),
+        _as_int64(offset, "offset"),
     )
 
 

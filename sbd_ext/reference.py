@@ -142,7 +142,20 @@ def philox_uniform(n_rows: int, vocab: int, seed: int, offset: int, device=None)
     c3 = torch.full_like(quad, offset >> 32)
     words = torch.stack(_philox4x32_10(quad, row, c2, c3, seed & _M32, seed >> 32), dim=-1)
     words = words.reshape(n_rows, n_quads * 4)[:, :vocab]
-    return ((words >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return uniform_from_words(words)
+
+
+def uniform_from_words(words: torch.Tensor) -> torch.Tensor:
+    """Philox words (int64 holding uint32) to uniforms in [2^-24, 1 - 2^-24]: (w >> 9 + 1/2) / 2^23, exact in fp32.
+
+    Never 0 or 1, so the Gumbel noise -log(-log(u)) is finite (the twin of csrc/include/sbd/philox.h).
+    """
+    return ((words >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
+# Temperatures below this are greedy, as in the kernels (csrc/entropy_sample_checks.h, kGreedyTemperature): logits / T
+# would overflow fp32 for large logits, and such a sample differs from the argmax only between logits within ~20 T.
+GREEDY_TEMPERATURE = 1e-6
 
 
 def entropy_sample(
@@ -150,9 +163,9 @@ def entropy_sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy (nats) and max probability of softmax(logits) and the chosen token, per row.
 
-    logits [N, V] (fp32/bf16/fp16). Token: argmax (first maximum) when temperature == 0, else the Gumbel-max
-    sample argmax(logits / T - log(-log(u))) with u from Philox(seed, offset). A row with a NaN or +inf logit,
-    or with every logit -inf, is invalid: entropy and max_prob NaN, token -1.
+    logits [N, V] (fp32/bf16/fp16). Token: argmax (first maximum) when temperature < GREEDY_TEMPERATURE, else the
+    Gumbel-max sample argmax(logits / T - log(-log(u))) with u from Philox(seed, offset). A row with a NaN or +inf
+    logit, or with every logit -inf, is invalid: entropy and max_prob NaN, token -1.
     Returns (entropy fp32 [N], max_prob fp32 [N], token int64 [N]).
     """
     x = logits.float()
@@ -162,7 +175,7 @@ def entropy_sample(
     p = torch.softmax(xs, dim=-1)
     ent = torch.special.entr(p).sum(-1)
     pmax = p.max(-1).values
-    if temperature == 0.0:
+    if temperature < GREEDY_TEMPERATURE:
         token = xs.argmax(-1)
     else:
         u = philox_uniform(N, V, seed, offset, device=x.device)

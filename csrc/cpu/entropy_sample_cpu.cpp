@@ -1,25 +1,15 @@
-// entropy_sample on the CPU: checks, work split over (row, vocabulary chunk), and the merge of chunk states.
+// entropy_sample on the CPU: checks (entropy_sample_checks.h, shared with the CUDA binding), the work split over
+// (row, vocabulary chunk), and the merge of chunk states.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <vector>
 
-#include "checks.h"
 #include "cpu/entropy_sample_kernel.h"
+#include "entropy_sample_checks.h"
 
 namespace sbd_ext {
-
-void check_entropy_sample(const at::Tensor& logits, double temperature) {
-  constexpr const char* op = "entropy_sample";
-  check_dtype(op, "logits", logits, {at::kFloat, at::kBFloat16, at::kHalf});
-  check_dim(op, "logits", logits, 2, "[N, V]");
-  TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": logits must have a non-empty vocabulary dimension, got shape ",
-                    logits.sizes());
-  check_inner_contiguous(op, "logits", logits);
-  TORCH_CHECK_VALUE(temperature >= 0.0 && std::isfinite(temperature), op,
-                    ": temperature must be a finite number >= 0 (0 = greedy), got ", temperature);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tensor& logits, double temperature,
                                                                   int64_t seed, int64_t offset) {
@@ -38,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tens
   p.dtype = logits.scalar_type() == at::kFloat      ? sbd_cpu::LogitsDtype::kFloat32
             : logits.scalar_type() == at::kBFloat16 ? sbd_cpu::LogitsDtype::kBFloat16
                                                      : sbd_cpu::LogitsDtype::kFloat16;
-  p.temperature = static_cast<float>(temperature);
+  p.temperature = kernel_temperature(temperature);
   p.seed = static_cast<uint64_t>(seed);
   p.offset = static_cast<uint64_t>(offset);
 
@@ -65,7 +55,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tens
     }
     ent[row] = st.entropy();
     pmax[row] = st.max_prob();
-    tok[row] = st.ok() ? am.index : -1;
+    // A valid row whose scores are all -inf (finite logits so negative that x / T underflows) has no argmax by
+    // strict comparison; torch.argmax returns the first index then, and so do this and the CUDA kernel.
+    tok[row] = !st.ok() ? -1 : (am.index < 0 ? 0 : am.index);
   }
   return {entropy, max_prob, token};
 }

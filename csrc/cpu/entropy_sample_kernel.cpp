@@ -1,11 +1,21 @@
 // entropy_sample on the CPU: one pass over a vocabulary chunk, compiled once per ISA (setup.py).
 //
 // The chunk is walked in tiles of kTile logits that stay in L1. Per tile: convert to fp32 (bf16/fp16), take the
-// tile max, then accumulate s = sum e^(x - tile_max) and t = sum e^(x - tile_max)(x - tile_max) with at::vec's
-// Sleef exp, and fold the tile state into the chunk state with sbd::EntropyState::merge — the same merge the
-// CUDA kernel uses, so both devices share the rescaling math. Memory is read once; the second sweep over a
-// tile hits L1. The chosen token: greedy keeps the first index of the maximum; sampling scores each entry as
-// x / T + Gumbel(u) with u from Philox(seed, offset, row, j) (sbd/philox.h) and keeps the first maximum.
+// tile max, then accumulate r = sum e^(x - tile_max) over the entries but one max and u = sum e^(x - tile_max)
+// (tile_max - x) with at::vec's exp (sbd/entropy_state.h: the form that keeps near-zero entropies accurate), and
+// fold the tile state into the chunk state with sbd::EntropyState::merge, the merge the CUDA kernel uses. Memory is
+// read once; the second sweep over a tile hits L1.
+//
+// The chosen token: greedy keeps the first index of the maximum. Sampling is Gumbel-max with the exact fast path
+// of sbd/gumbel.h, in a second pass over the chunk (still in L2) that visits its tiles by decreasing max: a tile
+// whose max cannot reach the best score so far ends the pass (no later tile can); otherwise the best is first
+// raised to the exact score of the tile's max entry, then groups of 64 entries (16 Philox quads) are tested against
+// the best with the noise bound kGumbelNoiseMax (no Philox at all when none passes), then with the per-draw bound
+// gumbel_noise_bound (Philox, no logarithm), and only the entries that pass get their exact score
+// sbd::gumbel_score, the function the CUDA kernel calls. Exact scores are compared as (score, lowest index first),
+// so the token is the argmax of the exact scores whatever the visiting order, identical to the CUDA kernel's.
+// With AVX2 (and AVX-512 machines, which run the same 256-bit code here) Philox runs on 8 quads per instruction;
+// the DEFAULT build runs the same tests one entry at a time.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -14,7 +24,13 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define SBD_ENTROPY_SAMPLE_AVX2 1
+#endif
+
 #include "cpu/entropy_sample_kernel.h"
+#include "sbd/gumbel.h"
 #include "sbd/philox.h"
 
 namespace sbd_cpu {
@@ -24,7 +40,8 @@ using Vec = at::vec::Vectorized<float>;
 
 namespace {
 
-// 1024 fp32 = 4 KB per buffer: the tile plus its Gumbel scores sit in L1 (32-48 KB) with room to spare.
+// 1024 fp32 = 4 KB: a tile stays in L1 (32-64 KB) for its second sweep (statistics) and for the sampling pass's
+// group loop. A multiple of 64, so every tile starts a Philox group of 16 quads.
 constexpr int64_t kTile = 1024;
 
 template <typename T>
@@ -51,90 +68,261 @@ inline float tile_max(const float* x, int64_t n) {
   return m;
 }
 
-// State of a tile whose max is m (finite): s = sum e^(x-m), t = sum e^(x-m)(x-m); -inf entries contribute 0.
+// State of a tile whose max is m (finite), in the form of sbd::EntropyState: the entries equal to m are counted
+// apart (the first is the max, the others add 1 each to r), so r holds no rounded 1 and stays relatively accurate.
+// e^(x - m) below e^-87 (about the smallest normal fp32) counts as 0, and -inf logits drop out.
 inline sbd::EntropyState tile_state(const float* x, int64_t n, float m) {
-  const Vec vm(m), floor(-87.f);  // e^-87 ~ 1.6e-38, the smallest normal fp32: anything below counts as 0
-  Vec vs(0.f), vt(0.f);
+  const Vec vm(m), floor(-87.f), zero(0.f), one(1.f);
+  Vec vr(0.f), vu(0.f), vties(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec d = Vec::loadu(x + i) - vm;
-    const Vec keep = d > floor;  // all-ones lanes where the term is representable; -inf logits are dropped
-    const Vec e = d.exp_u20() & keep;
-    vs = vs + e;
-    vt = vt + ((e * d) & keep);
+    const Vec d = Vec::loadu(x + i) - vm;  // <= 0
+    const Vec below = (d < zero) & (d > floor);
+    const Vec e = d.exp_u20() & below;
+    vr = vr + e;
+    vu = vu - ((e * d) & below);  // masked after the product: 0 * -inf is NaN
+    vties = vties + ((d == zero) & one);
   }
-  float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vs);
-  float t = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vt);
+  const auto sum = [](Vec& a, Vec& b) { return a + b; };
+  float r = at::vec::vec_reduce_all<float>(sum, vr);
+  float u = at::vec::vec_reduce_all<float>(sum, vu);
+  float ties = at::vec::vec_reduce_all<float>(sum, vties);
   for (; i < n; ++i) {
     const float d = x[i] - m;
-    if (d > -87.f) {
+    if (d == 0.f) {
+      ties += 1.f;
+    } else if (d > -87.f) {
       const float e = std::exp(d);
-      s += e;
-      t += e * d;
+      r += e;
+      u -= e * d;
     }
   }
-  return sbd::EntropyState{m, s, t, false};
+  return sbd::EntropyState{m, r + (ties - 1.f), u, false};
 }
 
+// Vectorised: sampling looks up the max of nearly every tile, and a scalar scan cost ~1 cycle per logit.
 inline int64_t first_index_of(const float* x, int64_t n, float v) {
-  for (int64_t i = 0; i < n; ++i)
+  int64_t i = 0;
+  const Vec vv(v);
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    // zero_mask has a bit per lane that compares equal to 0.0: every lane but the (all-ones) matches
+    if ((Vec::loadu(x + i) == vv).zero_mask() != (1 << Vec::size()) - 1) break;
+  }
+  for (; i < n; ++i)
     if (x[i] == v) return i;
   return -1;
 }
 
-// Gumbel-perturbed scores x / T - log(-log(u)) of entries [j0, j0 + n) of `row`; j0 is a multiple of 4.
-inline void gumbel_scores(const EntropySampleParams& p, int64_t row, int64_t j0, const float* x, int64_t n,
-                          float* out) {
-  alignas(64) float u[kTile];
-  const int64_t quads = (n + 3) / 4;
-  for (int64_t q = 0; q < quads; ++q) {
-    const sbd::Philox4 r = sbd::philox_for_vocab_quad(p.seed, p.offset, static_cast<uint32_t>(row),
-                                                      static_cast<uint32_t>((j0 >> 2) + q));
-    for (int l = 0; l < 4; ++l) u[4 * q + l] = sbd::philox_uniform(r.x[l]);
+// Gumbel-max sampling of one row, entry by entry in any order: the best exact score and its index, ties to the
+// lowest index.
+struct RowSampler {
+  const EntropySampleParams& p;
+  uint32_t row;
+  float inv_t;  // 1 / T, for the bounds only (the 2^-20 relative slack of may_reach covers its rounding)
+  sbd::ArgmaxState am = sbd::ArgmaxState::empty();
+
+  uint32_t word(int64_t j) const {
+    return sbd::philox_for_vocab_quad(p.seed, p.offset, row, static_cast<uint32_t>(j >> 2)).x[j & 3];
   }
-  // Tails use partial vector loads (not scalar logf) so every entry goes through the same vectorised log.
-  const Vec temp(p.temperature);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), n - i));
-    const Vec g = Vec::loadu(u + i, count).log().neg().log();  // log(-log(u)); u in (0, 1): both logs finite
-    (Vec::loadu(x + i, count) / temp - g).store(out + i, count);
+  void offer(int64_t j, float x, uint32_t w) {
+    const float s = sbd::gumbel_score(x, p.temperature, w);
+    if (s > am.best || (s == am.best && j < am.index)) am = sbd::ArgmaxState{s, j};
   }
+  void tile(int64_t j0, const float* x, int64_t n, float m);
+  void scan(int64_t j0, const float* x, int64_t n);
+};
+
+#if defined(SBD_ENTROPY_SAMPLE_AVX2)
+// The parts of sbd::philox_for_vocab_quad's input that a row shares: the round keys and counter words 1 to 3.
+struct PhiloxRow8 {
+  __m256i k0[10], k1[10], c1, c2, c3;
+
+  PhiloxRow8(uint64_t seed, uint64_t offset, uint32_t row) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[r] = _mm256_set1_epi32(static_cast<int>(a));
+      k1[r] = _mm256_set1_epi32(static_cast<int>(b));
+    }
+    c1 = _mm256_set1_epi32(static_cast<int>(row));
+    c2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
+    c3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+  }
+};
+
+// One Philox round on 4 quads held one per 64-bit lane (the low 32 bits; the high halves carry don't-care bits,
+// which _mm256_mul_epu32 never reads): the 64-bit products are the (hi, lo) pairs directly, so a round is 2
+// multiplies, 2 shifts and 4 xors, with no blends to repack 32-bit lanes.
+inline void philox_round4(__m256i& c0, __m256i& c1, __m256i& c2, __m256i& c3, __m256i m0, __m256i m1, __m256i k0,
+                          __m256i k1) {
+  const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
+  c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), k0);
+  c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), k1);
+  c1 = p1;
+  c3 = p0;
+}
+
+// sbd::philox_for_vocab_quad for the 8 quads q0 .. q0 + 7 of a row at once, as two interleaved sets of 4: the even
+// quads and the odd ones, so that packing the two sets' low halves puts quad q in 32-bit lane q.
+// out[k] lane i is the word of vocab index 4 q0 + 8 k + i (element order).
+inline void philox_words8(const PhiloxRow8& pr, uint32_t q0, __m256i out[4]) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  const __m256i q = _mm256_set1_epi64x(q0);
+  __m256i a0 = _mm256_add_epi64(q, _mm256_setr_epi64x(0, 2, 4, 6)), a1 = pr.c1, a2 = pr.c2, a3 = pr.c3;
+  __m256i b0 = _mm256_add_epi64(q, _mm256_setr_epi64x(1, 3, 5, 7)), b1 = pr.c1, b2 = pr.c2, b3 = pr.c3;
+  for (int r = 0; r < 10; ++r) {
+    philox_round4(a0, a1, a2, a3, m0, m1, pr.k0[r], pr.k1[r]);
+    philox_round4(b0, b1, b2, b3, m0, m1, pr.k0[r], pr.k1[r]);
+  }
+  // Word l of quad q in 32-bit lane q, then a 4 x 4 transpose in each 128-bit half and the halves regrouped.
+  const auto pack = [](__m256i even, __m256i odd) {
+    return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  };
+  const __m256i c0 = pack(a0, b0), c1 = pack(a1, b1), c2 = pack(a2, b2), c3 = pack(a3, b3);
+  const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpacklo_epi32(c2, c3);
+  const __m256i t2 = _mm256_unpackhi_epi32(c0, c1), t3 = _mm256_unpackhi_epi32(c2, c3);
+  const __m256i q04 = _mm256_unpacklo_epi64(t0, t1), q15 = _mm256_unpackhi_epi64(t0, t1);
+  const __m256i q26 = _mm256_unpacklo_epi64(t2, t3), q37 = _mm256_unpackhi_epi64(t2, t3);
+  out[0] = _mm256_permute2x128_si256(q04, q15, 0x20);
+  out[1] = _mm256_permute2x128_si256(q26, q37, 0x20);
+  out[2] = _mm256_permute2x128_si256(q04, q15, 0x31);
+  out[3] = _mm256_permute2x128_si256(q26, q37, 0x31);
+}
+
+// sbd::reach_base on 8 lanes.
+inline __m256 reach_base8(__m256 xs) {
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xs);
+  return _mm256_fmadd_ps(ax, _mm256_set1_ps(sbd::kBoundRelSlack), xs);
+}
+
+// Lanes where reach_base(xs) + gumbel_noise_bound(w) >= best, as a bit mask: the bound's last fma takes the reach
+// base as its addend and the bound's constant moves to the right side (best - c0), which the slack also covers.
+inline int may_reach_bound8(__m256 base, __m256i w, __m256 best_minus_c0) {
+  const __m256i k = _mm256_srli_epi32(_mm256_xor_si256(w, _mm256_set1_epi32(-1)), 9);
+  const __m256 kb = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_cvtepi32_ps(k)));
+  const __m256 v = _mm256_fmadd_ps(kb, _mm256_set1_ps(sbd::kNoiseBoundSlope), base);
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, best_minus_c0, _CMP_GE_OQ));
+}
+
+// Entries [0, n) of a tile starting at vocab index j0 (a multiple of 64), in groups of 64 = 16 Philox quads.
+inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
+  constexpr int kGroup = 64;
+  const PhiloxRow8 pr(p.seed, p.offset, row);
+  const __m256 vinv = _mm256_set1_ps(inv_t);
+  alignas(32) float pad[kGroup];
+  alignas(32) uint32_t words[8];
+  for (int64_t g = 0; g < n; g += kGroup) {
+    const float* xg = x + g;
+    if (n - g < kGroup) {  // the last, partial group: -inf lanes never pass a bound
+      std::fill(pad, pad + kGroup, -INFINITY);
+      std::copy(xg, x + n, pad);
+      xg = pad;
+    }
+    __m256 base[8];
+    __m256 any = _mm256_setzero_ps();
+    const __m256 best_minus_gmax = _mm256_set1_ps(am.best - sbd::kGumbelNoiseMax);
+    for (int k = 0; k < 8; ++k) {
+      base[k] = reach_base8(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * k), vinv));
+      any = _mm256_or_ps(any, _mm256_cmp_ps(base[k], best_minus_gmax, _CMP_GE_OQ));
+    }
+    if (_mm256_testz_ps(any, any)) continue;  // no noise lifts any of the 64 entries to the best: no Philox
+    __m256i w[8];
+    philox_words8(pr, static_cast<uint32_t>((j0 + g) >> 2), w);
+    philox_words8(pr, static_cast<uint32_t>((j0 + g) >> 2) + 8, w + 4);
+    for (int k = 0; k < 8; ++k) {
+      int lanes = may_reach_bound8(base[k], w[k], _mm256_set1_ps(am.best - sbd::kNoiseBoundC0));
+      if (!lanes) continue;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(words), w[k]);
+      for (; lanes; lanes &= lanes - 1) {
+        const int i = __builtin_ctz(static_cast<unsigned>(lanes));
+        offer(j0 + g + 8 * k + i, xg[8 * k + i], words[i]);
+      }
+    }
+  }
+}
+#else
+// Entries [0, n) of a tile starting at vocab index j0, one at a time, Philox once per quad that needs it.
+inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
+  sbd::Philox4 r{};
+  int64_t quad = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xs = x[i] * inv_t;
+    if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, am.best)) continue;
+    const int64_t j = j0 + i;
+    if ((j >> 2) != quad) {
+      quad = j >> 2;
+      r = sbd::philox_for_vocab_quad(p.seed, p.offset, row, static_cast<uint32_t>(quad));
+    }
+    const uint32_t w = r.x[j & 3];
+    if (sbd::may_reach(xs, sbd::gumbel_noise_bound(w), am.best)) offer(j, x[i], w);
+  }
+}
+#endif
+
+// A tile starting at vocab index j0 whose max is m (finite). Every entry's exact score is at most that of an entry
+// equal to m with the largest noise, so if that cannot reach the best, nothing in the tile can.
+inline void RowSampler::tile(int64_t j0, const float* x, int64_t n, float m) {
+  if (!sbd::may_reach(m * inv_t, sbd::kGumbelNoiseMax, am.best)) return;
+  const int64_t im = first_index_of(x, n, m);
+  offer(j0 + im, m, word(j0 + im));
+  scan(j0, x, n);
 }
 
 template <typename T>
 void run_chunk(const EntropySampleParams& p, int64_t row, int64_t j0, int64_t j1, sbd::EntropyState* state,
                sbd::ArgmaxState* best) {
+  constexpr int kMaxTiles = static_cast<int>((kVocabChunk + kTile - 1) / kTile);
   const T* src = static_cast<const T*>(p.logits) + row * p.row_stride;
   alignas(64) float buf[kTile];
-  alignas(64) float score[kTile];
-  sbd::EntropyState st = sbd::EntropyState::empty();
-  sbd::ArgmaxState am = sbd::ArgmaxState::empty();
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t n = std::min(kTile, j1 - j);
-    const float* x;
+  const bool sample = p.temperature > 0.f;
+  const auto tile_ptr = [&](int64_t j, int64_t n) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
-      x = src + j;
+      return src + j;
     } else {
       load_tile(src + j, n, buf);
-      x = buf;
+      return buf;
     }
+  };
+  // Pass 1, statistics (and the greedy argmax): every tile once, its max kept for pass 2.
+  sbd::EntropyState st = sbd::EntropyState::empty();
+  sbd::ArgmaxState am = sbd::ArgmaxState::empty();
+  float tile_m[kMaxTiles];
+  int tiles = 0;
+  for (int64_t j = j0; j < j1; j += kTile, ++tiles) {
+    const int64_t n = std::min(kTile, j1 - j);
+    const float* x = tile_ptr(j, n);
     const float m = tile_max(x, n);
+    tile_m[tiles] = m;
     if (m != m || m == INFINITY) {  // NaN or +inf: the row is invalid, nothing else matters
       st.invalid = true;
       break;
     }
     if (m == -INFINITY) continue;  // every entry banned
     st.merge(tile_state(x, n, m));
-    if (p.temperature == 0.f) {
-      if (m > am.best) am = sbd::ArgmaxState{m, j + first_index_of(x, n, m)};
-    } else {
-      gumbel_scores(p, row, j, x, n, score);
-      const float sm = tile_max(score, n);
-      if (sm > am.best) am = sbd::ArgmaxState{sm, j + first_index_of(score, n, sm)};
-    }
+    if (!sample && m > am.best) am = sbd::ArgmaxState{m, j + first_index_of(x, n, m)};
   }
   *state = st;
-  *best = am;
+  if (!sample || st.invalid) {
+    *best = am;
+    return;
+  }
+  // Pass 2, sampling: tiles by decreasing max, so the best score starts from the chunk's max entry and, once the
+  // next tile's max cannot reach it, neither can any later one (on LLM-like logits most tiles are never read
+  // again). The chunk (64 KB of fp32) is still in L2. The visiting order does not change the token: RowSampler
+  // compares (score, lowest index first).
+  int order[kMaxTiles];
+  for (int t = 0; t < tiles; ++t) order[t] = t;
+  std::stable_sort(order, order + tiles, [&](int a, int b) { return tile_m[a] > tile_m[b]; });
+  RowSampler sampler{p, static_cast<uint32_t>(row), 1.f / p.temperature};
+  for (int i = 0; i < tiles; ++i) {
+    const int t = order[i];
+    const float m = tile_m[t];
+    if (m == -INFINITY || !sbd::may_reach(m * sampler.inv_t, sbd::kGumbelNoiseMax, sampler.am.best)) break;
+    const int64_t j = j0 + static_cast<int64_t>(t) * kTile;
+    const int64_t n = std::min(kTile, j1 - j);
+    sampler.tile(j, tile_ptr(j, n), n, m);
+  }
+  *best = sampler.am;
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// entropy_sample, CUDA binding: argument checks, device guard and stream, the work split and its workspace, dtype
-// dispatch to the raw-pointer launchers of csrc/cuda/kernels/entropy_sample.h. No host synchronisation.
+// entropy_sample, CUDA binding: argument checks (entropy_sample_checks.h, shared with the CPU binding), device guard
+// and stream, the work split and its workspace, dtype dispatch to the raw-pointer launchers of
+// csrc/cuda/kernels/entropy_sample.h. No host synchronisation.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,20 +9,17 @@
 
 #include <tuple>
 
-#include "checks.h"
 #include "cuda/binding_utils.h"
 #include "cuda/kernels/device_info.h"
 #include "cuda/kernels/entropy_sample.h"
+#include "entropy_sample_checks.h"
 
 namespace sbd_ext {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cuda(const at::Tensor& logits, double temperature,
                                                                    int64_t seed, int64_t offset) {
   constexpr const char* op = "entropy_sample";
-  check_dtype(op, "logits", logits, {at::kFloat, at::kBFloat16, at::kHalf});
-  check_dim(op, "logits", logits, 2, "[N, V]");
-  check_inner_contiguous(op, "logits", logits);
-  TORCH_CHECK_VALUE(temperature >= 0.0, op, ": temperature must be >= 0, got ", temperature);
+  check_entropy_sample(logits, temperature);  // everything the CPU binding checks
   TORCH_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor here, got device ", logits.device());
   const int64_t N = logits.size(0), V = logits.size(1);
   const c10::cuda::CUDAGuard device_guard(logits.device());
@@ -39,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cuda(const at::Ten
   p.N = N;
   p.V = V;
   p.row_stride = logits.stride(0);
-  p.temperature = static_cast<float>(temperature);
+  p.temperature = kernel_temperature(temperature);
   p.seed = static_cast<uint64_t>(seed);  // the same 64 bits the reference masks with 2^64 - 1
   p.offset = static_cast<uint64_t>(offset);
   sbd_cuda::entropy_sample_plan(p, sbd_cuda::sm_count());

@@ -5,6 +5,7 @@
 #include "cuda/kernels/block_attention.cuh"
 #include "cuda/kernels/entropy_sample.cuh"
 #include "cuda/kernels/mask_replace.cuh"
+#include "sbd/gumbel.h"
 
 namespace {
 
@@ -94,6 +95,53 @@ int emu_entropy_sample(const void* logits, int dtype, int64_t N, int64_t V, int6
     return static_cast<int>(sbd_cuda::launch_entropy_sample<decltype(tag)>(p, nullptr));
   });
   return err ? err : (ws.intact() ? 0 : 1000);
+}
+
+// The Gumbel noise over all 2^23 draws (the bits philox_uniform keeps): out[0] = the largest sbd::gumbel_noise,
+// out[1] = the smallest margin gumbel_noise_bound(w) - gumbel_noise(w), out[2] = the largest |gumbel_noise - the
+// fp64 noise of the same u|, out[3] = the largest relative error of sbd::log_f32 over every 61st float in
+// [2^-26, 64), out[4] = sbd::kGumbelNoiseMax.
+void emu_gumbel_bounds(double* out) {
+  double max_noise = -1e30, min_margin = 1e30, max_err = 0.0, max_log_rel = 0.0;
+  for (uint32_t k = 0; k < (1u << 23); ++k) {
+    const uint32_t w = (k << 9) | 0x1ffu;
+    const float g = sbd::gumbel_noise(w);
+    max_noise = std::max(max_noise, static_cast<double>(g));
+    min_margin = std::min(min_margin, static_cast<double>(sbd::gumbel_noise_bound(w)) - g);
+    const double u = static_cast<double>(sbd::philox_uniform(w));
+    max_err = std::max(max_err, std::fabs(g - (-std::log(-std::log(u)))));
+  }
+  for (uint32_t i = sbd::float_bits(0x1p-26f); i < sbd::float_bits(64.0f); i += 61) {
+    const float x = sbd::bits_float(i);
+    const double truth = std::log(static_cast<double>(x));
+    if (truth != 0.0) max_log_rel = std::max(max_log_rel, std::fabs((sbd::log_f32(x) - truth) / truth));
+  }
+  out[0] = max_noise;
+  out[1] = min_margin;
+  out[2] = max_err;
+  out[3] = max_log_rel;
+  out[4] = sbd::kGumbelNoiseMax;
+}
+
+// The Gumbel-max token of each row of fp32 logits [N, V] (row stride V) by brute force: every entry's exact score
+// sbd::gumbel_score, no bound, no skipping, first index of the maximum. The kernels' fast paths must give these.
+void emu_gumbel_argmax(const float* x, int64_t N, int64_t V, double temperature, uint64_t seed, uint64_t offset,
+                       int64_t* tok) {
+  const float t = static_cast<float>(temperature);
+  for (int64_t row = 0; row < N; ++row) {
+    float best = -INFINITY;
+    int64_t index = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      const uint32_t w = sbd::philox_for_vocab_quad(seed, offset, static_cast<uint32_t>(row),
+                                                    static_cast<uint32_t>(j >> 2)).x[j & 3];
+      const float s = sbd::gumbel_score(x[row * V + j], t, w);
+      if (s > best) {
+        best = s;
+        index = j;
+      }
+    }
+    tok[row] = index;
+  }
 }
 
 // ptrs: q, k, v, k_cache, v_cache, out, cache_lens, n_commit, n_valid.

@@ -2,10 +2,16 @@
 // vocabulary.
 //
 // Each thread streams its share of a row with 16-byte loads (kUnroll = 4 loads in flight per thread) and keeps
-// the shared online state of sbd/entropy_state.h (running max m, s = sum e^(x-m), t = sum e^(x-m)(x-m)) and a
-// running argmax of the score: the logit (temperature 0) or logit / T + Gumbel noise from Philox
-// (sbd/philox.h, the counter layout the CPU kernel and the reference use, so a (seed, offset) gives the same
-// token on every device and under every work split). Per-thread states are merged with EntropyState::merge /
+// the shared online state of sbd/entropy_state.h (running max m, r = sum e^(x-m) but the max's 1, u = sum
+// e^(x-m)(m-x)) and a running argmax of the score: the logit (temperature 0) or sbd::gumbel_score, logit / T +
+// Gumbel noise from Philox (sbd/gumbel.h, sbd/philox.h: the counter layout and the exactly rounded score the CPU
+// kernel uses, so a (seed, offset) gives the same token on every device and under every work split). Sampling
+// takes the exact fast path of sbd/gumbel.h per element: no Philox for an entry whose logit / T plus the largest
+// noise cannot reach the thread's best score so far, no logarithm for one whose per-draw noise bound cannot. The
+// best is per thread (~30 entries each for 16 x 128256 on an H100), so Philox is skipped only after the thread has
+// met a high entry, and the logarithms where the per-draw bound falls short. Sharing a block-wide best (seeded
+// with the row max) would skip most of Philox on LLM-like logits, ~20 instructions per element that may outlast
+// the row's DRAM time on an H100: to measure on a GPU first. Per-thread states are merged with EntropyState::merge /
 // ArgmaxState::merge over warp shuffles, then across the warps of the block.
 //
 // Work split: a 16 x 128256 bf16 block of logits is 4.1 MB, 1.2 us of H100 DRAM time (3.35 TB/s), so the
@@ -21,9 +27,9 @@
 // increasing order (head, then its vectors in order, then tail); across threads ArgmaxState::merge breaks ties
 // by index. Ties therefore go to the lowest index, as torch.argmax does.
 //
-// Build: not with --use_fast_math. The Gumbel score uses logf and an IEEE division, as the CPU kernel and the
-// reference do; fast math would turn them into approximations and sampled tokens would differ from the CPU's
-// far more often than at the rare 1-ulp near-ties (the softmax statistics use __expf either way).
+// Build: not with --use_fast_math. The Gumbel score is an IEEE division plus sbd::log_f32 (explicit fmas), the
+// CPU kernel's exact operations; fast math would approximate the division and sampled tokens would differ from
+// the CPU's (the softmax statistics use __expf either way: see sbd/entropy_state.h for its error).
 //
 // Included by exactly one translation unit, csrc/cuda/entropy_sample_launch.cu.
 #pragma once
@@ -36,6 +42,7 @@
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/entropy_sample.h"
 #include "sbd/entropy_state.h"
+#include "sbd/gumbel.h"
 #include "sbd/philox.h"
 
 namespace sbd_cuda {
@@ -49,7 +56,7 @@ constexpr int kMergeRowsPerBlock = 8;  // merge kernel: one warp per row
 
 // Partial state of one (row, split), 32 bytes.
 struct alignas(16) Partial {
-  float m, s, t;
+  float m, r, u;
   int32_t invalid;
   float best;
   int32_t pad;
@@ -71,8 +78,8 @@ __device__ __forceinline__ RowState shfl_xor(const RowState& x, int mask) {
   constexpr unsigned kAll = 0xffffffffu;
   RowState y;
   y.e.m = __shfl_xor_sync(kAll, x.e.m, mask);
-  y.e.s = __shfl_xor_sync(kAll, x.e.s, mask);
-  y.e.t = __shfl_xor_sync(kAll, x.e.t, mask);
+  y.e.r = __shfl_xor_sync(kAll, x.e.r, mask);
+  y.e.u = __shfl_xor_sync(kAll, x.e.u, mask);
   y.e.invalid = __shfl_xor_sync(kAll, static_cast<int>(x.e.invalid), mask) != 0;
   y.a.best = __shfl_xor_sync(kAll, x.a.best, mask);
   y.a.index = __shfl_xor_sync(kAll, static_cast<long long>(x.a.index), mask);
@@ -101,10 +108,12 @@ __device__ __forceinline__ RowState block_reduce(RowState x) {
   return x;
 }
 
-// Score of one vocab entry: the logit, or logit / T + Gumbel(u) with u drawn for (seed, offset, row, j).
+// Score of one vocab entry: the logit, or sbd::gumbel_score with the draw for (seed, offset, row, j), computed only
+// where sbd::may_reach says it could beat the thread's best (the exact fast path of sbd/gumbel.h).
 template <bool kSample>
 struct Scorer {
   float temperature;
+  float inv_temperature;  // for the bounds only: a multiply, not an IEEE division per element (the slack covers it)
   uint64_t seed, offset;
   uint32_t row;
   uint32_t quad = 0xffffffffu;  // the vocab quad whose Philox output `r` holds
@@ -113,6 +122,8 @@ struct Scorer {
   __device__ __forceinline__ void push(RowState& st, float x, int64_t j) {
     st.e.push(x);
     if constexpr (kSample) {
+      const float xs = x * inv_temperature;
+      if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, st.a.best)) return;
       const uint32_t q = static_cast<uint32_t>(j >> 2);
       if (q != quad) {  // one Philox call per 4 consecutive vocab entries
         quad = q;
@@ -120,7 +131,8 @@ struct Scorer {
       }
       const int k = static_cast<int>(j & 3);  // selects, not a dynamically indexed (local-memory) array
       const uint32_t w = k == 0 ? r.x[0] : k == 1 ? r.x[1] : k == 2 ? r.x[2] : r.x[3];
-      st.a.push(sbd::gumbel_score(x, temperature, sbd::philox_uniform(w)), j);
+      if (!sbd::may_reach(xs, sbd::gumbel_noise_bound(w), st.a.best)) return;
+      st.a.push(sbd::gumbel_score(x, temperature, w), j);
     } else {
       st.a.push(x, j);
     }
@@ -179,7 +191,8 @@ __global__ void __launch_bounds__(kThreads) entropy_sample_kernel(EntropySampleP
   const T* x = static_cast<const T*>(p.logits) + row * p.row_stride;
   const int64_t lo = split * p.chunk;
   const int64_t hi = lo + p.chunk < p.V ? lo + p.chunk : p.V;
-  Scorer<kSample> sc{p.temperature, p.seed, p.offset, static_cast<uint32_t>(row)};
+  Scorer<kSample> sc{p.temperature, kSample ? 1.f / p.temperature : 0.f, p.seed, p.offset,
+                     static_cast<uint32_t>(row)};
   RowState st = RowState::empty();
   if (lo < hi) scan_range<T, kSample>(x, lo, hi, st, sc);
   st = block_reduce(st);
@@ -189,8 +202,8 @@ __global__ void __launch_bounds__(kThreads) entropy_sample_kernel(EntropySampleP
   } else {
     Partial out;
     out.m = st.e.m;
-    out.s = st.e.s;
-    out.t = st.e.t;
+    out.r = st.e.r;
+    out.u = st.e.u;
     out.invalid = st.e.invalid ? 1 : 0;
     out.best = st.a.best;
     out.pad = 0;
@@ -210,7 +223,7 @@ __global__ void __launch_bounds__(kMergeRowsPerBlock * 32) entropy_sample_merge_
   for (int s = lane; s < p.splits; s += 32) {
     const Partial q = parts[s];
     RowState o;
-    o.e = sbd::EntropyState{q.m, q.s, q.t, q.invalid != 0};
+    o.e = sbd::EntropyState{q.m, q.r, q.u, q.invalid != 0};
     o.a = sbd::ArgmaxState{q.best, q.index};
     st.merge(o);
   }

@@ -41,10 +41,12 @@ SBD_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
   return Philox4{{c0, c1, c2, c3}};
 }
 
-// The 24 high bits of a word mapped to the open interval (0, 1): (w >> 8 + 0.5) / 2^24. Exact in fp32,
-// never 0 or 1, so -log(-log(u)) is always finite.
+// The 23 high bits of a word mapped to the open interval (0, 1): (w >> 9 + 1/2) / 2^23, in [2^-24, 1 - 2^-24].
+// Every step is exact in fp32 (w >> 9 + 1/2 needs 24 bits), so u is never 0 or 1 and the Gumbel noise
+// -log(-log(u)) is always finite, within [-2.81, 16.64]. (24 bits + 1/2 would need 25: the top draw rounded to
+// u = 1, an infinite noise that made the entry win whatever its logit, once in 2^24 draws.)
 SBD_HD float philox_uniform(uint32_t w) {
-  return (static_cast<float>(w >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  return (static_cast<float>(w >> 9) + 0.5f) * (1.0f / 8388608.0f);
 }
 
 // The counter layout used by entropy_sample: vocab index j of row `row`, stream (seed, offset).
