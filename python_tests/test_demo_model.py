@@ -10,6 +10,7 @@ import torch
 import sbd_ext
 from sbd_ext.demo import cli, models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
+from sbd_ext.metadata import get_sbd_metadata
 
 N_PROBLEMS = 8
 
@@ -50,8 +51,13 @@ def test_load_default_offline(sbd, monkeypatch):
     assert list(cfg.sbd_block_size_range) == [2, 16]
     assert model.generation_config.eos_token_id == tok.eos_token_id
     assert not model.training
-    control, _ = models.load(models.CONTROL_MODEL)
-    assert getattr(control.config, "mask_token_id", None) is None or control.config.mask_token_id == tok.mask_token_id
+    control, control_tok = models.load(models.CONTROL_MODEL)
+    # The control is fine-tuned by plain NTP from the same pre-trained checkpoint: same vocabulary, no SBD metadata,
+    # so SBD decoding refuses it instead of decoding with an untrained mask token.
+    assert control_tok.get_vocab() == tok.get_vocab()
+    assert get_sbd_metadata(control.config) == (None, None)
+    with pytest.raises(ValueError, match="not trained for SBD"):
+        sbd_ext.generate(control, torch.tensor([[tok.bos_token_id]]), mode="sbd", block_size=8, max_new_tokens=2)
 
 
 def test_sbd_decode_heldout_correct(sbd):

@@ -1,5 +1,5 @@
-"""attn_implementation="sbd": registration, and equality with "sdpa" for plain causal use (kernel path) and for
-padded / custom-mask / autograd use (SDPA fallback)."""
+"""attn_implementation="sbd": registration, equality with "sdpa" for plain causal use (kernel path), and with "eager"
+(transformers' pure-PyTorch attention) for padded / custom-mask / autograd use, where "sbd" falls back to SDPA."""
 
 from __future__ import annotations
 
@@ -43,10 +43,15 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _pair(n_heads=4, n_kv_heads=2, dtype=torch.float32, **kw):
+def _pair(n_heads=4, n_kv_heads=2, dtype=torch.float32, ref="sdpa", **kw):
+    """The same random weights with attn "sbd" and with ``ref``.
+
+    ``ref="eager"`` (transformers' matmul + softmax attention, pure PyTorch) for the inputs on which "sbd" falls back
+    to SDPA: comparing SDPA with SDPA there would check nothing but the routing.
+    """
     sbd = tiny_llama(n_heads=n_heads, n_kv_heads=n_kv_heads, dtype=dtype, attn="sbd", **kw)
-    sdpa = tiny_llama(n_heads=n_heads, n_kv_heads=n_kv_heads, dtype=dtype, attn="sdpa", **kw)
-    return sbd, sdpa
+    other = tiny_llama(n_heads=n_heads, n_kv_heads=n_kv_heads, dtype=dtype, attn=ref, **kw)
+    return sbd, other
 
 
 def test_registered():
@@ -119,17 +124,17 @@ def test_generate_greedy_matches_sdpa(n_heads, n_kv_heads, kernel_calls):
     assert len(kernel_calls) == 20 * sbd.config.num_hidden_layers
 
 
-def test_padded_batch_falls_back_and_matches_sdpa(kernel_calls):
-    sbd, sdpa = _pair()
+def test_padded_batch_falls_back_and_matches_eager(kernel_calls):
+    sbd, eager = _pair(ref="eager")
     ids, mask = random_prompts([4, 9, 6], padding_side="left")
     with torch.no_grad():
         got = sbd(ids, attention_mask=mask).logits
-        want = sdpa(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
     assert kernel_calls == []  # padding -> materialised mask -> SDPA fallback
     keep = mask.bool()
     assert_close(got[keep], want[keep], atol=FP32_TOL[0], rtol=FP32_TOL[1])
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert torch.equal(sbd.generate(ids, attention_mask=mask, **kw), sdpa.generate(ids, attention_mask=mask, **kw))
+    assert torch.equal(sbd.generate(ids, attention_mask=mask, **kw), eager.generate(ids, attention_mask=mask, **kw))
     assert kernel_calls == []
 
 
@@ -145,28 +150,28 @@ def test_unpadded_mask_uses_kernel(kernel_calls):
 
 
 def test_custom_4d_mask_falls_back(kernel_calls):
-    sbd, sdpa = _pair()
+    sbd, eager = _pair(ref="eager")
     ids = torch.randint(0, VOCAB, (1, 8))
     allowed = torch.ones(8, 8, dtype=torch.bool).tril()
     allowed[4:, 4:] = True  # a bidirectional tail, as in an SBD block
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
     with torch.no_grad():
         got = sbd(ids, attention_mask=mask).logits
-        want = sdpa(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
     assert kernel_calls == []
     assert_close(got, want, atol=FP32_TOL[0], rtol=FP32_TOL[1])
 
 
-def test_autograd_falls_back_and_matches_sdpa(kernel_calls):
-    sbd, sdpa = _pair()
+def test_autograd_falls_back_and_matches_eager(kernel_calls):
+    sbd, eager = _pair(ref="eager")
     ids = torch.randint(0, VOCAB, (2, 9))
     loss_a = sbd(ids, labels=ids).loss
-    loss_b = sdpa(ids, labels=ids).loss
+    loss_b = eager(ids, labels=ids).loss
     loss_a.backward()
     loss_b.backward()
     assert kernel_calls == []  # the kernel has no backward
     assert_close(loss_a, loss_b, atol=1e-5, rtol=1e-5)
-    for (name, pa), pb in zip(sbd.named_parameters(), sdpa.parameters(), strict=True):
+    for (name, pa), pb in zip(sbd.named_parameters(), eager.parameters(), strict=True):
         assert_close(pa.grad, pb.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 

@@ -104,9 +104,7 @@ def test_conversion_and_cache_hit(converted, monkeypatch):
 
     monkeypatch.setattr(smollm2, "_convert", boom)
     monkeypatch.setattr(smollm2, "gguf_path", boom)
-    t0 = time.perf_counter()
-    assert smollm2.ensure_checkpoint(path) == path
-    assert time.perf_counter() - t0 < 1.0
+    assert smollm2.ensure_checkpoint(path) == path  # its time: bench/bench_smollm2.py::test_checkpoint_cache_hit
     assert smollm2.is_available(path)
 
 

@@ -11,11 +11,18 @@
 Both commands run torch on ONE thread by default (``--threads``): the embedded model is so small (0.8 M
 parameters) that intra-op parallelism costs more than it saves, and on a busy machine an OpenMP barrier waiting for
 a descheduled thread makes every forward 10-100x slower.
+
+Exit codes: 0 done; 2 a bad argument (argparse's one-line usage error: out-of-range numbers, an unknown model name
+or folder); 1 a request the model cannot serve (e.g. a block size outside the model's trained range, a prompt longer
+than its positions), also one line on stderr. ``SBD_EXT_TRACEBACK=1`` shows the traceback instead. The prompt is
+text: ``<eos>`` or ``<|mask|>`` typed in it are characters, never control tokens, and characters the model's
+tokenizer cannot encode are named in a warning (they become its unknown token).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -78,6 +85,7 @@ def cmd_generate(args) -> int:
 
     from . import models, tasks
     from .evaluate import decode, format_prompt
+    from .tokenizer import unknown_characters
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,6 +103,14 @@ def cmd_generate(args) -> int:
     else:
         question = args.prompt.replace("\\n", "\n")
     prompt = question if args.raw else format_prompt(question, info.get("prompt_template"))
+    tok.split_special_tokens = True  # "<eos>" typed in a prompt is five characters, not the end of the text
+    unknown = unknown_characters(tok, prompt)
+    if unknown:
+        names = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown)
+        print(
+            f"sbd-ext: warning: the model's tokenizer has no token for {names}: encoded as {tok.unk_token}",
+            file=sys.stderr,
+        )
     if expected is None and info.get("task") == "arith":
         expected = tasks.solve(question)
 
@@ -109,7 +125,7 @@ def cmd_generate(args) -> int:
             threshold = DEFAULT_THRESHOLDS["confidence"]
         else:
             threshold = 0.1  # the paper's reasoning gamma_low (the library default 0.35 is its chat gamma_low)
-    block_size = args.block_size or info.get("block_size", 16)
+    block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
     res = decode(
         model,
         tok,
@@ -200,8 +216,62 @@ def cmd_models(args) -> int:
     return 0
 
 
+# Held-out problems are generated in order (a test problem is found by filtering the seed stream, ~2 ms each), so
+# example i costs i generations: the range stops where that would take longer than decoding (~20 s).
+MAX_EXAMPLE = 9999
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int_in(lo: int, hi: int | None = None):
+    """argparse type: an integer in [lo, hi]; anything else is a usage error (exit code 2) naming the range."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite_at_least(lo: float):
+    """argparse type: a finite number >= lo (no nan / inf)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number >= {lo:g}, got {text!r}") from None
+        if not math.isfinite(value) or value < lo:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _check_models(parser: argparse.ArgumentParser, args) -> None:
+    """Unknown model names / folders are usage errors, found before anything is loaded."""
+    from . import models
+
+    for dest in ("model", "sbd_model", "ntp_model"):
+        name = getattr(args, dest, None)
+        if name is None or (dest == "ntp_model" and name in ("", "none")):
+            continue
+        try:
+            models.path(name)
+        except FileNotFoundError as e:
+            parser.error(f"argument --{dest.replace('_', '-')}: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS, DEFAULT_SAMPLERS, DEFAULT_VERIFY_BLOCK_SIZES
+
+    positive, count = _int_in(1), _int_in(0)
+    nonneg = _finite_at_least(0.0)
 
     ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -210,16 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the question (default: a held-out problem); '\\n' becomes a newline")
     g.add_argument("--model", default="sbd-arith", help="embedded model name or a local HF model folder")
     g.add_argument("--mode", choices=("sbd", "ntp"), default="sbd")
-    g.add_argument("--block-size", type=int, default=None, help="SBD block size k (default: the model's, 16)")
+    g.add_argument("--block-size", type=positive, default=None, help="SBD block size k (default: the model's, 16)")
     g.add_argument(
         "--sampler", choices=("eb", "entropy", "confidence"), default=None, help="default: the model's (sbd_demo.json)"
     )
     g.add_argument(
-        "--threshold", type=float, default=None, help="gamma (eb/entropy) or tau (confidence); default: gamma_low"
+        "--threshold", type=nonneg, default=None, help="gamma (eb/entropy) or tau (confidence); default: gamma_low"
     )
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=160)
+    g.add_argument("--temperature", type=nonneg, default=0.0, help="0: greedy")
+    g.add_argument("--seed", type=_int_in(*_INT64), default=0)
+    g.add_argument("--max-new-tokens", type=positive, default=160)
     g.add_argument("--show-steps", action="store_true", help="show which tokens each forward revealed")
     g.add_argument(
         "--verify",
@@ -229,29 +299,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's prompt template")
-    g.add_argument("--example", type=int, default=0, help="which held-out problem when no prompt is given")
-    g.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); see below")
+    g.add_argument(
+        "--example",
+        type=_int_in(0, MAX_EXAMPLE),
+        default=0,
+        help=f"which held-out problem (0-{MAX_EXAMPLE}) when no prompt is given",
+    )
+    g.add_argument("--threads", type=count, default=1, help="torch threads (0: torch's default); see below")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="accuracy and NFE on held-out problems: Markdown table + PNG plot")
     e.add_argument("--sbd-model", default="sbd-arith")
     e.add_argument("--ntp-model", default="ntp-arith", help="the NTP control ('none' to skip)")
-    e.add_argument("--n", type=int, default=500, help="held-out problems")
-    e.add_argument("--gammas", type=float, nargs="+", default=list(DEFAULT_GAMMAS))
-    e.add_argument("--block-sizes", type=int, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
+    e.add_argument("--n", type=positive, default=500, help="held-out problems")
+    e.add_argument("--gammas", type=nonneg, nargs="+", default=list(DEFAULT_GAMMAS))
+    e.add_argument("--block-sizes", type=positive, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
     e.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS), choices=("eb", "entropy", "confidence"))
     e.add_argument(
         "--verify-block-sizes",
-        type=int,
+        type=positive,
         nargs="*",
         default=list(DEFAULT_VERIFY_BLOCK_SIZES),
         help="block sizes evaluated in verify mode (eb sampler, every gamma); none to skip",
     )
-    e.add_argument("--batch-size", type=int, default=50)
-    e.add_argument("--max-new-tokens", type=int, default=160)
+    e.add_argument("--batch-size", type=positive, default=50)
+    e.add_argument("--max-new-tokens", type=positive, default=160)
     e.add_argument("--task", default="arith", choices=("arith", "sort"))
     e.add_argument("--out", default="sbd_eval", help="folder for results.json, table.md, accuracy_vs_tpf.png")
-    e.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    e.add_argument("--threads", type=count, default=1, help="torch threads (0: torch's default)")
     e.set_defaults(func=cmd_eval)
 
     m = sub.add_parser("models", help="list the embedded models")
@@ -260,8 +335,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_models(parser, args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        # What a user can cause once the arguments parse (a block size the model was not trained for, a prompt
+        # longer than its positions, a model folder that does not load, an output folder that cannot be written):
+        # one line, no traceback.
+        if os.environ.get("SBD_EXT_TRACEBACK"):
+            raise
+        one_line = " ".join(line.strip() for line in str(e).splitlines())
+        print(f"sbd-ext {args.command}: error: {one_line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ prepended when ``add_special_tokens`` is true, and decoding concatenates the tok
 inserted). Built with the ``tokenizers`` library and saved as ``tokenizer.json``, so
 ``AutoTokenizer.from_pretrained(folder)`` loads them offline with nothing but ``tokenizers`` installed.
 
+Text is text: both are built with ``split_special_tokens=True`` (kept in ``tokenizer_config.json``), so ``<eos>`` or
+``<|mask|>`` inside a string encodes as its characters; the special tokens enter a sequence only by id (the
+``<bos>`` the post-processor adds, the ``<eos>`` training appends, the mask id decoding writes). A character outside
+the alphabet (``é``, a tab) becomes ``<unk>``: :func:`unknown_characters` finds them, and the CLI names them.
+
 * :func:`build_bpe_tokenizer` (the demo models' tokenizer): a small BPE trained by the project on generated
   problems of :mod:`sbd_ext.demo.tasks`. Pre-tokenization keeps a word with its leading space, every digit apart (one
   token per digit, so numbers keep a fixed number of tokens), and runs of punctuation; the merges then make each
@@ -19,7 +24,7 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["CHARS", "SPECIAL_TOKENS", "build_bpe_tokenizer", "build_char_tokenizer"]
+__all__ = ["CHARS", "SPECIAL_TOKENS", "build_bpe_tokenizer", "build_char_tokenizer", "unknown_characters"]
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "mask_token": "<|mask|>"}
 UNK = "<unk>"
@@ -42,8 +47,25 @@ def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
         padding_side="left",
+        split_special_tokens=True,  # a prompt that says "<eos>" must not end itself (see the module docstring)
         **SPECIAL_TOKENS,
     )
+
+
+def unknown_characters(tok, text: str) -> list[str]:
+    """The characters of ``text`` that ``tok`` encodes as its unknown token, each once, in order of appearance.
+
+    Works for any fast tokenizer with an unknown token (byte-level BPEs have none and return []); special-token
+    text is encoded as characters, as the embedded tokenizers do.
+    """
+    if tok.unk_token_id is None or not text:
+        return []
+    enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    found: dict[str, None] = {}
+    for tid, (start, end) in zip(enc.input_ids, enc.offset_mapping, strict=True):
+        if tid == tok.unk_token_id:
+            found.update(dict.fromkeys(text[start:end]))
+    return list(found)
 
 
 def build_char_tokenizer(model_max_length: int = 1024) -> PreTrainedTokenizerFast:
