@@ -682,7 +682,6 @@ def _next_forward(seqs: list[_Seq], job: _Job, widen=None) -> _Forward:
     """Alg. 3, lines "commit + fill": each active sequence contributes its pending tokens (the block it finished
     last forward, or its prompt) as committed rows, then its current block (SBD). T = the longest sequence's rows,
     or ``widen(that)`` (the compiled step's padded width)."""
-    B = len(seqs)
     active = [not q.done for q in seqs]
     n_commit = [len(q.pending) if a else 0 for q, a in zip(seqs, active, strict=True)]
     n_block = [len(q.block) if (a and job.sbd) else 0 for q, a in zip(seqs, active, strict=True)]
@@ -892,6 +891,8 @@ def _static_forward(model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Te
     plan.check_layers()
     if block_rows:
         rows = meta[1].long().view(B, 1) + torch.arange(block_rows, device=meta.device).view(1, block_rows)
+        # A shortened last block (budget) or a finished sequence reads past its rows: clamped, never used.
+        rows = rows.clamp(max=tokens.shape[2] - 1)
         hidden = torch.gather(hidden, 1, rows.unsqueeze(-1).expand(B, block_rows, hidden.shape[-1]))
     return model.get_output_embeddings()(hidden)
 
