@@ -142,6 +142,10 @@ class SBDCache(Cache):
         super().reset()
         self.seq_lens = [0] * self.batch_size
 
+    def rewind(self) -> None:
+        """Every length back to 0 for a new generation; the buffers keep their rows (never read past a length)."""
+        self.seq_lens = [0] * self.batch_size
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SBDCache does not support crop (lengths are per sequence)")
 

@@ -41,11 +41,13 @@ Decoding (per sequence; sequences of a batch advance independently)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -842,19 +844,27 @@ def generate(
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)
     seqs = [_Seq(p, job) for p in job.prompts]
-    cache = SBDCache(model.config, len(seqs), max(map(len, job.prompts)) + job.max_new_tokens, dtype, device)
-    eager = functools.partial(_run_forward, model, cache, device=device)
+    rows = max(map(len, job.prompts)) + job.max_new_tokens
     if not job.settings.compile:
-        _decode(seqs, job, cache, eager)
+        cache = SBDCache(model.config, len(seqs), rows, dtype, device)
+        _decode(seqs, job, cache, functools.partial(_run_forward, model, cache, device=device))
     else:
-        step = _StaticStep(model, cache, job, device)
-        # The prefill (the prompt's length) runs eagerly unless the step's graph takes any row count (CPU, SBD).
-        f = 0 if step.dynamic_rows else _decode(seqs, job, cache, eager, max_forwards=1)
-        with cache.static_forwards():
-            _decode(seqs, job, cache, step, f)
-        if device.type == "cuda":
-            ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
+        pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
+        with _pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext() as cache:
+            cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
+            _decode_compiled(model, cache, seqs, job, device)
     return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
+
+
+def _decode_compiled(model, cache: SBDCache, seqs: list[_Seq], job: _Job, device: torch.device) -> None:
+    step = _StaticStep(model, cache, job, device)
+    f = 0
+    if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
+        f = _decode(seqs, job, cache, functools.partial(_run_forward, model, cache, device=device), max_forwards=1)
+    with cache.static_forwards():
+        _decode(seqs, job, cache, step, f)
+    if device.type == "cuda":
+        ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
 
 
 def _decode(seqs: list[_Seq], job: _Job, cache: SBDCache, run, f: int = 0, max_forwards: int | None = None) -> int:
@@ -902,16 +912,45 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def _compiled_forward(device: torch.device):
-    """torch.compile of :func:`_static_forward`, one per compile mode. On CUDA mode "reduce-overhead" captures each
+    """torch.compile of :func:`_static_forward`, one per device type. On CUDA mode "reduce-overhead" captures each
     forward as a CUDA graph and replays it (the cache buffers are marked static, so they are written in place, not
-    copied in); on the CPU the default mode. dynamic=False: B and T are specialised (one graph per batch size and k);
+    copied in). dynamic=False: B and T are specialised (one graph per batch size and k);
     the cache's row count is marked dynamic by :meth:`SBDCache.static_forwards`, so prompt lengths and budgets do
     not recompile."""
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    # CUDA: "reduce-overhead" (CUDA graphs). CPU: a C++ wrapper instead of the Python one that calls each kernel
+    # (~150 calls per forward of the embedded model, ~1 ms); the kernels themselves are the same.
+    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": {"cpp_wrapper": True}}
     with _COMPILE_LOCK:
-        if mode not in _COMPILED:
-            _COMPILED[mode] = torch.compile(_static_forward, fullgraph=True, dynamic=False, mode=mode)
-        return _COMPILED[mode]
+        if device.type not in _COMPILED:
+            _COMPILED[device.type] = torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
+        return _COMPILED[device.type]
+
+
+_CACHE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [cache, leased]}
+
+
+@contextlib.contextmanager
+def _pooled_cache(model, batch_size: int, rows: int, dtype: torch.dtype, device: torch.device):
+    """Lease an SBDCache reused across generations of ``model`` with this batch size (CUDA graphs): the graphs read
+    and write the cache buffers at fixed addresses, and a new buffer makes CUDA-graph trees re-record (after 128
+    re-records they stop using graphs for the function). Grown to a power of two when too short; a fresh,
+    unpooled cache while the pooled one is leased (concurrent calls)."""
+    key = (batch_size, dtype, str(device))
+    with _COMPILE_LOCK:
+        pool = _CACHE_POOL.setdefault(model, {})
+        entry = pool.get(key)
+        if entry is not None and entry[1]:
+            entry = [SBDCache(model.config, batch_size, rows, dtype, device), True]  # not pooled
+        else:
+            if entry is None or entry[0].max_cache_len < rows:
+                entry = pool[key] = [SBDCache(model.config, batch_size, 1 << (rows - 1).bit_length(), dtype, device)]
+                entry.append(False)
+            entry[1] = True
+    entry[0].rewind()
+    try:
+        yield entry[0]
+    finally:
+        entry[1] = False
 
 
 class _StaticStep:
@@ -943,6 +982,7 @@ class _StaticStep:
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
         self.fn = _compiled_forward(device)
+        self.calls = 0
 
     def __call__(self, fw: _Forward) -> torch.Tensor:
         n_commit, n_valid = self.cache.check_plan(fw.n_commit, fw.n_valid)
@@ -954,7 +994,12 @@ class _StaticStep:
             torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
         if self.dynamic_rows:
             torch._dynamo.mark_dynamic(tokens, 2)
-        logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        # The first call of a generation checks every guard (model, config, cache, shapes); later calls only change
+        # tensor contents and the (dynamic) row count, so they run only the guards that pick among compiled graphs.
+        # dynamo's full check costs ~0.8 ms per call here (the model's every module and parameter).
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.calls > 0):
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        self.calls += 1
         self.cache.advance(n_commit)
         fw.block_rows_only = self.block_rows > 0
         return logits
