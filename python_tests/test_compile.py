@@ -1,0 +1,168 @@
+"""``generate(..., compile=True)``: the compiled step returns eager decoding's tokens, forward for forward, on the
+embedded models (SBD, NTP, ragged batch, EOS, temperature sampling, verify mode), with no graph break (fullgraph)
+and no recompilation between generations of the same batch size and k.
+
+Compiling is slow on a 2-core CPU (~50 s per graph, cold), so the tests share graphs: every SBD test decodes a batch
+of 3 ragged prompts with the embedded model's k (one graph), NTP and verify mode one graph each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import sbd_ext
+import sbd_ext.hf
+from sbd_ext.decoding import GenerationSettings, generate
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import format_prompt
+
+pytestmark = pytest.mark.skipif(
+    not sbd_ext.hf.kernel_available(torch.device("cpu")), reason="the block_attention CPU kernel is not built"
+)
+
+B = 3  # every test's batch: one compiled graph per mode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add synchronisation
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def sbd():
+    model, tok = models.load(models.DEFAULT_MODEL)
+    return model, tok, models.demo_info(models.DEFAULT_MODEL)
+
+
+def _batch(tok, info, start: int, n: int = B, device="cpu"):
+    """n ragged held-out prompts (left padding), from problem ``start`` on."""
+    probs = list(tasks.problems("test", start + n))[start:]
+    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    assert len(set(enc.attention_mask.sum(1).tolist())) > 1, "the prompts should be ragged"
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def _settings(tok, info, **kw) -> GenerationSettings:
+    base = dict(
+        block_size=info["block_size"],
+        sampler=info["sampler"],
+        threshold=info["gamma_high"],
+        max_new_tokens=48,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return GenerationSettings(**{**base, **kw})
+
+
+def _assert_same(compiled, eager):
+    assert torch.equal(compiled.sequences, eager.sequences), (compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.nfe, eager.nfe)
+    assert compiled.trace == eager.trace  # same positions revealed by the same forwards
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    assert torch.equal(compiled.num_corrected, eager.num_corrected)
+
+
+def _compiled_and_eager(model, ids, mask, settings):
+    got = generate(model, ids, mask, settings, compile=True)
+    want = generate(model, ids, mask, settings)
+    _assert_same(got, want)
+    return got
+
+
+@pytest.mark.slow
+def test_sbd_compiled_equals_eager_and_never_recompiles(sbd):
+    """Greedy SBD at the model's gamma_high on a ragged batch; then new prompts (other lengths, so other prefill
+    widths and cache sizes) run without any new graph: dynamo's error_on_recompile would raise."""
+    model, tok, info = sbd
+    s = _settings(tok, info)
+    out = _compiled_and_eager(model, *_batch(tok, info, 0), s)
+    assert (out.tokens_per_forward > 1).all()  # several tokens per forward: the block rows were read right
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for start in (3, 6):
+            _compiled_and_eager(model, *_batch(tok, info, start), s)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_sbd_compiled_equals_eager_eos_and_budget(sbd):
+    """Sequences stop at EOS at different forwards (finished rows stay as padding) or at a budget that is not a
+    multiple of k (the last block is shortened); also gamma_low (fewer tokens per forward)."""
+    model, tok, info = sbd
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = _compiled_and_eager(model, *_batch(tok, info, 24), _settings(tok, info, max_new_tokens=64))
+        assert (out.sequences == tok.eos_token_id).any(dim=1).all()  # every sequence ended at its EOS
+        assert len(set(out.nfe.tolist())) > 1  # ... after different numbers of forwards
+        _compiled_and_eager(model, *_batch(tok, info, 12), _settings(tok, info, max_new_tokens=13, eos_token_id=[]))
+        _compiled_and_eager(model, *_batch(tok, info, 15), _settings(tok, info, threshold=info["gamma_low"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sbd_compiled_equals_eager_sampled(sbd, seed):
+    """Temperature sampling: the draws happen outside the graph from the same logits, so the samples agree."""
+    model, tok, info = sbd
+    s = _settings(tok, info, temperature=1.5, seed=seed, eos_token_id=[])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = _compiled_and_eager(model, *_batch(tok, info, 18), s)
+    greedy = generate(model, *_batch(tok, info, 18), s, temperature=0.0)
+    assert not torch.equal(out.sequences, greedy.sequences)  # the sampling path really ran
+
+
+@pytest.mark.slow
+def test_ntp_compiled_equals_eager(sbd):
+    """NTP mode: [B, 1] forwards after an eager prefill; sampled too (position-keyed noise, outside the graph)."""
+    model, tok, info = sbd
+    for start, temperature in ((0, 0.0), (3, 0.8)):
+        s = _settings(tok, info, mode="ntp", temperature=temperature, seed=3)
+        out = _compiled_and_eager(model, *_batch(tok, info, start), s)
+        assert (out.tokens_per_forward <= 1).all()
+
+
+@pytest.mark.slow
+def test_verify_compiled_equals_eager_and_ntp(sbd):
+    """Verify mode reads the committed rows' logits too (no block-row gather) and rolls the cache back after a
+    correction: the compiled run equals the eager one and both equal NTP decoding. k = 16 with a greedy gamma: the
+    model's far-right guesses are often wrong, so corrections (rollbacks) happen."""
+    model, tok, info = sbd
+    for start, temperature in ((0, 0.0), (3, 0.8)):
+        ids, mask = _batch(tok, info, start)
+        s = _settings(tok, info, block_size=16, threshold=2.0, temperature=temperature, seed=5, eos_token_id=[])
+        out = _compiled_and_eager(model, ids, mask, GenerationSettings.of(s, verify=True))
+        assert out.num_corrected.sum() > 0
+        ntp = generate(model, ids, mask, s, mode="ntp")
+        assert torch.equal(out.sequences, ntp.sequences)
+
+
+def test_compile_setting_validated():
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        GenerationSettings(compile="yes")
+    assert GenerationSettings.of(None, compile=True).compile
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and sbd_ext.hf.kernel_available(torch.device("cuda"))),
+    reason="needs a GPU and the CUDA kernels",
+)
+def test_cuda_graph_step_equals_eager():
+    """On CUDA the step is a CUDA graph (mode="reduce-overhead", [B, 2k] rows): same tokens as eager, the graph
+    was not skipped, and a second generation records no new dynamo graph."""
+    model, tok = models.load(models.DEFAULT_MODEL)
+    info = models.demo_info(models.DEFAULT_MODEL)
+    model = model.to("cuda")
+    s = _settings(tok, info)
+    _compiled_and_eager(model, *_batch(tok, info, 0, device="cuda"), s)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _compiled_and_eager(model, *_batch(tok, info, 3, device="cuda"), s)
+        _compiled_and_eager(model, *_batch(tok, info, 3, device="cuda"), GenerationSettings.of(s, temperature=0.8))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["inductor"]["cudagraph_skips"]
