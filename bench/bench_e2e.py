@@ -203,8 +203,15 @@ def test_sbd_ext_ntp_mode(benchmark, control, problems, compiled):
         ("verify", False),
         ("verify", True),
     ],
-    ids=["gamma_low", "gamma_low-compiled", "gamma_high", "gamma_high-compiled", "other_sampler", "verify",
-         "verify-compiled"],
+    ids=[
+        "gamma_low",
+        "gamma_low-compiled",
+        "gamma_high",
+        "gamma_high-compiled",
+        "other_sampler",
+        "verify",
+        "verify-compiled",
+    ],
 )
 def test_sbd(benchmark, sbd_model, problems, which, compiled):
     model, tok = sbd_model
