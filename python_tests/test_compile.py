@@ -142,6 +142,26 @@ def test_verify_compiled_equals_eager_and_ntp(sbd):
         assert torch.equal(out.sequences, ntp.sequences)
 
 
+@pytest.mark.slow
+def test_concurrent_compiled_generations(sbd):
+    """Threads running compiled generations (and an eager one) at once each get eager decoding's tokens: compiled
+    runs are serialised (the guard-skipping stance they use is process-global), eager ones are not held up."""
+    import concurrent.futures
+
+    model, tok, info = sbd
+    s = _settings(tok, info)
+    batches = [_batch(tok, info, start) for start in (0, 3, 6)]
+    want = [generate(model, ids, mask, s) for ids, mask in batches]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        generate(model, *batches[0], s, compile=True)  # compiled (or cached) before the threads start
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(generate, model, ids, mask, s, compile=True) for ids, mask in batches]
+            jobs.append(pool.submit(generate, model, *batches[1], s))
+            got = [j.result() for j in jobs]
+    for g, w in zip(got, want + [want[1]], strict=True):
+        _assert_same(g, w)
+
+
 def test_compile_setting_validated():
     with pytest.raises(TypeError, match="compile must be a bool"):
         GenerationSettings(compile="yes")

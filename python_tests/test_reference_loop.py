@@ -4,7 +4,7 @@
 ``sample_block`` and ``_finish`` with ``generate``, so a bug there would pass the cached-vs-reference tests. The loop
 below shares nothing with sbd_ext but the model weights: batch 1, greedy, the entropy-bounded (EB) rule, no KV cache
 (every forward recomputes prompt + output + block with a hand-built mask through transformers' eager attention),
-entropies in fp64, written from DESIGN.md section 1 (Alg. 2/3, Eq. 8) and the stopping rule of decoding.py's
+entropies in fp64, written from the paper (Gat et al. 2025, Alg. 2/3, Eq. 8) and the stopping rule of decoding.py's
 docstring:
 
 * a block is min(k, tokens left in the budget) mask tokens after the output so far;

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+import sbd_ext
 from sbd_ext.training import (
     HAS_FLEX_ATTENTION,
     IGNORE_INDEX,
@@ -695,3 +696,11 @@ def test_sbd_metadata_lives_on_the_text_config():
             set_sbd_metadata(model, bad)
     with pytest.raises(ValueError, match="block_size_range"):
         set_sbd_metadata(model, MASK, (4, 2))
+    # None removes both fields (a restore of "no metadata"); a range without a mask id is refused
+    with pytest.raises(ValueError, match="needs a mask_token_id"):
+        set_sbd_metadata(model, None, (2, 4))
+    set_sbd_metadata(model, MASK, (2, 4))
+    set_sbd_metadata(model, None, None)
+    assert get_sbd_metadata(model) == (None, None) and not hasattr(text, "mask_token_id")
+    with pytest.raises(ValueError, match="not trained for SBD|mask"):
+        sbd_ext.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2)

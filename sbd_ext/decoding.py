@@ -850,13 +850,22 @@ def generate(
         _decode(seqs, job, cache, functools.partial(_run_forward, model, cache, device=device))
     else:
         pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
-        with _pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext() as cache:
+        pool = _pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext()
+        with _COMPILED_RUN_LOCK, pool as cache:
             cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
             _decode_compiled(model, cache, seqs, job, device)
     return _finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
 
 
+# Compiled generations run one at a time: the step skips dynamo's guard evaluation after a generation's first call
+# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)), and that stance is process-global, so a second thread's
+# first call -- a new model, batch size or k -- would run under it and could pick another generation's graph.
+# Eager generations are not affected and stay concurrent.
+_COMPILED_RUN_LOCK = threading.Lock()
+
+
 def _decode_compiled(model, cache: SBDCache, seqs: list[_Seq], job: _Job, device: torch.device) -> None:
+    """Under _COMPILED_RUN_LOCK (taken by generate)."""
     step = _StaticStep(model, cache, job, device)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count

@@ -64,10 +64,20 @@ def check_block_size_range(block_size_range) -> tuple[int, int]:
 
 
 def set_sbd_metadata(
-    config_or_model, mask_token_id: int, block_size_range: tuple[int, int] | None = DEFAULT_BLOCK_SIZE_RANGE
+    config_or_model, mask_token_id: int | None, block_size_range: tuple[int, int] | None = DEFAULT_BLOCK_SIZE_RANGE
 ) -> None:
-    """Record the SBD fields on the text config of ``config_or_model``; ``block_size_range=None`` removes the range."""
+    """Record the SBD fields on the text config of ``config_or_model``; ``block_size_range=None`` removes the range.
+
+    ``mask_token_id=None`` removes both fields (the model is no longer marked as trained for SBD), so
+    ``set_sbd_metadata(m, *get_sbd_metadata(m))`` restores what was there, metadata or none."""
     cfg = text_config(config_or_model)
+    if mask_token_id is None:
+        if block_size_range is not None:
+            raise ValueError("set_sbd_metadata: a block_size_range needs a mask_token_id (None removes both)")
+        for attr in (MASK_TOKEN_ATTR, BLOCK_RANGE_ATTR):
+            if hasattr(cfg, attr):
+                delattr(cfg, attr)
+        return
     vocab = getattr(cfg, "vocab_size", None)
     if (
         isinstance(mask_token_id, bool)

@@ -1,4 +1,5 @@
-// Online softmax statistics of one row of logits, computed in a single pass (DESIGN.md section 3).
+// Online softmax statistics of one row of logits, computed in a single pass (the entropy and max probability of
+// softmax(x / T) that entropy_sample returns; the op contract is in README.md, "Ops").
 //
 // State over the elements seen so far, relative to their running maximum m:
 //   r = sum_j e^(x_j - m) over every element but one occurrence of the maximum   (so s = sum_j e^(x_j - m) = 1 + r)
