@@ -113,7 +113,11 @@ def test_process_exit_codes_without_tracebacks():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
     env.pop("SBD_EXT_TRACEBACK", None)
     for argv, code in ((["generate", "--block-size", "0"], 2), (["generate", "--block-size", "1", "hi"], 1)):
-        p = subprocess.run([sys.executable, "-m", "sbd_ext.demo", *argv], capture_output=True, text=True, env=env)
+        # cwd: next to the sbd_ext these tests imported (the installed one in CI), not a checkout's un-built source
+        # folder, which `python -m` would put first on the path.
+        p = subprocess.run(
+            [sys.executable, "-m", "sbd_ext.demo", *argv], capture_output=True, text=True, env=env, cwd=_repo_root()
+        )
         assert p.returncode == code, (argv, p.stderr)
         assert "Traceback" not in p.stderr and p.stderr.rstrip().splitlines()[-1].startswith("sbd-ext generate: error:")
 
