@@ -33,7 +33,15 @@ B, HQ, HKV, D, CACHE, T = 1, 32, 8, 128, 2048, 32
 G = HQ // HKV
 LAYOUTS = {"16c+16b": 16, "32b": 0}  # name -> committed rows; the other rows of the 32 are the set block
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ["sbd_ext", "reference", "sdpa_gqa", "sdpa_repeat", "sdpa_gqa_nomask"]
+# sbd_ext: the automatic choice of matrix path (build_info()["cpu_bf16_attention"] for bf16); sbd_ext_vector /
+# sbd_ext_gemm: the other path forced (set_block_attention_matmul), the one equal to the automatic choice skipped.
+IMPLS = ["sbd_ext", "sbd_ext_vector", "sbd_ext_gemm", "reference", "sdpa_gqa", "sdpa_repeat", "sdpa_gqa_nomask"]
+
+
+def _auto_path(dtype: torch.dtype) -> str:
+    info = sbd_ext.build_info()
+    return {torch.bfloat16: info["cpu_bf16_attention"], torch.float16: info["cpu_fp16_attention"]}.get(dtype, "vector")
+
 
 _results: dict[tuple[str, str, str], tuple[float, float]] = {}  # (dtype, layout, impl) -> (median s, GB/s)
 
@@ -62,8 +70,19 @@ def _work(dtype: torch.dtype, n_commit: int):
 def _fn(impl: str, dtype: torch.dtype, n_commit: int):
     q, k, v, kc, vc, lens, commit, valid = _work(dtype, n_commit)
     scale = D**-0.5
-    if impl == "sbd_ext":
-        return lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)
+    if impl.startswith("sbd_ext"):
+        path = impl.removeprefix("sbd_ext_") if impl != "sbd_ext" else None
+        if path == _auto_path(dtype):
+            pytest.skip(f"the automatic choice for {dtype} is {path}: the sbd_ext row")
+
+        def run():
+            sbd_ext._C.set_block_attention_matmul(path or "auto")
+            try:
+                return sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)
+            finally:
+                sbd_ext._C.set_block_attention_matmul("auto")
+
+        return run
     if impl == "reference":
         return lambda: reference.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)
     keys = torch.cat([kc[:, :, :CACHE], k], dim=2)  # [B, Hkv, CACHE + T, D]
@@ -86,14 +105,19 @@ def test_block_attention(benchmark, dtype_name, layout, impl):
     dtype = DTYPES[dtype_name]
     fn = _fn(impl, dtype, LAYOUTS[layout])
     benchmark.group = f"block_attention {dtype_name} {layout}"
-    rounds = 5 if impl == "reference" else 30
+    # The forced GEMM path on a CPU without bf16 units is cpublas's reference loops: seconds per call.
+    slow = impl == "reference" or (impl == "sbd_ext_gemm" and dtype != torch.float32)
+    rounds = 5 if slow else 30
+    before = sbd_ext._C.block_attention_cpu_paths()
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=2)
+    after = sbd_ext._C.block_attention_cpu_paths()
+    path = "gemm" if after[1] > before[1] else "vector" if after[0] > before[0] else "-"
     t_min, t_median = benchmark.stats.stats.min, benchmark.stats.stats.median
     benchmark.extra_info.update(
         dtype=dtype_name, layout=layout, B=B, Hq=HQ, Hkv=HKV, D=D, cache=CACHE, T=T,
         gbps_median=round(_bytes(dtype) / t_median / 1e9, 2), gflops_median=round(_flops() / t_median / 1e9, 1),
         gbps_min=round(_bytes(dtype) / t_min / 1e9, 2), gflops_min=round(_flops() / t_min / 1e9, 1),
-        threads=torch.get_num_threads(), cpu_isa=sbd_ext.build_info()["cpu_isa"],
+        threads=torch.get_num_threads(), cpu_isa=sbd_ext.build_info()["cpu_isa"], matmul=path,
     )  # fmt: skip
     _results[(dtype_name, layout, impl)] = (t_min, t_median)
 
@@ -115,7 +139,8 @@ def _print_summary(tr):
     tr.write_line("")
     tr.write_line(
         f"block_attention, B={B} Hq={HQ} Hkv={HKV} D={D} cache={CACHE} T={T}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, sbd_ext CPU ISA {info['cpu_isa']}"
+        f"{torch.get_num_threads()} threads, sbd_ext CPU ISA {info['cpu_isa']}, bf16 matrix path "
+        f"{info['cpu_bf16_attention']} (bf16 matrix units: {info['cpu_bf16_matmul_units']})"
     )
     head = f"{'dtype':5} {'layout':8} {'impl':16} {'med ms':>7} {'min ms':>7} {'GB/s':>6} {'GFLOP/s':>7}"
     tr.write_line(f"{head} {'vs SDPA med':>11} {'vs SDPA min':>11} {'vs ref med':>10}")

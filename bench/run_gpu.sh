@@ -16,6 +16,9 @@
 #   smollm2   SmolLM2-135M tests + bench_smollm2 (needs the GGUF: see "SmolLM2" below)
 #   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models)
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
+#   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
+#             (block_attention on both matrix paths, entropy_sample), then bench_block_attention and
+#             bench_entropy_sample on one thread -> cpu_ops.csv
 # --dry-run (or SBD_RUNBOOK_CPU=1): on a CPU machine, run every stage's steps in a checking form -- pytest
 # collects the selected tests instead of running them, the profiler/sanitizer target runs its cases on the CPU,
 # the build evaluates setup.py without compiling -- and pack the results the same way. CI runs it for every
@@ -45,6 +48,7 @@
 #  6. run(command="bash bench/run_gpu.sh gguf-part", carry=[".carry/a"], timeout_s=120)   # while still warm:
 #     run(command="bash bench/run_gpu.sh smollm2", carry=[".carry/b", ".whl"], timeout_s=600)
 #  7. run(command="bash bench/run_gpu.sh e2e", timeout_s=600)
+#  8. run(command="bash bench/run_gpu.sh cpu", timeout_s=600)            -> cpu.tar.gz (the host CPU: issue 13)
 # Calls follow each other while the machine is warm (~30 s), so the build of step 1 is reused; a stage that
 # finds no CUDA build (a cold machine) builds first, ~2-4 min of its 10. After each call, copy the files from
 # files_at into bench/results/gpu-<gpu name>/ and commit them before the next call (issue 15).
@@ -61,7 +65,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e gguf-part"
+STAGES="build test bench ncu sanitize smollm2 e2e gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -258,6 +262,21 @@ stage_e2e() {
   py=$(pytest_cmd)
   # shellcheck disable=SC2086
   step bench_e2e 480 $py bench/bench_e2e.py --benchmark-only -q -s --benchmark-json="$RES/bench_e2e.json"
+}
+
+stage_cpu() {
+  ensure_built
+  local py
+  py=$(pytest_cmd)
+  step lscpu 30 bash -c "lscpu; grep -m1 '^flags' /proc/cpuinfo"
+  # shellcheck disable=SC2086
+  step cpu_tests 240 env CUDA_VISIBLE_DEVICES= $py python_tests/test_block_attention.py \
+    python_tests/test_entropy_sample.py -q -rfE --junitxml="$RES/tests_cpu.xml"
+  py=${py/--timeout=120/--timeout=300}
+  # shellcheck disable=SC2086
+  step cpu_bench 420 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py bench/bench_block_attention.py \
+    bench/bench_entropy_sample.py --benchmark-only -q -s --sbd-csv="$RES/cpu_ops.csv" \
+    --benchmark-json="$RES/bench_cpu_ops.json"
 }
 
 env_info

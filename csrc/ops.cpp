@@ -11,6 +11,7 @@
 
 #include <string>
 
+#include "cpu/block_attention_kernel.h"
 #include "cpu/isa.h"
 
 TORCH_LIBRARY(sbd_ext, m) {
@@ -60,6 +61,16 @@ pybind11::dict build_info() {
 #endif
   d["cpu_isa"] = std::string(sbd_cpu::isa_name(sbd_cpu::active_isa()));
   d["cpu_isas"] = sbd_cpu::available_isas();
+  // block_attention's matrix products for bf16 / fp16 under the automatic choice ("gemm": cpublas GEMM on the
+  // CPU's matrix units; "vector": this extension's micro-kernel), and the current setting.
+  const auto path = [](sbd_cpu::AttnDtype t) {
+    return std::string(sbd_cpu::block_attention_use_gemm(t) ? "gemm" : "vector");
+  };
+  d["cpu_bf16_attention"] = path(sbd_cpu::AttnDtype::kBFloat16);
+  d["cpu_fp16_attention"] = path(sbd_cpu::AttnDtype::kFloat16);
+  d["cpu_attention_matmul"] = sbd_cpu::block_attention_matmul();
+  d["cpu_bf16_matmul_units"] = sbd_cpu::cpu_has_bf16_matmul();
+  d["cpu_fp16_matmul_units"] = sbd_cpu::cpu_has_fp16_matmul();
   d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
                        std::to_string(TORCH_VERSION_PATCH);
   return d;
@@ -73,6 +84,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_cuda_error", &take_cuda_error,
         "The first invalid-lengths error a CUDA block_attention kernel recorded since the last call (\"\" if none); "
         "see sbd_ext.ops.check_cuda_errors.");
+  m.def("set_block_attention_matmul", &sbd_cpu::set_block_attention_matmul, pybind11::arg("name"),
+        "CPU block_attention's matrix products: \"auto\" (cpublas GEMM for bf16 / fp16 where the CPU has "
+        "AMX or AVX512-BF16 / -FP16, the micro-kernel otherwise), \"vector\" or \"gemm\" for every type.");
+  m.def("block_attention_cpu_paths", &sbd_cpu::block_attention_path_counts,
+        "(vector, gemm): CPU block_attention calls per matrix path since the process started.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

@@ -3,7 +3,7 @@
 Correctness bars: fp32 within 1e-5 (relative and absolute, utils.TOL); bf16 / fp16 within 2x the error that
 PyTorch's own low-precision attention (SDPA in that dtype) makes against the same fp32 reference. Every test runs
 on every device present; the CPU tests run under each CPU kernel variant (isa_device: default / avx2 / avx512
-where available), CUDA once.
+where available), each with both matrix paths (micro-kernel and cpublas GEMM), CUDA once.
 """
 
 from __future__ import annotations
@@ -50,15 +50,25 @@ def run_both(q, k, v, kc, vc, lens, commit, valid, scale=None):
 CUDA_HEAD_DIMS = (64, 128)
 
 
-@pytest.fixture(params=DEVICE_ISAS, ids=lambda p: f"cpu-{p[1]}" if p[1] else p[0])
+# The CPU runs every kernel variant twice: its own micro-kernel ("vector") and the GEMM path ("gemm": both matrix
+# products through ATen's cpublas, as chosen automatically for bf16 / fp16 on CPUs with AMX or AVX512-BF16 /
+# -FP16; on other CPUs cpublas runs its reference loops, the same calls). Other devices run once.
+ATTN_VARIANTS = [(d, isa, mm) for d, isa in DEVICE_ISAS if isa is not None for mm in ("vector", "gemm")] + [
+    (d, None, None) for d, isa in DEVICE_ISAS if isa is None
+]
+
+
+@pytest.fixture(params=ATTN_VARIANTS, ids=lambda p: f"cpu-{p[1]}-{p[2]}" if p[1] else p[0])
 def isa_device(request):
-    """Each CPU kernel variant on the CPU, and every other device once."""
-    device, isa = request.param
+    """Each CPU kernel variant (and matrix path) on the CPU, and every other device once."""
+    device, isa, matmul = request.param
     if isa is not None:
         sbd_ext._C.set_cpu_isa(isa)
+        sbd_ext._C.set_block_attention_matmul(matmul)
     yield torch.device(device)
     if isa is not None:
         sbd_ext._C.set_cpu_isa("")
+        sbd_ext._C.set_block_attention_matmul("auto")
 
 
 # (B, Hkv, g, T, D, cache_lens, n_commit, n_valid): batch 1 and 3, D 64 / 128 (and an odd 40), GQA ratios 1, 3, 4,
@@ -214,6 +224,55 @@ def test_fused_kv_buffer_is_accepted(device):
     out = sbd_ext.block_attention(q, k, v, buf[..., 0, :], buf[..., 1, :], L, C, V, 0.125)
     assert_close(out, ref)
     assert torch.equal(buf[..., 0, :], ref_k) and torch.equal(buf[..., 1, :], ref_v)
+
+
+def _paths_taken(fn):
+    """(vector, gemm) CPU block_attention calls made by fn()."""
+    before = sbd_ext._C.block_attention_cpu_paths()
+    fn()
+    after = sbd_ext._C.block_attention_cpu_paths()
+    return after[0] - before[0], after[1] - before[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_matmul_path_choice(dtype):
+    """The setting takes effect; "auto" takes the GEMM path exactly for bf16 / fp16 on CPUs with the units."""
+    q, k, v, kc, vc = make_inputs(1, 2, 4, 8, 64, 40, dtype=dtype)
+    L, C, V = lengths([20], "cpu"), lengths([4], "cpu"), lengths([8], "cpu")
+    info = sbd_ext.build_info()
+    units = {torch.bfloat16: info["cpu_bf16_matmul_units"], torch.float16: info["cpu_fp16_matmul_units"]}
+    expect_auto = bool(units.get(dtype, False))
+    assert info["cpu_bf16_attention"] == ("gemm" if info["cpu_bf16_matmul_units"] else "vector")
+
+    def call():
+        sbd_ext.block_attention(q, k, v, kc.clone(), vc.clone(), L, C, V)
+
+    try:
+        for mode, gemm in (("vector", False), ("gemm", True), ("auto", expect_auto)):
+            sbd_ext._C.set_block_attention_matmul(mode)
+            assert sbd_ext.build_info()["cpu_attention_matmul"] == mode
+            assert _paths_taken(call) == ((0, 1) if gemm else (1, 0)), mode
+        with pytest.raises(ValueError, match='unknown block_attention matmul "amx"'):
+            sbd_ext._C.set_block_attention_matmul("amx")
+    finally:
+        sbd_ext._C.set_block_attention_matmul("auto")
+
+
+def test_gemm_path_falls_back_for_rows_that_are_not_matrices():
+    """A GEMM needs a leading dimension >= D: k / v rows broadcast with stride 0 take the micro-kernel, exactly."""
+    B, Hkv, g, T, D, S = 1, 2, 2, 6, 64, 30
+    q, _, _, kc, vc = make_inputs(B, Hkv, g, T, D, S, dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, 1, D).to(torch.bfloat16).expand(B, Hkv, T, D)  # row stride 0
+    v = torch.randn(B, Hkv, 1, D).to(torch.bfloat16).expand(B, Hkv, T, D)
+    L, C, V = lengths([10], "cpu"), lengths([3], "cpu"), lengths([6], "cpu")
+    try:
+        sbd_ext._C.set_block_attention_matmul("gemm")
+        holder = {}
+        assert _paths_taken(lambda: holder.update(r=run_both(q, k, v, kc, vc, L, C, V))) == (1, 0)
+        out, ref, _, _ = holder["r"]
+        assert_close(out, ref, dtype=torch.bfloat16)
+    finally:
+        sbd_ext._C.set_block_attention_matmul("auto")
 
 
 @pytest.mark.parametrize("threads", [3, 8])

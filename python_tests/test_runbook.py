@@ -13,7 +13,7 @@ import tarfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "gguf-part"]
+STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],
     "test": ["test_cuda", "test_rest"],
@@ -23,6 +23,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "smollm2": ["test_smollm2", "bench_smollm2"],
     "e2e": ["bench_e2e"],
     "gguf-part": [],
+    "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }
 
 pytestmark = [

@@ -1,10 +1,14 @@
 // block_attention on the CPU: checks, the work decomposition, and the calls into the per-ISA kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "block_attention_checks.h"
@@ -22,6 +26,14 @@ sbd_cpu::AttnDtype attn_dtype(at::ScalarType t) {
     default:
       return sbd_cpu::AttnDtype::kFloat32;
   }
+}
+
+// The GEMM path reads K and V rows in place as matrix operands: their row strides are the leading dimensions,
+// which a GEMM needs to be at least D (the checks allow any row stride, e.g. a broadcast k with stride 0).
+bool rows_are_matrices(const sbd_cpu::BlockAttentionParams& p) {
+  for (int64_t st : {p.k_st, p.v_st, p.kc_st, p.vc_st})
+    if (st < p.D) return false;
+  return true;
 }
 
 }  // namespace
@@ -44,6 +56,8 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   p.n_valid = valid.data();
   p.cache_lens_i64 = p.n_commit_i64 = p.n_valid_i64 = true;
   p.dtype = attn_dtype(q.scalar_type());
+  p.gemm = sbd_cpu::block_attention_use_gemm(p.dtype) && rows_are_matrices(p);
+  sbd_cpu::count_block_attention_path(p.gemm);
   const int64_t threads = at::get_num_threads();
   sbd_cpu::block_attention_plan(p, threads);
   at::Tensor partials;
@@ -62,6 +76,95 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     at::parallel_for(0, p.n_items(), 1, [&](int64_t i0, int64_t i1) { SBD_CPU_DISPATCH(block_attention_merge, p, i0, i1); });
   return out;
 }
+
+}  // namespace sbd_ext
+
+namespace sbd_cpu {
+namespace {
+
+enum class Matmul : int { kAuto = 0, kVector = 1, kGemm = 2 };
+
+std::atomic<int>& matmul_mode() {
+  static std::atomic<int> mode{static_cast<int>(Matmul::kAuto)};
+  return mode;
+}
+
+bool cpu_supports_feature(const char* name) {
+#if defined(__x86_64__) || defined(_M_X64)
+  // __builtin_cpu_supports needs a literal.
+  if (std::string(name) == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
+  if (std::string(name) == "avx512fp16") return __builtin_cpu_supports("avx512fp16");
+#endif
+  (void)name;
+  return false;
+}
+
+}  // namespace
+
+// AMX-BF16 / AMX-FP16 as oneDNN sees them (at::native::cpublas::could_pack: oneDNN's ISA >= avx512_core_amx
+// [_fp16]), or the AVX-512 dot-product instructions.
+bool cpu_has_bf16_matmul() {
+  static const bool has = at::native::cpublas::could_pack(at::kBFloat16) || cpu_supports_feature("avx512bf16");
+  return has;
+}
+
+bool cpu_has_fp16_matmul() {
+  static const bool has = at::native::cpublas::could_pack(at::kHalf) || cpu_supports_feature("avx512fp16");
+  return has;
+}
+
+bool block_attention_use_gemm(AttnDtype dtype) {
+  switch (static_cast<Matmul>(matmul_mode().load(std::memory_order_relaxed))) {
+    case Matmul::kVector:
+      return false;
+    case Matmul::kGemm:
+      return true;
+    default:
+      return (dtype == AttnDtype::kBFloat16 && cpu_has_bf16_matmul()) ||
+             (dtype == AttnDtype::kFloat16 && cpu_has_fp16_matmul());
+  }
+}
+
+std::array<std::atomic<int64_t>, 2>& path_counts() {
+  static std::array<std::atomic<int64_t>, 2> counts{};
+  return counts;
+}
+
+void count_block_attention_path(bool gemm) { path_counts()[gemm ? 1 : 0].fetch_add(1, std::memory_order_relaxed); }
+
+std::pair<int64_t, int64_t> block_attention_path_counts() {
+  return {path_counts()[0].load(std::memory_order_relaxed), path_counts()[1].load(std::memory_order_relaxed)};
+}
+
+void set_block_attention_matmul(const std::string& name) {
+  Matmul mode;
+  if (name == "auto" || name.empty()) {
+    mode = Matmul::kAuto;
+  } else if (name == "vector") {
+    mode = Matmul::kVector;
+  } else if (name == "gemm") {
+    mode = Matmul::kGemm;
+  } else {
+    TORCH_CHECK_VALUE(false, "sbd_ext: unknown block_attention matmul \"", name,
+                      "\"; expected \"auto\", \"vector\" or \"gemm\"");
+  }
+  matmul_mode().store(static_cast<int>(mode));
+}
+
+std::string block_attention_matmul() {
+  switch (static_cast<Matmul>(matmul_mode().load(std::memory_order_relaxed))) {
+    case Matmul::kVector:
+      return "vector";
+    case Matmul::kGemm:
+      return "gemm";
+    default:
+      return "auto";
+  }
+}
+
+}  // namespace sbd_cpu
+
+namespace sbd_ext {
 
 TORCH_LIBRARY_IMPL(sbd_ext, CPU, m) { m.impl("block_attention", &block_attention_cpu); }
 

@@ -18,8 +18,14 @@
 // (row_block): vectors run along the keys and the head dimension, at the price of transposing each K block.
 // On the 2-core AVX-512 EPYC (Hq 32, Hkv 8, D 128, cache 2048, T = 1, fp32, one thread) it takes 1.5-2.4 ms
 // where the lanes path took 2.5-2.9 ms (timings under other jobs' load).
+//
+// With p.gemm (bf16 / fp16 on CPUs with bf16 / fp16 matrix units, see block_attention_use_gemm) the two products
+// go to ATen's cpublas GEMM on the input type instead (GemmUnitRunner): oneDNN's matmul on AMX tiles or
+// vdpbf16ps, the call PyTorch's own CPU flash attention makes. The work units, the online softmax (softmax_tile)
+// and the partial states are this file's.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -219,39 +225,81 @@ Unit describe(const BlockAttentionParams& p, int64_t item) {
 }
 
 template <typename T>
+T* out_row(const BlockAttentionParams& p, const Unit& u, int64_t t, int64_t h) {
+  return static_cast<T*>(p.out) + ((u.b * p.T + t) * p.Hq + u.kvh * u.g + h) * p.D;
+}
+
+// Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid. Done by
+// split 0 of panel 0 of each (b, kv head). Other units only read cache rows [0, cache_lens[b]), and the binding
+// refuses k / v that share memory with the caches, so the append races with nothing.
+template <typename T>
+void append_and_pad(const BlockAttentionParams& p, const Unit& u) {
+  const int64_t len = p.cache_len(u.b), c = p.commit(u.b), D = p.D;
+  for (int64_t t = 0; t < c; ++t) {
+    std::memcpy(static_cast<T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh + (len + t) * p.kc_st,
+                static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh + t * p.k_st, D * sizeof(T));
+    std::memcpy(static_cast<T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh + (len + t) * p.vc_st,
+                static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh + t * p.v_st, D * sizeof(T));
+  }
+  if (u.g > 0)
+    for (int64_t t = u.nv; t < p.T; ++t)
+      std::memset(out_row<T>(p, u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+}
+
+// The cache rows [c0, c1) of a unit's split: equal shares rounded to whole blocks of kBlock rows (for both paths,
+// so the partial states line up); the new rows go with the last split.
+inline std::pair<int64_t, int64_t> split_range(const BlockAttentionParams& p, const Unit& u) {
+  const int64_t len = p.cache_len(u.b);
+  const int64_t share = ((len + p.n_splits - 1) / p.n_splits + kBlock - 1) / kBlock * kBlock;
+  const int64_t c0 = std::min(len, u.split * share), c1 = std::min(len, c0 + share);
+  return {c0, c1};
+}
+
+// Unit `unit` described, after its share of the append and padding (split 0 of panel 0 of its (b, kv head)).
+template <typename T>
+Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
+  Unit u = describe(p, unit / p.n_splits);
+  u.split = unit % p.n_splits;
+  if (u.lane0 == 0 && u.split == 0) append_and_pad<T>(p, u);
+  return u;
+}
+
+// The unit's keys in blocks of at most `rows`: its split's cache rows, then (last split only) the new rows, as
+// fn(k rows, k row stride, v rows, v row stride, n rows, j0), j0 = -1 for cache rows (all visible) and the index of
+// the first new row otherwise (masked). max_lim: the last new row any lane of the unit sees -- the causal skip:
+// no block past it is visited (matters when T is long, e.g. a prefill).
+template <typename T, typename Fn>
+void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t rows, float max_lim, Fn&& fn) {
+  const auto [c0, c1] = split_range(p, u);
+  const T* kc = static_cast<const T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh;
+  const T* vc = static_cast<const T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh;
+  for (int64_t j = c0; j < c1; j += rows)
+    fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, std::min(rows, c1 - j), int64_t{-1});
+  if (u.split != p.n_splits - 1) return;
+  const T* kn = static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh;
+  const T* vn = static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh;
+  const int64_t new_end = max_lim >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim) + 1;
+  for (int64_t j = 0; j < new_end; j += rows)
+    fn(kn + j * p.k_st, p.k_st, vn + j * p.v_st, p.v_st, std::min(rows, new_end - j), j);
+}
+
+template <typename T>
 class UnitRunner {
  public:
   UnitRunner(const BlockAttentionParams& p, Workspace& ws) : p_(p), ws_(ws) {}
 
   void run(int64_t unit) {
-    const int64_t item = unit / p_.n_splits;
-    Unit u = describe(p_, item);
-    u.split = unit % p_.n_splits;
-    if (u.lane0 == 0 && u.split == 0) append_and_pad(u);
+    const Unit u = begin_unit<T>(p_, unit);
     if (u.lanes == 0) return;
-    // Cache rows of this split: equal shares rounded to whole blocks; the new rows go with the last split.
-    const int64_t len = p_.cache_len(u.b);
-    const int64_t share = ((len + p_.n_splits - 1) / p_.n_splits + kBlock - 1) / kBlock * kBlock;
-    const int64_t c0 = std::min(len, u.split * share), c1 = std::min(len, c0 + share);
-    const bool with_new = u.split == p_.n_splits - 1;
-
     // Fewer lanes than a vector (decode: T = 1) would fill a fraction of each lane vector: vectorise over keys and
     // the head dimension instead (rows path, see row_block); it needs whole vectors along D.
     rows_ = u.lanes < W && p_.D % W == 0;
     pack_queries(u);
     first_ = true;
-    const T* kc = static_cast<const T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh;
-    const T* vc = static_cast<const T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh;
-    for (int64_t j = c0; j < c1; j += kBlock)
-      block(u, kc + j * p_.kc_st, p_.kc_st, vc + j * p_.vc_st, p_.vc_st, std::min(kBlock, c1 - j), -1);
-    if (with_new) {
-      const T* kn = static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh;
-      const T* vn = static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh;
-      // Causal skip: no lane of this unit sees a new row past new_end (matters when T is long, e.g. a prefill).
-      const int64_t new_end = max_lim_ >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim_) + 1;
-      for (int64_t j = 0; j < new_end; j += kBlock)
-        block(u, kn + j * p_.k_st, p_.k_st, vn + j * p_.v_st, p_.v_st, std::min(kBlock, new_end - j), j);
-    }
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
+      block(u, kp, ks, vp, vs, nb, j0);
+    };
+    for_each_key_block<T>(p_, u, kBlock, max_lim_, visit);
     if (p_.n_splits == 1) {
       write_output(u);
     } else {
@@ -260,28 +308,6 @@ class UnitRunner {
   }
 
  private:
-  // Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid.
-  // Other units only read cache rows [0, cache_lens[b]), and the binding refuses k / v that share memory with the
-  // caches, so the append races with nothing.
-  void append_and_pad(const Unit& u) {
-    const int64_t len = p_.cache_len(u.b), c = p_.commit(u.b), D = p_.D;
-    for (int64_t t = 0; t < c; ++t) {
-      copy_row(static_cast<T*>(p_.k_cache) + u.b * p_.kc_sb + u.kvh * p_.kc_sh + (len + t) * p_.kc_st,
-               static_cast<const T*>(p_.k) + u.b * p_.k_sb + u.kvh * p_.k_sh + t * p_.k_st, D);
-      copy_row(static_cast<T*>(p_.v_cache) + u.b * p_.vc_sb + u.kvh * p_.vc_sh + (len + t) * p_.vc_st,
-               static_cast<const T*>(p_.v) + u.b * p_.v_sb + u.kvh * p_.v_sh + t * p_.v_st, D);
-    }
-    if (u.g > 0)
-      for (int64_t t = u.nv; t < p_.T; ++t)
-        std::memset(out_row(u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
-  }
-
-  static void copy_row(T* dst, const T* src, int64_t n) { std::memcpy(dst, src, n * sizeof(T)); }
-
-  T* out_row(const Unit& u, int64_t t, int64_t h) const {
-    return static_cast<T*>(p_.out) + ((u.b * p_.T + t) * p_.Hq + u.kvh * u.g + h) * p_.D;
-  }
-
   // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
   // the padding lanes up to mp), and its max per tile and over the unit; state reset.
   void pack_queries(const Unit& u) {
@@ -422,7 +448,7 @@ class UnitRunner {
       const int64_t lane = u.lane0 + m;
       const sbd::SoftmaxState s{ws_.run_m[m], ws_.run_l[m]};
       const float inv = first_ ? 0.f : s.inv_sum();
-      T* o = out_row(u, lane % u.nv, lane / u.nv);
+      T* o = out_row<T>(p_, u, lane % u.nv, lane / u.nv);
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ws_.ot[q_index(d, m)] * inv);
     }
   }
@@ -443,6 +469,123 @@ class UnitRunner {
   Workspace& ws_;
   bool first_ = true;  // no key block processed yet: O^T holds no data
   bool rows_ = false;  // this unit takes the rows path
+  float max_lim_ = -1.f;
+};
+
+// ---- the GEMM path ---------------------------------------------------------------------------------------------
+// Per block of nb <= kGemmBlock keys, for the unit's lanes (rows of the products: M; QT and S^T keep mp >= lanes
+// columns, the lanes rounded up to a vector, so the softmax runs on whole vectors):
+//   S^T [nb][mp] = K_blk [nb][D] . QT [D][mp]        K read in place with its row stride; QT unscaled, input type
+//   S^T *= scale; online softmax down the key axis   softmax_tile, the lanes path's own code
+//   P [lanes][nb] = S^T transposed, input type       (the rounding PyTorch's flash attention makes too)
+//   O [lanes][D] = O * alpha + P . V_blk [nb][D]     V read in place; O fp32
+// Both products are at::native::cpublas::brgemm with plain row-major operands (is_vnni = false), whose bf16 /
+// fp16 / fp32 form is cpublas::gemm: oneDNN's matmul (AMX tiles, vdpbf16ps) where the CPU has the units.
+constexpr int64_t kGemmBlock = 2 * kBlock;
+
+struct GemmWorkspace {
+  Buffer st, o, run_m, run_l, alpha, lim;
+  std::unique_ptr<char[]> qt, pm;  // input-type QT [D][mp] and P [lanes][kGemmBlock]
+  GemmWorkspace(const BlockAttentionParams& p, size_t elem)
+      : st(alloc_floats(kGemmBlock * tiled_lanes(p.panel_lanes))),
+        o(alloc_floats(p.panel_lanes * p.D)),
+        run_m(alloc_floats(tiled_lanes(p.panel_lanes))),
+        run_l(alloc_floats(tiled_lanes(p.panel_lanes))),
+        alpha(alloc_floats(tiled_lanes(p.panel_lanes))),
+        lim(alloc_floats(tiled_lanes(p.panel_lanes))),
+        qt(new char[static_cast<size_t>(p.D * tiled_lanes(p.panel_lanes)) * elem]),
+        pm(new char[static_cast<size_t>(p.panel_lanes * kGemmBlock) * elem]) {}
+};
+
+template <typename T>
+class GemmUnitRunner {
+ public:
+  GemmUnitRunner(const BlockAttentionParams& p, GemmWorkspace& ws)
+      : p_(p), ws_(ws), qt_(reinterpret_cast<T*>(ws.qt.get())), pm_(reinterpret_cast<T*>(ws.pm.get())) {}
+
+  void run(int64_t unit) {
+    const Unit u = begin_unit<T>(p_, unit);
+    if (u.lanes == 0) return;
+    pack_queries(u);
+    first_ = true;
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
+      block(u, kp, ks, vp, vs, nb, j0);
+    };
+    for_each_key_block<T>(p_, u, kGemmBlock, max_lim_, visit);
+    const int64_t D = p_.D;
+    if (p_.n_splits == 1) {
+      for (int64_t m = 0; m < u.lanes; ++m) {
+        const int64_t lane = u.lane0 + m;
+        const float inv = first_ ? 0.f : sbd::SoftmaxState{ws_.run_m[m], ws_.run_l[m]}.inv_sum();
+        T* o = out_row<T>(p_, u, lane % u.nv, lane / u.nv);
+        const float* om = ws_.o.get() + m * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : om[d] * inv);
+      }
+    } else {
+      const int64_t pl = p_.panel_lanes;
+      float* part = p_.partials + unit * p_.partial_floats();
+      for (int64_t m = 0; m < u.lanes; ++m) {
+        if (!first_)
+          for (int64_t d = 0; d < D; ++d) part[d * pl + m] = ws_.o[m * D + d];
+        part[D * pl + m] = first_ ? -INFINITY : ws_.run_m[m];
+        part[(D + 1) * pl + m] = first_ ? 0.f : ws_.run_l[m];  // l = 0 marks an empty split
+      }
+    }
+  }
+
+ private:
+  // QT [D][mp] (input type, unscaled; zero beyond the unit's lanes), lim per lane (-1 for the padding lanes), state.
+  void pack_queries(const Unit& u) {
+    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b);
+    max_lim_ = -1.f;
+    for (int64_t m = 0; m < mp; ++m) {
+      if (m < u.lanes) {
+        const int64_t lane = u.lane0 + m, h = lane / u.nv, t = lane % u.nv;
+        const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
+        for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = q[d];
+        ws_.lim[m] = t < c ? static_cast<float>(t) : INFINITY;
+      } else {
+        for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = T(0.f);
+        ws_.lim[m] = -1.f;
+      }
+      ws_.run_m[m] = -INFINITY;
+      ws_.run_l[m] = 0.f;
+      max_lim_ = std::max(max_lim_, ws_.lim[m]);
+    }
+  }
+
+  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
+    namespace blas = at::native::cpublas;
+    const int64_t D = p_.D, mp = u.mp, lanes = u.lanes;
+    float* st = ws_.st.get();
+    blas::brgemm(nb, mp, D, ks, mp, mp, /*add_C=*/false, kp, qt_, st, /*is_vnni=*/false);
+    const Vec scale(p_.scale);
+    for (int64_t i = 0; i < nb * mp; i += W) (Vec::loadu(st + i) * scale).store(st + i);
+    softmax_tile(st, mp, nb, mp / W, j0 >= 0 ? ws_.lim.get() : nullptr, j0, ws_.run_m.get(), ws_.run_l.get(),
+                 ws_.alpha.get());
+    // P = (S^T)^T in the input type, 8 x 8 tiles so that neither side is walked a long stride apart.
+    for (int64_t m0 = 0; m0 < lanes; m0 += 8)
+      for (int64_t n0 = 0; n0 < nb; n0 += 8)
+        for (int64_t m = m0; m < std::min(m0 + 8, lanes); ++m)
+          for (int64_t n = n0; n < std::min(n0 + 8, nb); ++n) pm_[m * kGemmBlock + n] = static_cast<T>(st[n * mp + m]);
+    float* o = ws_.o.get();
+    if (!first_)
+      for (int64_t m = 0; m < lanes; ++m) {
+        const Vec a(ws_.alpha[m]);
+        float* om = o + m * D;
+        int64_t d = 0;
+        for (; d + W <= D; d += W) (Vec::loadu(om + d) * a).store(om + d);
+        for (; d < D; ++d) om[d] *= ws_.alpha[m];
+      }
+    blas::brgemm(lanes, D, nb, kGemmBlock, vs, D, /*add_C=*/!first_, pm_, vp, o, /*is_vnni=*/false);
+    first_ = false;
+  }
+
+  const BlockAttentionParams& p_;
+  GemmWorkspace& ws_;
+  T* qt_;
+  T* pm_;
+  bool first_ = true;
   float max_lim_ = -1.f;
 };
 
@@ -474,14 +617,25 @@ void merge_item(const BlockAttentionParams& p, int64_t item) {
   }
 }
 
-template <typename T>
-void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
-  Workspace ws(p);
-  UnitRunner<T> runner(p, ws);
+template <typename Runner>
+void take_units(const BlockAttentionParams& p, Runner& runner, std::atomic<int64_t>& next) {
   const int64_t n = p.n_units();
   for (int64_t unit = next.fetch_add(1, std::memory_order_relaxed); unit < n;
        unit = next.fetch_add(1, std::memory_order_relaxed))
     runner.run(unit);
+}
+
+template <typename T>
+void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
+  if (p.gemm) {
+    GemmWorkspace ws(p, sizeof(T));
+    GemmUnitRunner<T> runner(p, ws);
+    take_units(p, runner, next);
+  } else {
+    Workspace ws(p);
+    UnitRunner<T> runner(p, ws);
+    take_units(p, runner, next);
+  }
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "cpu/isa.h"
 #include "sbd/block_attention_params.h"
@@ -15,6 +17,10 @@ enum class AttnDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // the CPU the lengths are host copies the binding has validated) plus the CPU's work plan.
 struct BlockAttentionParams : sbd::BlockAttentionParams {
   AttnDtype dtype;
+  // The matrix products: false, the micro-kernel of this file's ISA variant (fp32 FMAs); true, ATen's cpublas
+  // GEMM on the input type (bf16 / fp16: oneDNN on the CPU's matrix units where it has them). Chosen by the
+  // binding (block_attention_use_gemm); both give the same work decomposition and the same partial states.
+  bool gemm = false;
 
   // Work decomposition, chosen by block_attention_plan below.
   // A work item is (b, kv head, panel): the g = Hq / Hkv query heads of that kv head times the valid new rows,
@@ -32,6 +38,21 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   // One partial: acc^T [D][panel_lanes], then m [panel_lanes] and l [panel_lanes].
   int64_t partial_floats() const { return (D + 2) * panel_lanes; }
 };
+
+// The binding's choice of BlockAttentionParams::gemm for an input type (block_attention_cpu.cpp):
+// set_block_attention_matmul("auto") -- the default -- takes the GEMM path for bf16 on CPUs with AMX-BF16 or
+// AVX512-BF16 and for fp16 on CPUs with AMX-FP16 or AVX512-FP16, the micro-kernel otherwise; "vector" / "gemm"
+// force one path for every type (the tests run both everywhere: on a CPU without the units the GEMM path is
+// ATen's reference loops, slow but the same calls).
+bool block_attention_use_gemm(AttnDtype dtype);
+void set_block_attention_matmul(const std::string& name);
+std::string block_attention_matmul();
+// Calls of the CPU binding per path taken, (vector, gemm), since the process started (tests check the choice).
+void count_block_attention_path(bool gemm);
+std::pair<int64_t, int64_t> block_attention_path_counts();
+// Whether the automatic choice takes the GEMM path for bf16 / fp16 here.
+bool cpu_has_bf16_matmul();
+bool cpu_has_fp16_matmul();
 
 // Cache splits are capped so that the merge keeps one scale per split on the stack.
 constexpr int64_t kMaxSplits = 64;
