@@ -119,6 +119,10 @@ def test_block_attention(benchmark, dtype_name, layout, impl):
         gbps_min=round(_bytes(dtype) / t_min / 1e9, 2), gflops_min=round(_flops() / t_min / 1e9, 1),
         threads=torch.get_num_threads(), cpu_isa=sbd_ext.build_info()["cpu_isa"], matmul=path,
     )  # fmt: skip
+    # Roles for bench/conftest.py's ratio table and CSV: the automatic choice is "ours", the forced other path an
+    # alternative of ours, SDPA the baseline.
+    role = {"sbd_ext": "ours", "reference": "reference"}.get(impl, "ours-alt" if impl.startswith("sbd") else "baseline")
+    benchmark.extra_info.update(role=role, note=f"cpu_isa {sbd_ext.build_info()['cpu_isa']}; matmul {path}")
     _results[(dtype_name, layout, impl)] = (t_min, t_median)
 
 
