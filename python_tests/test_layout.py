@@ -41,19 +41,24 @@ def test_core_never_imports_demo_or_recipes():
     assert not bad, f"core modules import the demo/recipes: {bad}"
 
 
+def _run_python(code: str, cwd) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter, outside the checkout, importing this sbd_ext."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(cwd),
+        env={**os.environ, "PYTHONPATH": str(PKG.parent)},
+    )
+
+
 def test_import_sbd_ext_loads_no_demo_module(tmp_path):
     code = (
         "import sys, sbd_ext; "
         "print(','.join(sorted(m for m in sys.modules if m.startswith(('sbd_ext.demo', 'sbd_ext.recipes')))))"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(tmp_path),
-        env={**os.environ, "PYTHONPATH": str(PKG.parent)},
-    )
+    r = _run_python(code, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "", f"import sbd_ext loaded: {r.stdout.strip()}"
 
@@ -80,14 +85,7 @@ def test_ops_stay_importable_when_the_hf_layer_cannot_load(tmp_path):
         "except ImportError as err:\n"
         "    print(err)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(tmp_path),
-        env={**os.environ, "PYTHONPATH": str(PKG.parent)},
-    )
+    r = _run_python(code, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "sbd_ext.generate could not be loaded with transformers" in r.stdout, r.stdout
     assert "is_tracing" in r.stdout and "The ops (sbd_ext.block_attention" in r.stdout, r.stdout
