@@ -89,27 +89,23 @@ std::atomic<int>& matmul_mode() {
   return mode;
 }
 
-bool cpu_supports_feature(const char* name) {
-#if defined(__x86_64__) || defined(_M_X64)
-  // __builtin_cpu_supports needs a literal.
-  if (std::string(name) == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
-  if (std::string(name) == "avx512fp16") return __builtin_cpu_supports("avx512fp16");
-#endif
-  (void)name;
-  return false;
-}
-
 }  // namespace
 
 // AMX-BF16 / AMX-FP16 as oneDNN sees them (at::native::cpublas::could_pack: oneDNN's ISA >= avx512_core_amx
 // [_fp16]), or the AVX-512 dot-product instructions.
+#if defined(__x86_64__) || defined(_M_X64)
+#define SBD_X86_HAS(feature) __builtin_cpu_supports(feature)
+#else
+#define SBD_X86_HAS(feature) false
+#endif
+
 bool cpu_has_bf16_matmul() {
-  static const bool has = at::native::cpublas::could_pack(at::kBFloat16) || cpu_supports_feature("avx512bf16");
+  static const bool has = at::native::cpublas::could_pack(at::kBFloat16) || SBD_X86_HAS("avx512bf16");
   return has;
 }
 
 bool cpu_has_fp16_matmul() {
-  static const bool has = at::native::cpublas::could_pack(at::kHalf) || cpu_supports_feature("avx512fp16");
+  static const bool has = at::native::cpublas::could_pack(at::kHalf) || SBD_X86_HAS("avx512fp16");
   return has;
 }
 

@@ -283,6 +283,37 @@ void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t ro
     fn(kn + j * p.k_st, p.k_st, vn + j * p.v_st, p.v_st, std::min(rows, new_end - j), j);
 }
 
+// The last new row lane (head h, row t) sees: a committed row (t < n_commit) sees new rows 0..t, a set-block row
+// every valid new row.
+inline float lane_limit(int64_t t, int64_t n_commit) { return t < n_commit ? static_cast<float>(t) : INFINITY; }
+
+// A unit's result from its running softmax state (run_m, run_l per lane) and unnormalised accumulator acc(d, m):
+// with one split the output rows (zeros when no key block was seen: first), else its partial state for
+// block_attention_merge (acc^T [D][panel_lanes], m, l; l = 0 marks an empty split, whose acc is not read).
+template <typename T, typename Acc>
+void finish_unit(const BlockAttentionParams& p, const Unit& u, int64_t unit, bool first, const float* run_m,
+                 const float* run_l, Acc&& acc) {
+  const int64_t D = p.D;
+  if (p.n_splits == 1) {
+    for (int64_t m = 0; m < u.lanes; ++m) {
+      const int64_t lane = u.lane0 + m;
+      const float inv = first ? 0.f : sbd::SoftmaxState{run_m[m], run_l[m]}.inv_sum();
+      T* o = out_row<T>(p, u, lane % u.nv, lane / u.nv);
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first ? 0.f : acc(d, m) * inv);
+    }
+    return;
+  }
+  const int64_t pl = p.panel_lanes;
+  float* part = p.partials + unit * p.partial_floats();
+  if (!first)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t m = 0; m < u.lanes; ++m) part[d * pl + m] = acc(d, m);
+  for (int64_t m = 0; m < u.lanes; ++m) {
+    part[D * pl + m] = first ? -INFINITY : run_m[m];
+    part[(D + 1) * pl + m] = first ? 0.f : run_l[m];
+  }
+}
+
 template <typename T>
 class UnitRunner {
  public:
@@ -300,11 +331,8 @@ class UnitRunner {
       block(u, kp, ks, vp, vs, nb, j0);
     };
     for_each_key_block<T>(p_, u, kBlock, max_lim_, visit);
-    if (p_.n_splits == 1) {
-      write_output(u);
-    } else {
-      write_partial(u, unit);
-    }
+    finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
+                   [&](int64_t d, int64_t m) { return ws_.ot[q_index(d, m)]; });
   }
 
  private:
@@ -320,8 +348,7 @@ class UnitRunner {
         const int64_t h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = static_cast<float>(q[d]) * p_.scale;
-        // A committed row sees new rows 0..t, a set-block row every valid new row.
-        ws_.lim[m] = t < c ? static_cast<float>(t) : INFINITY;
+        ws_.lim[m] = lane_limit(t, c);
       } else {
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = 0.f;
         ws_.lim[m] = -1.f;
@@ -442,29 +469,6 @@ class UnitRunner {
   // Where lane m's element d lives in QT / O^T (lanes path, tiled) or Q / O (rows path, row-major).
   int64_t q_index(int64_t d, int64_t m) const { return rows_ ? m * p_.D + d : tiled_index(p_.D, d, m); }
 
-  void write_output(const Unit& u) {
-    const int64_t D = p_.D;
-    for (int64_t m = 0; m < u.lanes; ++m) {
-      const int64_t lane = u.lane0 + m;
-      const sbd::SoftmaxState s{ws_.run_m[m], ws_.run_l[m]};
-      const float inv = first_ ? 0.f : s.inv_sum();
-      T* o = out_row<T>(p_, u, lane % u.nv, lane / u.nv);
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : ws_.ot[q_index(d, m)] * inv);
-    }
-  }
-
-  void write_partial(const Unit& u, int64_t unit) {
-    const int64_t D = p_.D, pl = p_.panel_lanes;
-    float* part = p_.partials + unit * p_.partial_floats();
-    if (!first_)
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t m = 0; m < u.lanes; ++m) part[d * pl + m] = ws_.ot[q_index(d, m)];
-    for (int64_t m = 0; m < u.lanes; ++m) {
-      part[D * pl + m] = first_ ? -INFINITY : ws_.run_m[m];
-      part[(D + 1) * pl + m] = first_ ? 0.f : ws_.run_l[m];  // l = 0 marks an empty split: its acc is not read
-    }
-  }
-
   const BlockAttentionParams& p_;
   Workspace& ws_;
   bool first_ = true;  // no key block processed yet: O^T holds no data
@@ -512,25 +516,8 @@ class GemmUnitRunner {
       block(u, kp, ks, vp, vs, nb, j0);
     };
     for_each_key_block<T>(p_, u, kGemmBlock, max_lim_, visit);
-    const int64_t D = p_.D;
-    if (p_.n_splits == 1) {
-      for (int64_t m = 0; m < u.lanes; ++m) {
-        const int64_t lane = u.lane0 + m;
-        const float inv = first_ ? 0.f : sbd::SoftmaxState{ws_.run_m[m], ws_.run_l[m]}.inv_sum();
-        T* o = out_row<T>(p_, u, lane % u.nv, lane / u.nv);
-        const float* om = ws_.o.get() + m * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(first_ ? 0.f : om[d] * inv);
-      }
-    } else {
-      const int64_t pl = p_.panel_lanes;
-      float* part = p_.partials + unit * p_.partial_floats();
-      for (int64_t m = 0; m < u.lanes; ++m) {
-        if (!first_)
-          for (int64_t d = 0; d < D; ++d) part[d * pl + m] = ws_.o[m * D + d];
-        part[D * pl + m] = first_ ? -INFINITY : ws_.run_m[m];
-        part[(D + 1) * pl + m] = first_ ? 0.f : ws_.run_l[m];  // l = 0 marks an empty split
-      }
-    }
+    finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
+                   [&](int64_t d, int64_t m) { return ws_.o[m * p_.D + d]; });
   }
 
  private:
@@ -543,7 +530,7 @@ class GemmUnitRunner {
         const int64_t lane = u.lane0 + m, h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = q[d];
-        ws_.lim[m] = t < c ? static_cast<float>(t) : INFINITY;
+        ws_.lim[m] = lane_limit(t, c);
       } else {
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = T(0.f);
         ws_.lim[m] = -1.f;
