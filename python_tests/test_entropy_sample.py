@@ -306,28 +306,28 @@ def sampling_cases():
     return {"randn": randn, "peaked": peaked, "flat": flat, "ties": ties, "ramp": ramp}
 
 
-@pytest.mark.parametrize("case", ["randn", "peaked", "flat", "ties", "ramp"])
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
-def test_sampled_tokens_exact_over_seeds(device, case, temperature):
-    """The fast path skips nothing that could win (issue 16 item 6): over many seeds the sampled tokens equal the
-    reference's, but at near-ties where torch.log rounds a score 1 ulp apart from the kernel's log (rare), and every
-    CPU variant gives the same tokens bit for bit. (The emulator checks the CUDA kernel against a brute-force argmax
-    of the exact scores: test_cuda_emulated.py.)"""
-    x = sampling_cases()[case].to(device)
+def _assert_sampled_tokens_exact(x, temperature, device, threads=(None,)):
+    """Over 12 seeds the sampled tokens equal the reference's, but at near-ties where torch.log rounds a score 1 ulp
+    apart from the kernel's log (rare), and every CPU variant and thread count gives the same tokens bit for bit."""
     isas = sbd_ext.build_info()["cpu_isas"] if device.type == "cpu" else [None]
     near_ties = 0
+    saved_threads = torch.get_num_threads()
     for seed in range(12):
         want = R.entropy_sample(x, temperature, seed, 1000 + seed)[2].cpu()
         toks = []
         for isa in isas:
-            if isa is not None:
-                sbd_ext._C.set_cpu_isa(isa)
-            try:
-                toks.append(sbd_ext.entropy_sample(x, temperature, seed, 1000 + seed)[2].cpu())
-            finally:
-                sbd_ext._C.set_cpu_isa("")
+            for n_threads in threads:
+                if isa is not None:
+                    sbd_ext._C.set_cpu_isa(isa)
+                if n_threads is not None:
+                    torch.set_num_threads(n_threads)
+                try:
+                    toks.append(sbd_ext.entropy_sample(x, temperature, seed, 1000 + seed)[2].cpu())
+                finally:
+                    sbd_ext._C.set_cpu_isa("")
+                    torch.set_num_threads(saved_threads)
         for t in toks[1:]:
-            assert torch.equal(t, toks[0]), "CPU variants disagree"
+            assert torch.equal(t, toks[0]), "CPU variants or thread counts disagree"
         got = toks[0]
         differ = torch.nonzero(got != want).flatten()
         if differ.numel():
@@ -338,6 +338,40 @@ def test_sampled_tokens_exact_over_seeds(device, case, temperature):
                 assert abs(gap) < 1e-5, f"seed {seed} row {r}: {int(got[r])} vs {int(want[r])}, score gap {gap:.3g}"
             near_ties += differ.numel()
     assert near_ties <= 2
+
+
+@pytest.mark.parametrize("case", ["randn", "peaked", "flat", "ties", "ramp"])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_sampled_tokens_exact_over_seeds(device, case, temperature):
+    """The fast path skips nothing that could win (issue 16 item 6). (The emulator checks the CUDA kernel against a
+    brute-force argmax of the exact scores: test_cuda_emulated.py.)"""
+    _assert_sampled_tokens_exact(sampling_cases()[case].to(device), temperature, device)
+
+
+def multi_chunk_cases():
+    """Rows of 3 CPU vocabulary chunks (16384 entries each, the last partial): a chunk starts from the best score of
+    the row's chunks its thread did before it (a floor), so a row's winner may sit in any chunk, before or after a
+    high floor, and the tokens may not depend on how the chunks are split among threads."""
+    g = torch.Generator().manual_seed(3)
+    v = 2 * 16384 + 1001
+    randn = torch.randn(8, v, generator=g) * 3  # the worst case: nearly every entry needs its draw
+    peaked = torch.randn(8, v, generator=g) * 2 - 20
+    top_first, top_last = peaked.clone(), peaked.clone()
+    top_first[:, 100] = 10.0  # a high floor from chunk 0: the later chunks are mostly skipped
+    top_last[:, v - 3] = 10.0  # the winner in the last chunk, after two low floors
+    two_tops = peaked.clone()
+    two_tops[:, 5000] = 3.0  # a floor from chunk 0 that chunk 1's top (within the noise) beats for some seeds
+    two_tops[:, 20000] = 3.5
+    return {"randn": randn, "top_first": top_first, "top_last": top_last, "two_tops": two_tops}
+
+
+@pytest.mark.parametrize("case", ["randn", "top_first", "top_last", "two_tops"])
+def test_sampled_tokens_exact_across_chunks(device, case):
+    x = multi_chunk_cases()[case].to(device)
+    _assert_sampled_tokens_exact(x, 0.8, device, threads=(1, 2) if device.type == "cpu" else (None,))
+    if case == "two_tops":  # both tops win for some seeds: the test reaches the case where the floor loses
+        toks = {int(R.entropy_sample(x, 0.8, s, 1000 + s)[2][0]) for s in range(12)}
+        assert toks == {5000, 20000}, toks
 
 
 @pytest.mark.parametrize(

@@ -36,10 +36,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tens
   std::vector<sbd::EntropyState> states(static_cast<size_t>(N * chunks));
   std::vector<sbd::ArgmaxState> bests(static_cast<size_t>(N * chunks));
   at::parallel_for(0, N * chunks, 1, [&](int64_t i0, int64_t i1) {
+    // When sampling, a chunk starts from the best candidate of the row's chunks this thread has done before it (a
+    // floor): fewer draws where the row's best is high, the same token (the merge below takes the best of all).
+    sbd::ArgmaxState floor = sbd::ArgmaxState::empty();
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = i / chunks, c = i % chunks;
       const int64_t j0 = c * sbd_cpu::kVocabChunk, j1 = std::min(V, j0 + sbd_cpu::kVocabChunk);
-      SBD_CPU_DISPATCH(entropy_sample_chunk, p, row, j0, j1, &states[i], &bests[i]);
+      if (c == 0) floor = sbd::ArgmaxState::empty();
+      SBD_CPU_DISPATCH(entropy_sample_chunk, p, row, j0, j1, floor, &states[i], &bests[i]);
+      floor = bests[i];
     }
   });
 

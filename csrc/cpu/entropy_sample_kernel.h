@@ -24,8 +24,11 @@ struct EntropySampleParams {
 // an L2 share per core, and 128256 / 16384 = 8 chunks per row keeps 2..64 cores busy even for one row.
 constexpr int64_t kVocabChunk = 16384;
 
-// Statistics and best candidate of row `row` over vocabulary entries [j0, j1).
+// Statistics and best candidate of row `row` over vocabulary entries [j0, j1). When sampling, `floor` is the exact
+// score and index of an entry of the same row seen before (empty if none): the best candidate returned is the best
+// of the chunk's entries and the floor's, and a higher floor only means less work (entries strictly below it are
+// skipped), never a different token.
 SBD_CPU_DECLARE_KERNEL(void, entropy_sample_chunk, const EntropySampleParams& p, int64_t row, int64_t j0, int64_t j1,
-                       sbd::EntropyState* state, sbd::ArgmaxState* best)
+                       sbd::ArgmaxState floor, sbd::EntropyState* state, sbd::ArgmaxState* best)
 
 }  // namespace sbd_cpu
