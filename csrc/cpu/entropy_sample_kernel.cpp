@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -351,10 +352,15 @@ void run_chunk(const EntropySampleParams& p, int64_t row, int64_t j0, int64_t j1
   constexpr int kMaxTiles = static_cast<int>((kVocabChunk + kTile - 1) / kTile);
   const T* src = static_cast<const T*>(p.logits) + row * p.row_stride;
   const bool sample = p.temperature > 0.f;
-  // bf16 / fp16: pass 1 converts each tile to fp32 once, into its place in a chunk buffer (64 KB) that pass 2
-  // reads again when sampling; fp32 tiles are read in place.
+  // bf16 / fp16: pass 1 converts each tile to fp32 once, into its place in a chunk buffer (64 KB, one per thread,
+  // off the stack: worker threads may have small stacks) that pass 2 reads again when sampling; fp32 tiles are read
+  // in place.
   constexpr bool kConvert = !std::is_same_v<T, float>;
-  alignas(64) float converted[kConvert ? kVocabChunk : 1];
+  float* converted = nullptr;
+  if constexpr (kConvert) {
+    thread_local std::vector<float> buffer(static_cast<size_t>(kVocabChunk));
+    converted = buffer.data();
+  }
   const auto tile_ptr = [&](int64_t j, int64_t n, bool fresh) -> const float* {
     if constexpr (kConvert) {
       float* dst = converted + (j - j0);
