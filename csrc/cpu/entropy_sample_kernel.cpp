@@ -75,47 +75,32 @@ inline float tile_max(const float* x, int64_t n) {
 
 // State of a tile whose max is m (finite), in the form of sbd::EntropyState: the entries equal to m are counted
 // apart (the first is the max, the others add 1 each to r), so r holds no rounded 1 and stays relatively accurate.
-// e^(x - m) below e^-87 (about the smallest normal fp32) counts as 0, and -inf logits drop out. TileStats takes 8
-// entries at a time in vocabulary order; a tile's last partial vector is padded with -inf (which adds exact zeros),
-// so greedy's statistics pass and sampling's fused pass get the same bits.
-struct TileStats {
-  float max;
-  Vec m, r{0.f}, u{0.f}, ties{0.f};
-  explicit TileStats(float tile_max) : max(tile_max), m(tile_max) {}
-  void add(const Vec& x) {
-    const Vec zero(0.f);
-    const Vec d = x - m;  // <= 0
-    const Vec below = (d < zero) & (d > Vec(-87.f));
-    const Vec e = d.exp_u20() & below;
-    r = r + e;
-    u = u - ((e * d) & below);  // masked after the product: 0 * -inf is NaN
-    ties = ties + ((d == zero) & Vec(1.f));
-  }
-  sbd::EntropyState state() const {
-    const auto sum = [](Vec& a, Vec& b) { return a + b; };
-    Vec vr = r, vu = u, vt = ties;
-    const float rs = at::vec::vec_reduce_all<float>(sum, vr);
-    const float us = at::vec::vec_reduce_all<float>(sum, vu);
-    const float ts = at::vec::vec_reduce_all<float>(sum, vt);
-    return sbd::EntropyState{max, rs + (ts - 1.f), us, false};
-  }
-};
-
-// The last n % 8 entries of x[0, n) as a vector, -inf past the end.
-inline Vec padded_tail(const float* x, int64_t n) {
-  alignas(32) float tail[Vec::size()];
-  const int64_t i = n - n % Vec::size();
-  std::fill(tail, tail + Vec::size(), -INFINITY);
-  std::copy(x + i, x + n, tail);
-  return Vec::loadu(tail);
-}
-
+// e^(x - m) below e^-87 (about the smallest normal fp32) counts as 0, and -inf logits drop out. The last partial
+// vector is padded with -inf, which adds exact zeros.
 inline sbd::EntropyState tile_state(const float* x, int64_t n, float m) {
-  TileStats acc(m);
+  const Vec vm(m), floor(-87.f), zero(0.f), one(1.f);
+  Vec vr(0.f), vu(0.f), vties(0.f);
+  const auto add = [&](const Vec& xv) {
+    const Vec d = xv - vm;  // <= 0
+    const Vec below = (d < zero) & (d > floor);
+    const Vec e = d.exp_u20() & below;
+    vr = vr + e;
+    vu = vu - ((e * d) & below);  // masked after the product: 0 * -inf is NaN
+    vties = vties + ((d == zero) & one);
+  };
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc.add(Vec::loadu(x + i));
-  if (i < n) acc.add(padded_tail(x, n));
-  return acc.state();
+  for (; i + Vec::size() <= n; i += Vec::size()) add(Vec::loadu(x + i));
+  if (i < n) {
+    alignas(32) float tail[Vec::size()];
+    std::fill(tail, tail + Vec::size(), -INFINITY);
+    std::copy(x + i, x + n, tail);
+    add(Vec::loadu(tail));
+  }
+  const auto sum = [](Vec& a, Vec& b) { return a + b; };
+  const float r = at::vec::vec_reduce_all<float>(sum, vr);
+  const float u = at::vec::vec_reduce_all<float>(sum, vu);
+  const float ties = at::vec::vec_reduce_all<float>(sum, vties);
+  return sbd::EntropyState{m, r + (ties - 1.f), u, false};
 }
 
 // Vectorised: sampling looks up the max of nearly every tile, and a scalar scan cost ~1 cycle per logit.
@@ -178,17 +163,15 @@ inline void philox_round4(__m256i& c0, __m256i& c1, __m256i& c2, __m256i& c3, __
   c3 = p0;
 }
 
-// sbd::philox_for_vocab_quad for 16 quads of a row at once, given as 32-bit lanes of q[0] and q[1] (in any order),
-// as four sets of 4 quads in lockstep (enough independent work to hide the multiplies' latency): set 2 i holds the
-// even lanes of q[i], set 2 i + 1 the odd ones, so that packing a pair of sets' low halves puts the quad of lane l
-// back in 32-bit lane l. out[4 i + k] lane 4 h + l is word l of the quad in lane 2 k + h of q[i].
-template <int kSets>
-inline void philox_words(const PhiloxRow8& pr, const __m256i* q, __m256i* out) {
+// sbd::philox_for_vocab_quad for the 8 quads in the 32-bit lanes of q (in any order), as two sets of 4 in lockstep:
+// set 0 holds the even lanes, set 1 the odd ones, so that packing the two sets' low halves puts the quad of lane l
+// back in 32-bit lane l. out[k] lane 4 h + l is word l of the quad in lane 2 k + h of q.
+inline void philox_words8(const PhiloxRow8& pr, __m256i q, __m256i out[4]) {
   const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
   const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  __m256i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
-  for (int s = 0; s < kSets; ++s) {
-    const __m256i qs = (s & 1) ? _mm256_srli_epi64(q[s >> 1], 32) : q[s >> 1];
+  __m256i c0[2], c1[2], c2[2], c3[2];
+  for (int s = 0; s < 2; ++s) {
+    const __m256i qs = s ? _mm256_srli_epi64(q, 32) : q;
     // Round 0 (c0 and c1 become constants, not stored) and round 1.
     const __m256i p0 = _mm256_mul_epu32(qs, m0);
     const __m256i c2r1 = _mm256_xor_si256(_mm256_srli_epi64(p0, 32), pr.b);
@@ -197,7 +180,7 @@ inline void philox_words(const PhiloxRow8& pr, const __m256i* q, __m256i* out) {
     c2[s] = _mm256_xor_si256(p0, pr.g);
     c1[s] = p1;
   }
-  for (int s = 0; s < kSets; ++s) {  // round 2: c3 is a constant
+  for (int s = 0; s < 2; ++s) {  // round 2: c3 is a constant
     const __m256i p0 = _mm256_mul_epu32(c0[s], m0), p1 = _mm256_mul_epu32(c2[s], m1);
     c0[s] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1[s]), pr.k0[2]);
     c2[s] = _mm256_xor_si256(_mm256_srli_epi64(p0, 32), pr.h);
@@ -205,24 +188,21 @@ inline void philox_words(const PhiloxRow8& pr, const __m256i* q, __m256i* out) {
     c3[s] = p0;
   }
   for (int r = 3; r < 10; ++r)
-    for (int s = 0; s < kSets; ++s) philox_round4(c0[s], c1[s], c2[s], c3[s], m0, m1, pr.k0[r], pr.k1[r]);
-  // Word l of the quad in lane x of q[i] into 32-bit lane x, then a 4 x 4 transpose in each 128-bit half and the
-  // halves regrouped.
+    for (int s = 0; s < 2; ++s) philox_round4(c0[s], c1[s], c2[s], c3[s], m0, m1, pr.k0[r], pr.k1[r]);
+  // Word l of the quad in lane x into 32-bit lane x, then a 4 x 4 transpose in each 128-bit half and the halves
+  // regrouped.
   const auto pack = [](__m256i even, __m256i odd) {
     return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
   };
-  for (int i = 0; i < kSets / 2; ++i) {
-    const int e = 2 * i, o = 2 * i + 1;
-    const __m256i w0 = pack(c0[e], c0[o]), w1 = pack(c1[e], c1[o]), w2 = pack(c2[e], c2[o]), w3 = pack(c3[e], c3[o]);
-    const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpacklo_epi32(w2, w3);
-    const __m256i t2 = _mm256_unpackhi_epi32(w0, w1), t3 = _mm256_unpackhi_epi32(w2, w3);
-    const __m256i q04 = _mm256_unpacklo_epi64(t0, t1), q15 = _mm256_unpackhi_epi64(t0, t1);
-    const __m256i q26 = _mm256_unpacklo_epi64(t2, t3), q37 = _mm256_unpackhi_epi64(t2, t3);
-    out[4 * i + 0] = _mm256_permute2x128_si256(q04, q15, 0x20);
-    out[4 * i + 1] = _mm256_permute2x128_si256(q26, q37, 0x20);
-    out[4 * i + 2] = _mm256_permute2x128_si256(q04, q15, 0x31);
-    out[4 * i + 3] = _mm256_permute2x128_si256(q26, q37, 0x31);
-  }
+  const __m256i w0 = pack(c0[0], c0[1]), w1 = pack(c1[0], c1[1]), w2 = pack(c2[0], c2[1]), w3 = pack(c3[0], c3[1]);
+  const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpacklo_epi32(w2, w3);
+  const __m256i t2 = _mm256_unpackhi_epi32(w0, w1), t3 = _mm256_unpackhi_epi32(w2, w3);
+  const __m256i q04 = _mm256_unpacklo_epi64(t0, t1), q15 = _mm256_unpackhi_epi64(t0, t1);
+  const __m256i q26 = _mm256_unpacklo_epi64(t2, t3), q37 = _mm256_unpackhi_epi64(t2, t3);
+  out[0] = _mm256_permute2x128_si256(q04, q15, 0x20);
+  out[1] = _mm256_permute2x128_si256(q26, q37, 0x20);
+  out[2] = _mm256_permute2x128_si256(q04, q15, 0x31);
+  out[3] = _mm256_permute2x128_si256(q26, q37, 0x31);
 }
 
 // sbd::reach_base on 8 lanes.
@@ -273,22 +253,6 @@ struct RowSampler {
     const float s = sbd::gumbel_score(x, p.temperature, w);
     if (s > am.best || (s == am.best && j < am.index)) am = sbd::ArgmaxState{s, j};
   }
-  // Entries [i0, n) of a tile starting at vocab index j0, one at a time, Philox once per quad that needs it.
-  void scan_scalar(int64_t j0, const float* x, int64_t i0, int64_t n) {
-    sbd::Philox4 r{};
-    int64_t quad = -1;
-    for (int64_t i = i0; i < n; ++i) {
-      const float xs = x[i] * inv_t;
-      if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, am.best)) continue;
-      const int64_t j = j0 + i;
-      if ((j >> 2) != quad) {
-        quad = j >> 2;
-        r = sbd::philox_for_vocab_quad(p.seed, p.offset, row, static_cast<uint32_t>(quad));
-      }
-      const uint32_t w = r.x[j & 3];
-      if (sbd::may_reach(xs, sbd::gumbel_noise_bound(w), am.best)) offer(j, x[i], w);
-    }
-  }
   void tile(int64_t j0, const float* x, int64_t n, float m);
   void scan(int64_t j0, const float* x, int64_t n);
 };
@@ -317,14 +281,15 @@ inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
       any = _mm256_or_ps(any, _mm256_cmp_ps(base[k], best_minus_gmax, _CMP_GE_OQ));
     }
     if (_mm256_testz_ps(any, any)) continue;  // no noise lifts any of the 64 entries to the best: no Philox
-    const __m256i q0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>((j0 + g) >> 2)));
-    const __m256i q[2] = {_mm256_add_epi32(q0, lanes8), _mm256_add_epi32(q0, _mm256_add_epi32(lanes8, _mm256_set1_epi32(8)))};
+    const uint32_t q0 = static_cast<uint32_t>((j0 + g) >> 2);
+    const __m256i q = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(q0)), lanes8);
     __m256i w[8];  // w[k] lane i: the word of entry g + 8 k + i
-    philox_words<2>(pr, q, w);
-    philox_words<2>(pr, q + 1, w + 4);
+    philox_words8(pr, q, w);
+    philox_words8(pr, _mm256_add_epi32(q, _mm256_set1_epi32(8)), w + 4);
     const __m256 best_minus_c0 = _mm256_set1_ps(am.best - sbd::kNoiseBoundC0);
     uint64_t pass = 0;
-    for (int k = 0; k < 8; ++k) pass |= static_cast<uint64_t>(may_reach_bound8(base[k], w[k], best_minus_c0)) << (8 * k);
+    for (int k = 0; k < 8; ++k)
+      pass |= static_cast<uint64_t>(may_reach_bound8(base[k], w[k], best_minus_c0)) << (8 * k);
     if (!pass) continue;
     for (int k = 0; k < 8; ++k) _mm256_store_si256(reinterpret_cast<__m256i*>(words + 8 * k), w[k]);
     for (; pass; pass &= pass - 1) {
@@ -334,7 +299,22 @@ inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
   }
 }
 #else
-inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) { scan_scalar(j0, x, 0, n); }
+// Entries [0, n) of a tile starting at vocab index j0, one at a time, Philox once per quad that needs it.
+inline void RowSampler::scan(int64_t j0, const float* x, int64_t n) {
+  sbd::Philox4 r{};
+  int64_t quad = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xs = x[i] * inv_t;
+    if (!sbd::may_reach(xs, sbd::kGumbelNoiseMax, am.best)) continue;
+    const int64_t j = j0 + i;
+    if ((j >> 2) != quad) {
+      quad = j >> 2;
+      r = sbd::philox_for_vocab_quad(p.seed, p.offset, row, static_cast<uint32_t>(quad));
+    }
+    const uint32_t w = r.x[j & 3];
+    if (sbd::may_reach(xs, sbd::gumbel_noise_bound(w), am.best)) offer(j, x[i], w);
+  }
+}
 #endif
 
 // A tile starting at vocab index j0 whose max is m (finite). Every entry's exact score is at most that of an entry
