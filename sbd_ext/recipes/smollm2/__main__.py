@@ -1,0 +1,124 @@
+"""``python -m sbd_ext.recipes.smollm2 COMMAND``: the SmolLM2 SBD conversion, its evaluation and shipping.
+
+train --objective sbd|ntp --out DIR [--resume]    fine-tune (resumable); DIR/<objective>/artifact
+eval  --out DIR --part control|sbd|table          Table 1 on held-out problems (each part can run alone;
+                                                  "table" merges them into --results: JSON, Markdown, plot)
+ppl   --out DIR                                   perplexity of base / control / SBD model on the docstrings
+                                                  of Python's standard library -> --results/perplexity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from . import evaluate
+from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sbd_ext.recipes.smollm2", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="fine-tune one objective (SBD or the NTP control), resumable")
+    t.add_argument("--objective", choices=OBJECTIVES, default="sbd")
+    t.add_argument("--out", required=True, help="run folder; the objective's results go to OUT/<objective>/")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/<objective>/checkpoint.pt")
+    t.add_argument("--smoke", action="store_true", help="a few steps on 4 fixed problems (the loss falls visibly)")
+    t.add_argument("--steps", type=_positive)
+    t.add_argument("--batch-size", type=_positive)
+    t.add_argument("--max-len", type=_positive)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--warmup", type=int)
+    t.add_argument("--method", choices=("lora", "attn", "full"))
+    t.add_argument("--lora-rank", type=_positive)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--log-every", type=_positive)
+    t.add_argument("--checkpoint-every", type=_positive)
+    t.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
+    t.add_argument("--device", default="cpu")
+    e = sub.add_parser("eval", help="Table 1 on held-out problems")
+    e.add_argument("--out", required=True, help="the run folder of `train` (OUT/sbd/artifact, OUT/ntp/artifact)")
+    e.add_argument("--part", choices=("control", "sbd", "table"), required=True)
+    e.add_argument("--n", type=_positive, default=500)
+    e.add_argument("--batch-size", type=_positive, default=50)
+    e.add_argument("--results", default="bench/results/smollm2_sbd", help="where `table` writes its files")
+    e.add_argument("--threads", type=_positive)
+    p = sub.add_parser("ppl", help="perplexity on Python standard-library docstrings")
+    p.add_argument("--out", required=True)
+    p.add_argument("--results", default="bench/results/smollm2_sbd")
+    p.add_argument("--max-tokens", type=_positive, default=16384)
+    p.add_argument("--threads", type=_positive)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if args.command == "train":
+        fields = {
+            name: getattr(args, name)
+            for name in ("steps", "batch_size", "max_len", "lr", "warmup", "method", "lora_rank", "seed")
+            if getattr(args, name) is not None
+        }
+        fields.update({k: getattr(args, k) for k in ("log_every", "checkpoint_every") if getattr(args, k)})
+        if args.smoke:
+            fields = {
+                "steps": 8,
+                "batch_size": 2,
+                "max_len": 96,
+                "fixed_data": 4,
+                "warmup": 0,
+                "log_every": 1,
+                "lr": 3e-3 if fields.get("method", "lora") == "lora" else 3e-4,
+                **fields,
+            }
+        train(FinetuneConfig(objective=args.objective, **fields), args.out, resume=args.resume, device=args.device)
+    elif args.command == "eval":
+        _eval(args)
+    elif args.command == "ppl":
+        result = evaluate.perplexity_table(
+            {
+                "base": None,
+                "ntp_control": run_dir(args.out, "ntp") / "artifact",
+                "sbd": run_dir(args.out, "sbd") / "artifact",
+            },
+            max_tokens=args.max_tokens,
+        )
+        evaluate.save_json(result, Path(args.results) / "perplexity.json")
+    return 0
+
+
+def _eval(args) -> None:
+    from ...demo.evaluate import save_results
+
+    part_file = {part: Path(args.out) / f"eval_{part}.json" for part in ("control", "sbd")}
+    if args.part == "table":
+        missing = [str(f) for f in part_file.values() if not f.is_file()]
+        if missing:
+            raise SystemExit(f"run `eval --part control` and `eval --part sbd` first: missing {', '.join(missing)}")
+        parts = {k: json.loads(f.read_text()) for k, f in part_file.items()}
+        result = evaluate.merge_tables(parts["control"], parts["sbd"])
+        files = save_results(result, args.results, evaluate.GAMMAS[0], evaluate.GAMMAS[1], "eb")
+        print(Path(files["table"]).read_text())
+        return
+    folder = run_dir(args.out, "sbd" if args.part == "sbd" else "ntp") / "artifact"
+    result = evaluate.table1(
+        folder if args.part == "sbd" else None, folder if args.part == "control" else None, args.n, args.batch_size
+    )
+    evaluate.save_json(result, part_file[args.part])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Convert SmolLM2-135M-Instruct to SBD by fine-tuning, and train its NTP control with the same budget.
+
+One objective per call, each resumable::
+
+    python -m sbd_ext.recipes.smollm2 train --objective sbd --out runs/smollm2 [--resume]
+    python -m sbd_ext.recipes.smollm2 train --objective ntp --out runs/smollm2 [--resume]
+
+Recipe (the paper's Alg. 1 on a real pretrained Llama, scaled to a CPU):
+
+* model: SmolLM2-135M-Instruct from the offline GGUF (:mod:`.checkpoint`, float32); the mask token ``<|mask|>`` is
+  added by :func:`sbd_ext.training.add_mask_token` (id 49152, starting as the mean row) and the SBD metadata
+  (``mask_token_id``, ``sbd_block_size_range`` = [2, 16]) recorded;
+* what trains (:mod:`.adapters`): ``lora`` (rank 16, alpha 32, on q/k/v/o/gate/up/down) + the mask token's row,
+  ``attn`` (attention projections and norms + the row) or ``full`` (every weight but the embedding table + the row);
+* data (:mod:`.data`): the arithmetic task, ``prompt + completion + EOS``, prompt without loss, right-padded;
+* SBD: :func:`sbd_ext.training.sbd_loss`, k ~ U[2, 16] per step, eta ~ U(0, 1) per sequence;
+  NTP control: the plain next-token loss, same model, data order, steps, batch, optimizer and trainable parameters;
+* :func:`sbd_ext.training.train_loop`: AdamW (0.9, 0.95), warm-up then cosine to 0, clip 1.0; the checkpoint
+  (``<out>/<objective>/checkpoint.pt``, trainable tensors + optimizer + schedule + RNG states, every
+  ``--checkpoint-every`` steps) makes ``--resume`` continue exactly where the run stopped;
+* output ``<out>/<objective>/``: ``artifact/`` (:func:`.adapters.save_artifact`: a few MB), ``train_log.json``
+  (config, the loss curve with ntp_loss / mask_loss / mask_accuracy, seconds per step, machine) and
+  ``curve.jsonl`` (the same records as they are logged, for watching a run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ... import adapters
+from ...training import IGNORE_INDEX, sbd_loss, train_loop
+from . import checkpoint, data
+
+__all__ = ["FinetuneConfig", "OBJECTIVES", "base_model", "train", "run_dir"]
+
+OBJECTIVES = ("sbd", "ntp")
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class FinetuneConfig:
+    objective: str = "sbd"
+    steps: int = 240
+    batch_size: int = 8
+    max_len: int = 128
+    lr: float | None = None  # default: 1e-3 for lora, 1e-4 otherwise
+    warmup: int | None = None  # default: min(20, steps // 10)
+    method: str = "lora"
+    lora_rank: int = 16
+    block_size_range: tuple[int, int] = (2, 16)
+    seed: int = 0
+    fixed_data: int = 0  # > 0: cycle over this many training problems (the smoke run memorises them)
+    log_every: int = 5
+    checkpoint_every: int = 10
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.method not in adapters.METHODS:
+            raise ValueError(f"method must be one of {adapters.METHODS}, got {self.method!r}")
+        for name in ("steps", "batch_size", "max_len", "lora_rank", "log_every", "checkpoint_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        self.block_size_range = tuple(int(v) for v in self.block_size_range)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (1e-3 if self.method == "lora" else 1e-4)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, min(20, self.steps // 10))
+
+
+def run_dir(out: str | os.PathLike, objective: str) -> Path:
+    return Path(out) / objective
+
+
+BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
+
+
+def base_model(device: torch.device | str = "cpu", block_size_range=(2, 16)):
+    """(model, tokenizer, mask_id): SmolLM2 in float32 with the mask token added (not yet trained)."""
+    model, tok = checkpoint.load_base(attn_implementation="sdpa", block_size_range=block_size_range)
+    return model.to(device), tok, int(tok.mask_token_id)
+
+
+def _ntp_loss(model, batch) -> tuple[torch.Tensor, dict]:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+    return loss, {"ntp_loss": loss.detach()}
+
+
+def _loss_fn(cfg: FinetuneConfig, device, k_rng: random.Random, gen: torch.Generator):
+    def loss_fn(model, batch):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if cfg.objective == "ntp":
+            return _ntp_loss(model, batch)
+        return sbd_loss(
+            model,
+            batch["input_ids"],
+            block_size=k_rng.randint(*cfg.block_size_range),
+            generator=gen,
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+            mask_format="bool",
+            return_parts=True,
+        )
+
+    return loss_fn
+
+
+@torch.no_grad()
+def fixed_batch_losses(model, batch, device, seed: int = 1234) -> dict:
+    """Both objectives on a fixed batch with fixed randomness (k = 8, eta = 0.5): comparable across runs."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sbd = sbd_loss(
+        model,
+        batch["input_ids"],
+        block_size=8,
+        eta=0.5,
+        generator=gen,
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        mask_format="bool",
+        return_parts=True,
+    )[1]
+    return {
+        "ntp_loss": float(_ntp_loss(model, batch)[0]),
+        "mask_loss": float(sbd["mask_loss"]),
+        "mask_accuracy": float(sbd["mask_accuracy"]),
+    }
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, device="cpu", log=print) -> dict:
+    """Train one objective into ``<out>/<objective>/``; returns the training log (also in ``train_log.json``)."""
+    folder = run_dir(out, cfg.objective)
+    ckpt = folder / CHECKPOINT_FILE
+    if ckpt.exists() and not resume:
+        raise FileExistsError(f"{ckpt} exists: pass --resume to continue that run, or choose another --out")
+    if resume and not ckpt.exists():
+        log(f"[{cfg.objective}] no checkpoint in {folder}: starting from step 0")
+    folder.mkdir(parents=True, exist_ok=True)
+    saved_cfg = folder / "config.json"
+    if resume and saved_cfg.exists():
+        before = json.loads(saved_cfg.read_text())
+        if before != json.loads(json.dumps(asdict(cfg))):
+            raise ValueError(f"--resume with a different configuration than {saved_cfg} records: {before}")
+    saved_cfg.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+
+    torch.manual_seed(cfg.seed)
+    device = torch.device(device)
+    model, tok, mask_id = base_model(device, cfg.block_size_range)
+    n_train = cfg.fixed_data if cfg.fixed_data > 0 else cfg.steps * cfg.batch_size
+    batches = data.make_batches(
+        tok, data.task_problems("train", n_train, seed=cfg.seed), cfg.batch_size, cfg.max_len, tok.pad_token_id
+    )
+    mask_row, params = adapters.prepare(model, mask_id, cfg.method, cfg.lora_rank)
+    n_params = sum(p.numel() for p in params)
+    log(
+        f"[{cfg.objective}] {cfg.method}: {n_params / 1e6:.2f} M trainable parameters, {len(batches)} batches of "
+        f"{cfg.batch_size}, {cfg.steps} steps, lr {cfg.learning_rate:g}, {torch.get_num_threads()} thread(s)"
+    )
+    curve = folder / "curve.jsonl"
+    last = {}
+
+    def on_log(rec: dict) -> None:
+        rec = dict(rec)
+        if last:
+            rec["sec_per_step"] = round((rec["elapsed_s"] - last["elapsed_s"]) / (rec["step"] - last["step"]), 2)
+        last.update(rec)
+        with open(curve, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    k_rng = random.Random(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    probe = batches[0]
+    t0 = time.perf_counter()
+    history = train_loop(
+        model,
+        batches,
+        _loss_fn(cfg, device, k_rng, gen),
+        cfg.steps,
+        lr=cfg.learning_rate,
+        betas=(0.9, 0.95),
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=1.0,
+        params=params,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        log_every=cfg.log_every,
+        progress="lines",
+        name=cfg.objective,
+        callback=on_log,
+        checkpoint=ckpt,
+        checkpoint_every=cfg.checkpoint_every,
+        rngs=(k_rng, gen),
+    )
+    secs = time.perf_counter() - t0
+    after = fixed_batch_losses(model, probe, device)
+    info = {
+        "objective": cfg.objective,
+        "config": asdict(cfg),
+        "trainable_params": n_params,
+        "seconds_this_process": round(secs, 1),
+        "fixed_batch_after": after,
+        "machine": machine(),
+        "history": history,
+    }
+    size = adapters.save_artifact(
+        model,
+        mask_row,
+        cfg.method,
+        folder / "artifact",
+        {
+            "objective": cfg.objective,
+            "mask_token": tok.mask_token,
+            "sbd_block_size_range": list(cfg.block_size_range),
+            "steps": cfg.steps,
+            "base_loader": BASE_LOADER,
+            "base": f"{checkpoint.PACKAGE}=={checkpoint.PACKAGE_VERSION} ({checkpoint.GGUF_NAME})",
+        },
+    )
+    info["artifact_bytes"] = size
+    (folder / "train_log.json").write_text(json.dumps(info, indent=1) + "\n")
+    log(f"[{cfg.objective}] done: fixed-batch {after}; artifact {size / 1e6:.1f} MB in {folder / 'artifact'}")
+    return info
