@@ -17,7 +17,7 @@ appended to $SBD_BENCH_OUT/cuda_ops.csv with the GPU and versions.
 
 Shapes: Llama-3.1-8B (32 q / 8 KV heads, D 128, vocab 128256) and SmolLM2-135M (9 q / 3 KV heads, D 64,
 vocab 49152), bf16, batch 1; block attention with 16 query rows (a set block) and 32 (16 committed + 16 block).
-Targets (issue 4): entropy_sample 16 x 128256 < 10 us; block attention <= 1.3x the time of reading the K/V cache
+Targets: entropy_sample 16 x 128256 < 10 us; block attention <= 1.3x the time of reading the K/V cache
 once at peak bandwidth for caches >= 4k; mask_replace < 5 us.
 """
 

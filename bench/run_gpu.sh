@@ -22,7 +22,7 @@
 # --dry-run (or SBD_RUNBOOK_CPU=1): on a CPU machine, run every stage's steps in a checking form -- pytest
 # collects the selected tests instead of running them, the profiler/sanitizer target runs its cases on the CPU,
 # the build evaluates setup.py without compiling -- and pack the results the same way. CI runs it for every
-# stage (python_tests/test_runbook.py), so the script cannot rot between GPU sessions.
+# stage (python_tests/integration/test_runbook.py), so the script cannot rot between GPU sessions.
 #
 # Environment: PYTHON (default python3: the GPU image has no `python`), MAX_JOBS (default 16),
 # SBD_EXT_CUDA_ARCH (default: the GPU's own, 9.0a on compute capability 9.0; always passed to the build, and
@@ -270,8 +270,8 @@ stage_cpu() {
   py=$(pytest_cmd)
   step lscpu 30 bash -c "lscpu; grep -m1 '^flags' /proc/cpuinfo"
   # shellcheck disable=SC2086
-  step cpu_tests 240 env CUDA_VISIBLE_DEVICES= $py python_tests/test_block_attention.py \
-    python_tests/test_entropy_sample.py -q -rfE --junitxml="$RES/tests_cpu.xml"
+  step cpu_tests 240 env CUDA_VISIBLE_DEVICES= $py python_tests/ops/test_block_attention.py \
+    python_tests/ops/test_entropy_sample.py -q -rfE --junitxml="$RES/tests_cpu.xml"
   py=${py/--timeout=120/--timeout=300}
   # shellcheck disable=SC2086
   step cpu_bench 420 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py bench/bench_block_attention.py \

@@ -22,6 +22,7 @@ __all__ = [
     "BLOCK_RANGE_ATTR",
     "DEFAULT_BLOCK_SIZE_RANGE",
     "text_config",
+    "unwrap_model",
     "check_block_size_range",
     "set_sbd_metadata",
     "get_sbd_metadata",
@@ -33,19 +34,27 @@ BLOCK_RANGE_ATTR = "sbd_block_size_range"
 DEFAULT_BLOCK_SIZE_RANGE = (2, 16)  # the paper's training range for k
 
 
+def unwrap_model(model):
+    """The transformers model (or config) under DDP / FSDP / torch.compile wrappers, which keep it as ``.module`` /
+    ``._orig_mod`` (PEFT forwards ``.config`` itself): the package's one unwrapping helper."""
+    for _ in range(8):
+        if hasattr(model, "config") or hasattr(model, "get_text_config"):
+            break
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
 def text_config(config_or_model):
     """The config that holds the SBD fields: the decoder's text config of a config or of a model (wrappers such as
     DDP, FSDP, torch.compile and PEFT are looked through)."""
-    obj = config_or_model
-    for _ in range(8):  # DDP/FSDP keep .module, torch.compile ._orig_mod, PEFT .base_model.model
-        if hasattr(obj, "get_text_config"):
-            return obj.get_text_config(decoder=True)
-        if hasattr(obj, "config") and hasattr(obj.config, "get_text_config"):
-            return obj.config.get_text_config(decoder=True)
-        inner = getattr(obj, "module", None) or getattr(obj, "_orig_mod", None)
-        if inner is None:
-            break
-        obj = inner
+    obj = unwrap_model(config_or_model)
+    if hasattr(obj, "get_text_config"):
+        return obj.get_text_config(decoder=True)
+    if hasattr(obj, "config") and hasattr(obj.config, "get_text_config"):
+        return obj.config.get_text_config(decoder=True)
     raise TypeError(f"expected a transformers model or config, got {type(config_or_model).__name__}")
 
 

@@ -11,6 +11,9 @@ import operator
 
 import torch
 
+from . import _C
+from .samplers import check_threshold, get_sampler
+
 __all__ = ["block_attention", "check_cuda_errors", "entropy_sample", "mask_replace"]
 
 _U64 = 1 << 64
@@ -97,8 +100,6 @@ def check_cuda_errors() -> None:
     Synchronises the current CUDA device first, so every call made before this one has been checked. The error is
     the ValueError the CPU raises for the same lengths. Without CUDA kernels (or a GPU) this does nothing.
     """
-    from . import _C
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     msg = _C.take_cuda_error()
@@ -150,9 +151,10 @@ def mask_replace(
         proposals: [B, K] int64 proposed token per position (from :func:`entropy_sample`; -1 = invalid row).
         entropy, max_prob: [B, K] fp32 statistics of each position's distribution.
         mask_id: the mask token id.
-        rule: ``"eb"`` entropy-bounded (paper Eq. 8, threshold = gamma); ``"entropy"`` reveal H < gamma;
-            ``"confidence"`` reveal max_prob > tau (threshold = tau). At least one candidate is revealed.
-        threshold: gamma (>= 0) or tau.
+        rule: a sampler of the registry (:mod:`sbd_ext.samplers`): ``"eb"`` entropy-bounded (paper Eq. 8,
+            threshold = gamma); ``"entropy"`` reveal H < gamma; ``"confidence"`` reveal max_prob > tau
+            (threshold = tau). At least one candidate is revealed.
+        threshold: gamma (>= 0) or tau, a number (not NaN).
 
     Returns:
         (n_revealed [B], n_remaining [B]) int64, on tokens' device. No host synchronisation happens inside.
@@ -162,7 +164,9 @@ def mask_replace(
     mask_id = _as_int(mask_id, "mask_replace", "mask_id")
     if not _I64_MIN <= mask_id < _I64_END:
         raise ValueError(f"mask_replace: mask_id must be a token id that fits in int64, got {mask_id}")
-    return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, float(threshold))
+    rule = get_sampler(rule, "mask_replace: rule").name
+    threshold = check_threshold(rule, threshold, "mask_replace")
+    return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, threshold)
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------

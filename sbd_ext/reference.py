@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-RULES = ("eb", "entropy", "confidence")
+from .samplers import NAMES as RULES
 
 # (atol, rtol) of an op's output against these references, per input dtype: the one table the op tests, the CUDA
 # emulator (tools/cuda_emu) and the model-level tests use. fp32: a 1e-5 relative bar. bf16 / fp16: about the

@@ -27,6 +27,12 @@ import os
 import sys
 import time
 
+import torch
+
+from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
+from . import evaluate, models, tasks
+from .tokenizer import unknown_characters
+
 __all__ = ["main"]
 
 _COLOURS = [31, 32, 33, 34, 35, 36, 91, 92, 93, 94, 95, 96]  # ANSI foreground colours, cycled per forward
@@ -81,11 +87,6 @@ def render_steps(
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from . import models, tasks
-    from .evaluate import decode, format_prompt
-    from .tokenizer import unknown_characters
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +103,7 @@ def cmd_generate(args) -> int:
         print(f"(no prompt given: held-out problem #{args.example})")
     else:
         question = args.prompt.replace("\\n", "\n")
-    prompt = question if args.raw else format_prompt(question, info.get("prompt_template"))
+    prompt = question if args.raw else evaluate.format_prompt(question, info.get("prompt_template"))
     tok.split_special_tokens = True  # "<eos>" typed in a prompt is five characters, not the end of the text
     unknown = unknown_characters(tok, prompt)
     if unknown:
@@ -114,19 +115,17 @@ def cmd_generate(args) -> int:
     if expected is None and info.get("task") == "arith":
         expected = tasks.solve(question)
 
-    from ..decoding import DEFAULT_THRESHOLDS
-
     sampler = args.sampler or info.get("sampler", "eb")
     threshold = args.threshold
     if threshold is None:
         if sampler == info.get("sampler", "eb") and "gamma_low" in info:
             threshold = info["gamma_low"]
-        elif sampler == "confidence":
-            threshold = DEFAULT_THRESHOLDS["confidence"]
-        else:
+        elif get_sampler(sampler).threshold_name == "gamma":
             threshold = 0.1  # the paper's reasoning gamma_low (the library default 0.35 is its chat gamma_low)
+        else:
+            threshold = DEFAULT_THRESHOLDS[sampler]
     block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
-    res = decode(
+    res = evaluate.decode(
         model,
         tok,
         [prompt],
@@ -172,10 +171,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
-    from . import models
-    from .evaluate import markdown_table, run_eval, save_results
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,7 +178,7 @@ def cmd_eval(args) -> int:
     g_low, g_high, sampler = info.get("gamma_low"), info.get("gamma_high"), info.get("sampler")
     print(f"evaluating {args.sbd_model} (control: {args.ntp_model}) on {args.n} held-out {args.task} problems")
     t = time.perf_counter()
-    result = run_eval(
+    result = evaluate.run_eval(
         sbd_model=args.sbd_model,
         ntp_model=None if args.ntp_model in ("", "none") else args.ntp_model,
         n=args.n,
@@ -196,9 +191,9 @@ def cmd_eval(args) -> int:
         verify_block_sizes=args.verify_block_sizes,
     )
     result["meta"]["seconds"] = time.perf_counter() - t
-    files = save_results(result, args.out, g_low, g_high, sampler)
+    files = evaluate.save_results(result, args.out, g_low, g_high, sampler)
     print()
-    print(markdown_table(result, g_low, g_high, sampler))
+    print(evaluate.markdown_table(result, g_low, g_high, sampler))
     for kind, f in files.items():
         print(f"wrote {kind}: {f}")
     if "plot" not in files:
@@ -207,8 +202,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from . import models
-
     for name in models.available():
         p = models.path(name)
         size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
@@ -255,8 +248,6 @@ def _finite_at_least(lo: float):
 
 def _check_models(parser: argparse.ArgumentParser, args) -> None:
     """Unknown model names / folders are usage errors, found before anything is loaded."""
-    from . import models
-
     for dest in ("model", "sbd_model", "ntp_model"):
         name = getattr(args, dest, None)
         if name is None or (dest == "ntp_model" and name in ("", "none")):
@@ -268,7 +259,6 @@ def _check_models(parser: argparse.ArgumentParser, args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import DEFAULT_BLOCK_SIZES, DEFAULT_GAMMAS, DEFAULT_SAMPLERS, DEFAULT_VERIFY_BLOCK_SIZES
 
     positive, count = _int_in(1), _int_in(0)
     nonneg = _finite_at_least(0.0)
@@ -281,9 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="sbd-arith", help="embedded model name or a local HF model folder")
     g.add_argument("--mode", choices=("sbd", "ntp"), default="sbd")
     g.add_argument("--block-size", type=positive, default=None, help="SBD block size k (default: the model's, 16)")
-    g.add_argument(
-        "--sampler", choices=("eb", "entropy", "confidence"), default=None, help="default: the model's (sbd_demo.json)"
-    )
+    g.add_argument("--sampler", choices=NAMES, default=None, help="default: the model's (sbd_demo.json)")
     g.add_argument(
         "--threshold", type=nonneg, default=None, help="gamma (eb/entropy) or tau (confidence); default: gamma_low"
     )
@@ -312,14 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sbd-model", default="sbd-arith")
     e.add_argument("--ntp-model", default="ntp-arith", help="the NTP control ('none' to skip)")
     e.add_argument("--n", type=positive, default=500, help="held-out problems")
-    e.add_argument("--gammas", type=nonneg, nargs="+", default=list(DEFAULT_GAMMAS))
-    e.add_argument("--block-sizes", type=positive, nargs="+", default=list(DEFAULT_BLOCK_SIZES))
-    e.add_argument("--samplers", nargs="+", default=list(DEFAULT_SAMPLERS), choices=("eb", "entropy", "confidence"))
+    e.add_argument("--gammas", type=nonneg, nargs="+", default=list(evaluate.DEFAULT_GAMMAS))
+    e.add_argument("--block-sizes", type=positive, nargs="+", default=list(evaluate.DEFAULT_BLOCK_SIZES))
+    e.add_argument("--samplers", nargs="+", default=list(evaluate.DEFAULT_SAMPLERS), choices=NAMES)
     e.add_argument(
         "--verify-block-sizes",
         type=positive,
         nargs="*",
-        default=list(DEFAULT_VERIFY_BLOCK_SIZES),
+        default=list(evaluate.DEFAULT_VERIFY_BLOCK_SIZES),
         help="block sizes evaluated in verify mode (eb sampler, every gamma); none to skip",
     )
     e.add_argument("--batch-size", type=positive, default=50)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from . import tasks
+from ..decoding import GenerationSettings, generate
+from . import models, tasks
 
 __all__ = [
     "decode",
@@ -69,7 +70,6 @@ def decode(
     prompt_lengths, token_ids (the generated ids), corrections (verify mode: indices into token_ids of the tokens
     verification corrected).
     """
-    from ..decoding import GenerationSettings, generate
 
     demo_defaults = dict(max_new_tokens=160, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if settings is None:
@@ -143,8 +143,6 @@ def run_eval(
 
     ``sbd_model`` / ``ntp_model``: embedded model names or folders (:func:`sbd_ext.demo.models.load`); either may be
     None (only the other is decoded). NFE reductions are relative to the first row."""
-    from . import models
-
     probs = list(tasks.problems("test", n, task=task))
     rows = []
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from . import tasks
+
 __all__ = ["CHARS", "SPECIAL_TOKENS", "build_bpe_tokenizer", "build_char_tokenizer", "unknown_characters"]
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "mask_token": "<|mask|>"}
@@ -84,7 +86,6 @@ def build_bpe_tokenizer(
     Deterministic (same corpus, same merges). Merges stop at ``vocab_size`` or when no pair occurs twice; the
     alphabet is always complete, so unseen words fall back to characters.
     """
-    from . import tasks
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated")

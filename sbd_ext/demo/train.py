@@ -42,10 +42,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from ..training import IGNORE_INDEX, add_mask_token, sbd_loss, train_loop
 from . import tasks
+from .evaluate import decode
 from .tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
-IGNORE_INDEX = -100
 EOS_LOSS_TOKENS = 16  # trailing EOS positions with a loss (>= the largest block size)
 
 
@@ -165,8 +166,6 @@ def quick_sbd_check(
 ) -> float | None:
     """Print (and return) held-out accuracy and tokens/forward of SBD decoding (None if the decoder cannot run)."""
     try:
-        from .evaluate import decode
-
         probs = list(tasks.problems("test", n, task=task))
         res = decode(model, tok, [p.prompt for p in probs], block_size=block_size, sampler=sampler, threshold=gamma)
     except Exception as e:  # the decoder or its kernels are not available in this build
@@ -202,7 +201,6 @@ def train_phase(
     in ``block_sizes`` from ``random.Random(seed)`` and the masks from a generator seeded by ``seed``).
     ``check(model)`` every ``check_every`` steps records the held-out accuracy in the history.
     """
-    from ..training import sbd_loss, train_loop
 
     gen = torch.Generator().manual_seed(seed)
     krng = random.Random(seed)
@@ -336,8 +334,6 @@ def main(argv=None) -> dict:
             continue
         model = load(pre_dir)
         if kind == "sbd":
-            from ..training import add_mask_token
-
             add_mask_token(model, tok, block_size_range=tuple(args.block_sizes))
         t = time.perf_counter()
         data = batches(tok, ft_seed, args.batch_size, answer_only=True, task=args.task)

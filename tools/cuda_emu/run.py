@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 
@@ -32,10 +33,13 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def load_reference():
-    spec = importlib.util.spec_from_file_location("sbd_reference", ROOT / "sbd_ext" / "reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """sbd_ext/reference.py without the package (no compiled extension needed): it and its sibling samplers.py are
+    loaded as modules of a stand-in package over the sbd_ext folder, whose __init__ never runs."""
+    if "sbd_standalone" not in sys.modules:
+        pkg = types.ModuleType("sbd_standalone")
+        pkg.__path__ = [str(ROOT / "sbd_ext")]
+        sys.modules["sbd_standalone"] = pkg
+    return importlib.import_module("sbd_standalone.reference")
 
 
 ref = load_reference()

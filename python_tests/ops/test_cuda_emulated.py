@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA_INC = pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 
 pytestmark = [
@@ -28,7 +28,7 @@ pytestmark = [
 
 sys.path.insert(0, str(ROOT / "tools" / "cuda_emu"))
 import run as emu  # noqa: E402
-from test_entropy_sample import entropy_f64, expf_error_bound, near_one_hot_logits, sampling_cases  # noqa: E402
+from utils import entropy_f64, expf_error_bound, near_one_hot_logits, sampling_cases  # noqa: E402
 
 import sbd_ext  # noqa: E402
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from utils import assert_close
+from utils import assert_close, cuda_only
 
 import sbd_ext
 from sbd_ext import reference as R
@@ -226,3 +226,43 @@ def test_mask_ids_at_the_int64_limits(device, mask_id):
     ref_counts = R.mask_replace(ref, prop, ent, pmax, mask_id, "eb", 0.4)
     assert torch.equal(ours.cpu(), ref) and torch.equal(counts[0].cpu(), ref_counts[0])
     assert int(counts[0].sum()) > 0  # something was revealed: the mask id was recognised
+
+
+# ---- CUDA (skipped without an NVIDIA GPU and the CUDA kernels) ----------------------------------------
+@cuda_only
+@pytest.mark.parametrize("K", [1, 16, 100, 1024])
+@pytest.mark.parametrize("rule", R.RULES)
+@pytest.mark.parametrize("threshold", [0.0, 0.35, 0.9])
+def test_mask_replace_cuda(K, rule, threshold):
+    B, mask_id = 6, 3
+    g = torch.Generator().manual_seed(K)
+    tokens = torch.randint(0, 50, (B, K), generator=g)
+    tokens[torch.rand(B, K, generator=g) < 0.7] = mask_id
+    tokens[0] = mask_id  # all masked
+    tokens[1] = 9  # none masked
+    proposals = torch.randint(-1, 50, (B, K), generator=g)
+    ent = torch.rand(B, K, generator=g) * 0.5
+    ent[:, ::5] = 0.1  # ties
+    ent[2, ::3] = float("nan")
+    conf = torch.rand(B, K, generator=g)
+    want_tok = tokens.clone()
+    want = R.mask_replace(want_tok, proposals, ent, conf, mask_id, rule, threshold)
+    # Non-contiguous tokens (a column slice), as a decoding loop may keep the block inside a longer buffer.
+    buf = torch.full((B, K + 2), -5, dtype=torch.int64, device="cuda")
+    g_tok = buf[:, 1 : K + 1]
+    g_tok.copy_(tokens)
+    got = sbd_ext.mask_replace(g_tok, proposals.cuda(), ent.cuda(), conf.cuda(), mask_id, rule, threshold)
+    assert torch.equal(g_tok.cpu(), want_tok)
+    assert (buf[:, 0] == -5).all() and (buf[:, -1] == -5).all()
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    c_tok = tokens.clone()
+    c = sbd_ext.mask_replace(c_tok, proposals, ent, conf, mask_id, rule, threshold)
+    assert torch.equal(c_tok, g_tok.cpu()) and torch.equal(c[0], got[0].cpu()) and torch.equal(c[1], got[1].cpu())
+
+
+@cuda_only
+def test_mask_replace_cuda_rejects_too_long_blocks():
+    t = torch.zeros(1, 1025, dtype=torch.int64, device="cuda")
+    f = torch.zeros(1, 1025, device="cuda")
+    with pytest.raises(ValueError, match="1024"):
+        sbd_ext.mask_replace(t, t, f, f, 0, "eb", 0.1)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import CUDA_OK, DEVICE_ISAS, assert_close, run_block_attention
+from utils import CUDA_OK, DEVICE_ISAS, assert_close, cuda_only, run_block_attention
 
 import sbd_ext
 from sbd_ext import reference
@@ -459,3 +459,113 @@ def test_device_mismatch():
     args["cache_lens"] = args["cache_lens"].cpu()
     with pytest.raises(BAD_INPUT, match="cache_lens is on cpu but q is on cuda"):
         OP(**args)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ---- CUDA (skipped without an NVIDIA GPU and the CUDA kernels) ----------------------------------------
+def sdpa_lowp(q, k, v, kc, vc, lens, commit, valid, scale):
+    """PyTorch's best built-in on the same problem, in the inputs' precision: SDPA with the equivalent mask."""
+    B, Hq, T, D = q.shape
+    Hkv, S = kc.shape[1], kc.shape[2]
+    keys = torch.cat([kc, k], 2).repeat_interleave(Hq // Hkv, 1)
+    vals = torch.cat([vc, v], 2).repeat_interleave(Hq // Hkv, 1)
+    mask = reference.block_attention_mask(lens, commit, valid, T, S)[:, None]
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
+    return out.nan_to_num(0.0).transpose(1, 2)  # fully masked (padding) rows -> 0, [B, T, Hq, D]
+
+
+ATTN_CASES = [
+    # (Hkv, g, T, D, cache_lens per sequence, n_commit, n_valid)
+    (2, 1, 1, 64, [0, 1], [1, 1], [1, 1]),
+    (3, 3, 16, 64, [257, 0], [0, 16], [16, 11]),  # SmolLM2 heads; set block, then committed + padding
+    (2, 4, 16, 128, [4096, 1], [16, 3], [16, 16]),  # Llama-3.1-8B ratio
+    (1, 4, 33, 128, [257, 4096], [16, 33], [33, 20]),  # M = 132 packed rows: three m-tiles
+    (2, 3, 64, 64, [1, 257], [32, 64], [64, 64]),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"Hkv{c[0]}-g{c[1]}-T{c[2]}-D{c[3]}-L{max(c[4])}")
+@pytest.mark.parametrize("kernel", ["default", "simt"])
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+def test_block_attention_cuda(case, dtype, kernel, len_dtype, monkeypatch):
+    if kernel == "simt" and dtype == torch.float32:
+        pytest.skip("fp32 always uses the CUDA-core kernel")
+    monkeypatch.setenv("SBD_EXT_ATTN_SIMT", "1" if kernel == "simt" else "0")
+    Hkv, g, T, D, lens, commit, valid = case
+    B, Hq = len(lens), Hkv * g
+    S = max(lens) + T + 5
+    gen = torch.Generator().manual_seed(T * 31 + D)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    q, k, v = mk(B, Hq, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+    kc, vc = mk(B, Hkv, S, D), mk(B, Hkv, S, D)
+    cl, nc, nv = (torch.tensor(x, dtype=len_dtype) for x in (lens, commit, valid))
+    scale = D**-0.5
+    r_kc, r_vc = kc.clone(), vc.clone()
+    want = reference.block_attention(q.float(), k.float(), v.float(), r_kc.float(), r_vc.float(), cl, nc, nv, scale)
+    r_kc, r_vc = kc.clone(), vc.clone()
+    reference.block_attention(q, k, v, r_kc, r_vc, cl, nc, nv, scale)  # the appended caches, in the cache dtype
+    # q as the transpose of a [B, T, Hq, D] projection output (non-contiguous, as a model passes it).
+    qc = q.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+    g_kc, g_vc = kc.cuda(), vc.cuda()
+    dev = [t.cuda() for t in (k, v, cl, nc, nv)]
+    got = sbd_ext.block_attention(qc, dev[0], dev[1], g_kc, g_vc, dev[2], dev[3], dev[4], scale)
+    assert got.shape == (B, T, Hq, D) and got.dtype == dtype
+    assert torch.equal(g_kc.cpu(), r_kc) and torch.equal(g_vc.cpu(), r_vc), "cache append differs"
+    assert_close(got, want, dtype=dtype, msg="vs fp32 reference")
+    if dtype != torch.float32:
+        torch_lowp = sdpa_lowp(q.cuda(), *(t.cuda() for t in (k, v, kc, vc)), *dev[2:], scale).cpu().float()
+        err_torch = (torch_lowp - want).abs().max().item()
+        err_ours = (got.cpu().float() - want).abs().max().item()
+        assert err_ours <= 2 * err_torch + 1e-6, f"error {err_ours:.3g} > 2x PyTorch's {err_torch:.3g}"
+    c_kc, c_vc = kc.clone(), vc.clone()
+    c = sbd_ext.block_attention(q, k, v, c_kc, c_vc, cl, nc, nv, scale)
+    assert_close(got, c, dtype=dtype, msg="vs CPU kernel")
+    assert torch.equal(c_kc, r_kc) and torch.equal(c_vc, r_vc), "CPU cache append differs"
+
+
+@cuda_only
+@pytest.mark.parametrize("splits", ["1", "7", "64"])
+def test_block_attention_cuda_forced_splits(splits, monkeypatch):
+    # The split count only changes the work decomposition (SBD_EXT_ATTN_SPLITS is the benchmarks' tuning hook).
+    monkeypatch.setenv("SBD_EXT_ATTN_SPLITS", splits)
+    B, Hkv, g, T, D, S = 2, 2, 4, 16, 128, 1100
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Hkv * g, T, D, generator=gen).bfloat16()
+    k, v = torch.randn(2, B, Hkv, T, D, generator=gen).bfloat16()
+    kc, vc = torch.randn(2, B, Hkv, S, D, generator=gen).bfloat16()
+    cl, nc, nv = torch.tensor([1000, 3]), torch.tensor([8, 16]), torch.tensor([16, 16])
+    want = reference.block_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), cl, nc, nv, D**-0.5)
+    dev = [t.cuda() for t in (q, k, v, kc, vc, cl, nc, nv)]
+    got = sbd_ext.block_attention(*dev, D**-0.5)
+    assert_close(got, want, dtype=torch.bfloat16)
+
+
+@cuda_only
+def test_block_attention_cuda_never_writes_past_the_cache():
+    # cache_lens + n_commit > S: an invalid call (the CUDA binding does not read lengths on the host); the kernel
+    # must clamp. The caches are views of a larger buffer whose extra rows must stay untouched.
+    B, Hkv, g, T, D, S = 1, 2, 2, 8, 128, 20
+    big_k = torch.zeros(B, Hkv, S + 16, D, device="cuda", dtype=torch.bfloat16)
+    big_v = torch.zeros_like(big_k)
+    q = torch.randn(B, Hkv * g, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([S - 3], device="cuda")
+    n = torch.tensor([T], device="cuda")
+    sbd_ext.block_attention(q, k, v, big_k[:, :, :S], big_v[:, :, :S], lens, n, n)
+    torch.cuda.synchronize()
+    assert big_k[:, :, S:].abs().sum() == 0 and big_v[:, :, S:].abs().sum() == 0
+    assert torch.equal(big_k[:, :, S - 3 : S], k[:, :, :3])
+
+
+@cuda_only
+def test_block_attention_cuda_rejects_unsupported_head_dim():
+    q = torch.zeros(1, 2, 1, 96, device="cuda")
+    kv = torch.zeros(1, 2, 1, 96, device="cuda")
+    cache = torch.zeros(1, 2, 4, 96, device="cuda")
+    n = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="head dim"):
+        sbd_ext.block_attention(q, kv, kv, cache, cache.clone(), n * 0, n, n)

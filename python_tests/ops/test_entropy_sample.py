@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from utils import assert_close
+from utils import assert_close, cuda_only, entropy_f64, expf_error_bound, near_one_hot_logits, sampling_cases
 
 import sbd_ext
 from sbd_ext import reference as R
@@ -40,35 +40,6 @@ def test_single_row_and_odd_shapes(device, cpu_isa):
             assert_close(got[2], ref[2], msg=f"token {n}x{v}")
 
 
-def entropy_f64(x: torch.Tensor) -> torch.Tensor:
-    """The entropy of softmax(x) per row in fp64, relatively accurate however small: log1p(r) + u / (1 + r) with r the
-    sum of e^(x - max) over all entries but the argmax and u = sum e^(x - max)(max - x) (no 1 - p rounding)."""
-    x = x.double().cpu()
-    m, im = x.max(-1, keepdim=True)
-    d = m - x
-    e = torch.exp(-d)
-    r = e.scatter(-1, im, 0.0).sum(-1)
-    u = torch.where(e > 0, e * d, 0.0).sum(-1)
-    return torch.log1p(r) + u / (1 + r)
-
-
-def expf_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Per row, how far the CUDA kernel's entropy may move because its exponentials are __expf, not expf.
-
-    __expf(-d) has a relative error of at most (2 + 1.173 d) ulp (CUDA programming guide; it rounds -d log2(e) to fp32
-    and takes ex2.approx). With p_i = softmax and d_i = max - x_i, H = ln s + sum_i p_i d_i and dH / d(ln e_i) =
-    p_i (1 + d_i - E[d]), so relative errors eps_i in the e_i move H by at most sum_i p_i eps_i (1 + d_i + E[d]). For
-    a near-one-hot row that is eps relative to H itself (its max term is exact); for a flat row of large d, up to
-    ~1e-4 absolute: more than twice the error of an fp32 softmax, which uses an accurate expf.
-    """
-    x = x.double().cpu()
-    d = x.max(-1, keepdim=True).values - x
-    p = torch.softmax(x, -1)
-    eps = (2 + torch.floor(1.173 * d)) * 2.0**-23
-    mean_d = torch.where(p > 0, p * d, 0.0).sum(-1, keepdim=True)
-    return torch.where(p > 0, p * eps * (1 + d + mean_d), 0.0).sum(-1)
-
-
 def test_entropy_accuracy_vs_float64(device):
     """Our single-pass statistics are at least as accurate as the PyTorch fp32 composite (vs an fp64 truth).
 
@@ -86,30 +57,9 @@ def test_entropy_accuracy_vs_float64(device):
     assert ((ours - truth).abs() <= allowed).all(), ((ours - truth).abs().max(), allowed)
 
 
-def near_one_hot_logits(device, dtype=torch.float32) -> torch.Tensor:
-    """Rows whose entropy spans 1e-24 .. 1e-2 nats: one max, the rest 15 to 70 below it (e^-70 is still a normal
-    fp32), then a row with a tie at the max and one with a runner-up."""
-    g = torch.Generator().manual_seed(11)
-    rows = []
-    for gap in (15.0, 20.0, 25.0, 30.0, 40.0, 60.0):
-        for v in (7, 1000, 50000):
-            x = -gap - 10 * torch.rand(v, generator=g)
-            x[v // 3] = 4.0
-            rows.append(x - 4.0)
-    x = torch.full((len(rows) + 2, 50000), float("-inf"))
-    for i, row in enumerate(rows):
-        x[i, : row.numel()] = row
-    x[-2, :20] = -25.0  # a max tie: two entries at 0, the rest far below
-    x[-2, 5] = x[-2, 17] = 0.0
-    x[-1, :1000] = -30.0
-    x[-1, 999] = 0.0
-    x[-1, 3] = -2.0  # a runner-up
-    return x.to(dtype).to(device)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_near_one_hot_entropy_relative_accuracy(device, cpu_isa, dtype):
-    """Entropies near 0 keep their relative accuracy (issue 11 item 9): they decide the reveal order at gamma = 0."""
+    """Entropies near 0 keep their relative accuracy: they decide the reveal order at gamma = 0."""
     x = near_one_hot_logits(device, dtype)
     truth = entropy_f64(x)
     ent, pmax, _ = sbd_ext.entropy_sample(x)
@@ -230,7 +180,7 @@ def test_opcheck_and_compile():
 
 
 def test_tiny_temperature_is_greedy(device, cpu_isa):
-    """Below GREEDY_TEMPERATURE the op is greedy on every device and in the reference (issue 11 item 6).
+    """Below GREEDY_TEMPERATURE the op is greedy on every device and in the reference.
 
     At T = 1e-30 logits of 1e9 / T overflowed fp32: every such logit scored +inf and the first of them won.
     """
@@ -290,22 +240,6 @@ def test_top_draw_gives_finite_noise(device, cpu_isa):
     assert_close(tok, R.entropy_sample(x, 1.0, seed=23, offset=0)[2], msg="token")
 
 
-def sampling_cases():
-    """Logit rows that exercise every branch of the sampling fast path (sbd/gumbel.h)."""
-    g = torch.Generator().manual_seed(2)
-    v = 3001  # not a multiple of the 32-entry groups, the 1024-entry tiles or 4 (Philox quads)
-    randn = torch.randn(24, v, generator=g) * 3
-    # LLM-like: a bulk 20+ below a few top tokens, so most groups and tiles are skipped without Philox
-    peaked = torch.randn(24, v, generator=g) * 2 - 20
-    peaked[:, torch.randint(0, v, (24, 5), generator=g)] = torch.randn(24, 5, generator=g) * 2 + 10
-    flat = torch.zeros(24, v)  # every entry may win: the bounds filter nothing
-    ties = torch.randint(0, 3, (24, v), generator=g).float()
-    # the best entry late in the row, a ramp of near-winners before it, and banned tokens
-    ramp = torch.linspace(-30, 0, v).expand(24, v).clone()
-    ramp[:, ::5] = float("-inf")
-    return {"randn": randn, "peaked": peaked, "flat": flat, "ties": ties, "ramp": ramp}
-
-
 def _assert_sampled_tokens_exact(x, temperature, device, threads=(None,)):
     """Over 12 seeds the sampled tokens equal the reference's, but at near-ties where torch.log rounds a score 1 ulp
     apart from the kernel's log (rare), and every CPU variant and thread count gives the same tokens bit for bit."""
@@ -343,7 +277,7 @@ def _assert_sampled_tokens_exact(x, temperature, device, threads=(None,)):
 @pytest.mark.parametrize("case", ["randn", "peaked", "flat", "ties", "ramp"])
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_sampled_tokens_exact_over_seeds(device, case, temperature):
-    """The fast path skips nothing that could win (issue 16 item 6). (The emulator checks the CUDA kernel against a
+    """The fast path skips nothing that could win. (The emulator checks the CUDA kernel against a
     brute-force argmax of the exact scores: test_cuda_emulated.py.)"""
     _assert_sampled_tokens_exact(sampling_cases()[case].to(device), temperature, device)
 
@@ -397,3 +331,77 @@ def test_bad_inputs(device, make, kwargs, match):
     """The same checks on every device (entropy_sample_checks.h, shared by the CPU and CUDA bindings)."""
     with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
         sbd_ext.entropy_sample(make(device), **kwargs)
+
+
+# ---- CUDA (skipped without an NVIDIA GPU and the CUDA kernels) ----------------------------------------
+def make_logits(n: int, v: int, dtype: torch.dtype, seed: int, special: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g) * 4
+    if special and n >= 5:
+        x[1, v // 2] = float("nan")
+        x[2, v // 3] = float("inf")
+        x[3] = float("-inf")
+        x[4] = torch.randint(0, 3, (v,), generator=g).float()  # ties at the maximum
+        x[0, ::7] = float("-inf")  # banned tokens
+    return x.to(dtype)
+
+
+def assert_tokens_match(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, temperature: float, seed, offset):
+    got, want = got.cpu(), want.cpu()
+    if temperature == 0.0:
+        assert torch.equal(got, want), f"greedy tokens differ: {got.tolist()} vs {want.tolist()}"
+        return
+    n, v = x.shape
+    u = R.philox_uniform(n, v, seed, offset).double()
+    score = x.cpu().double() / temperature - torch.log(-torch.log(u))
+    for r in torch.nonzero(got != want).flatten().tolist():
+        assert got[r] >= 0 and want[r] >= 0, f"row {r}: validity differs ({int(got[r])} vs {int(want[r])})"
+        gap = float(score[r, want[r]] - score[r, got[r]])
+        assert abs(gap) < 1e-4, f"row {r}: token {int(got[r])} vs {int(want[r])}, Gumbel score gap {gap:.3g}"
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [7, 1000, 49152, 128256])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_entropy_sample_cuda(rows, vocab, dtype, temperature):
+    x = make_logits(rows, vocab, dtype, seed=rows * 7 + vocab)
+    seed, offset = 0xDEADBEEF12345678, 4242 + rows
+    ent, pmax, tok = sbd_ext.entropy_sample(x.cuda(), temperature, seed, offset)
+    r_ent, r_pmax, r_tok = R.entropy_sample(x, temperature, seed, offset)
+    assert_close(ent, r_ent, atol=1e-4, rtol=1e-4, msg="entropy")
+    assert_close(pmax, r_pmax, atol=1e-6, rtol=1e-5, msg="max_prob")
+    assert_tokens_match(tok, r_tok, x, temperature, seed, offset)
+    # The CPU kernel is part of every build: a missing one is an error here, never a skipped cross-check. Both
+    # kernels score with the same exactly rounded Gumbel noise (sbd/gumbel.h): the tokens agree bit for bit.
+    c = sbd_ext.entropy_sample(x, temperature, seed, offset)
+    assert torch.equal(tok.cpu(), c[2]), f"tokens differ from the CPU kernel's: {tok.tolist()} vs {c[2].tolist()}"
+    assert_close(ent, c[0], atol=1e-4, rtol=1e-4, msg="entropy vs CPU kernel")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entropy_sample_cuda_strided_and_misaligned(dtype):
+    # Rows 1 element past a 16-byte boundary and a row stride that is not a multiple of the vector width.
+    n, v = 16, 4099
+    base = make_logits(n, v + 4, dtype, seed=3).cuda()
+    x = base[:, 1 : v + 1]
+    for temperature in (0.0, 1.3):
+        got = sbd_ext.entropy_sample(x, temperature, 11, 12)
+        want = R.entropy_sample(x.contiguous().cpu(), temperature, 11, 12)
+        assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+        assert_tokens_match(got[2], want[2], x, temperature, 11, 12)
+
+
+@cuda_only
+def test_entropy_sample_cuda_invalid_rows_and_determinism():
+    x = make_logits(8, 50000, torch.bfloat16, seed=9).cuda()
+    a = sbd_ext.entropy_sample(x, 0.7, 5, 6)
+    b = sbd_ext.entropy_sample(x, 0.7, 5, 6)
+    for u, w in zip(a, b, strict=True):
+        assert torch.equal(u.nan_to_num(-1), w.nan_to_num(-1)), "two identical calls differ"
+    ent, pmax, tok = (t.cpu() for t in a)
+    for r in (1, 2, 3):  # NaN, +inf, all -inf
+        assert ent[r].isnan() and pmax[r].isnan() and tok[r] == -1
+    assert not ent[[0, 4, 5]].isnan().any()

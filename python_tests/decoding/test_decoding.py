@@ -268,7 +268,7 @@ def test_switches_attn_implementation_once_with_a_warning():
 
 def test_concurrent_generate_on_one_model():
     """Four threads decoding different prompts on ONE model (loaded with "sdpa") each get exactly what a
-    single-threaded call gives (before the fix, one call's switch back to "sdpa" broke the others)."""
+    single-threaded call gives (a per-call switch to "sbd" and back would break the others)."""
     import threading
 
     m = tiny_llama(attn="sdpa")
@@ -379,7 +379,7 @@ def test_error_bad_types_and_devices(model):
 )
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_error_bad_arguments(model, kwargs, match, mode):
-    """Settings are validated whatever the mode: NTP mode used to ignore bad SBD arguments silently."""
+    """Settings are validated whatever the mode: NTP mode refuses bad SBD arguments too."""
     ids = torch.randint(0, MASK_ID, (1, 4))
     kwargs = {"max_new_tokens": 4, "mode": mode, **kwargs}
     with pytest.raises(ValueError, match=match):

@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],

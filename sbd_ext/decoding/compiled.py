@@ -1,0 +1,157 @@
+"""The compiled decode step (``generate(..., compile=True)``): :class:`StaticStep`, its ``torch.compile``-d
+forward, the cache pool that keeps CUDA-graph buffers at fixed addresses, and the locks that keep compiled
+generations apart."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+from .. import ops
+from ..cache import SBDCache
+from .settings import Job
+from .state import SequenceState
+from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
+
+__all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
+
+
+# Compiled generations run one at a time: the step skips dynamo's guard evaluation after a generation's first call
+# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)), and that stance is process-global, so a second thread's
+# first call -- a new model, batch size or k -- would run under it and could pick another generation's graph.
+# Eager generations are not affected and stay concurrent.
+COMPILED_RUN_LOCK = threading.Lock()
+
+
+def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device) -> None:
+    """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate)."""
+    step = StaticStep(model, cache, job, device)
+    f = 0
+    if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
+        f = decode(seqs, job, EagerStep(model, cache, device), max_forwards=1)
+    with cache.static_forwards():
+        decode(seqs, job, step, f)
+    if device.type == "cuda":
+        ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
+
+
+def _static_forward(model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
+
+    tokens: [2, B, T] int64, the input ids and the position ids; meta: [3, B] int32, per sequence the cache length,
+    committed rows and valid rows. Runs the decoder and the output head; with ``block_rows`` > 0 only each
+    sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
+    small model with a large vocabulary). Returns logits [B, block_rows or T, V].
+    """
+    B = tokens.shape[1]
+    plan = cache.device_plan(meta[0], meta[1], meta[2])
+    hidden = model.get_decoder()(
+        input_ids=tokens[0], position_ids=tokens[1], past_key_values=cache, use_cache=True, sbd_plan=plan
+    ).last_hidden_state
+    plan.check_layers()
+    if block_rows:
+        rows = meta[1].long().view(B, 1) + torch.arange(block_rows, device=meta.device).view(1, block_rows)
+        # A shortened last block (budget) or a finished sequence reads past its rows: clamped, never used.
+        rows = rows.clamp(max=tokens.shape[2] - 1)
+        hidden = torch.gather(hidden, 1, rows.unsqueeze(-1).expand(B, block_rows, hidden.shape[-1]))
+    return model.get_output_embeddings()(hidden)
+
+
+_COMPILED: dict[str, object] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compiled_forward(device: torch.device):
+    """torch.compile of :func:`_static_forward`, one per device type. On CUDA mode "reduce-overhead" captures each
+    forward as a CUDA graph and replays it (the cache buffers are marked static, so they are written in place, not
+    copied in). dynamic=False: B and T are specialised (one graph per batch size and k);
+    the cache's row count is marked dynamic by :meth:`SBDCache.static_forwards`, so prompt lengths and budgets do
+    not recompile."""
+    # CUDA: "reduce-overhead" (CUDA graphs). CPU: a C++ wrapper instead of the Python one that calls each kernel
+    # (~150 calls per forward of the embedded model, ~1 ms); the kernels themselves are the same.
+    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": {"cpp_wrapper": True}}
+    with _COMPILE_LOCK:
+        if device.type not in _COMPILED:
+            _COMPILED[device.type] = torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
+        return _COMPILED[device.type]
+
+
+_CACHE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [cache, leased]}
+
+
+@contextlib.contextmanager
+def pooled_cache(model, batch_size: int, rows: int, dtype: torch.dtype, device: torch.device):
+    """Lease an SBDCache reused across generations of ``model`` with this batch size (CUDA graphs): the graphs read
+    and write the cache buffers at fixed addresses, and a new buffer makes CUDA-graph trees re-record (after 128
+    re-records they stop using graphs for the function). Grown to a power of two when too short; a fresh,
+    unpooled cache while the pooled one is leased (concurrent calls)."""
+    key = (batch_size, dtype, str(device))
+    with _COMPILE_LOCK:
+        pool = _CACHE_POOL.setdefault(model, {})
+        entry = pool.get(key)
+        if entry is not None and entry[1]:
+            entry = [SBDCache(model.config, batch_size, rows, dtype, device), True]  # not pooled
+        else:
+            if entry is None or entry[0].max_cache_len < rows:
+                entry = pool[key] = [SBDCache(model.config, batch_size, 1 << (rows - 1).bit_length(), dtype, device)]
+                entry.append(False)
+            entry[1] = True
+    entry[0].rewind()
+    try:
+        yield entry[0]
+    finally:
+        entry[1] = False
+
+
+class StaticStep(DecodeStep):
+    """The compiled forwards, with no host length read inside (the plan is device tensors) and shapes fixed by
+    (B, k), so one graph serves every forward of every generation with that B and k.
+
+    On CUDA: the forwards after the prefill, [B, 2k] rows in SBD mode (up to k committed rows padded to k, then the
+    block: the prefill commits the prompt, so a later forward commits one finished block at most), [B, 1] in NTP
+    mode; one CUDA graph, and at small batch the padding rows are nearly free (memory-bound). The prefill is eager.
+
+    On the CPU a forward's cost grows with its rows (compute-bound: 16 rows cost ~2x 8 rows on the embedded model),
+    so SBD forwards keep eager decoding's row count -- k + the committed rows -- and that count is marked dynamic:
+    one graph for all of them, the prefill included (at least 2 rows: a size-1 dim would be specialised). NTP
+    forwards are [B, 1] after an eager prefill.
+
+    Called with a host :class:`ForwardRows`; validates its plan on the host, copies ids, positions and plan to the
+    device, runs the compiled forward and advances the host lengths. The caller's read-back of the sampled block is
+    the forward's one device-to-host copy."""
+
+    def __init__(self, model, cache: SBDCache, job: Job, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.dynamic_rows = job.sbd and device.type != "cuda"
+        self.sbd, self.block_size = job.sbd, job.block_size
+        # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
+        self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
+        self.fn = _compiled_forward(device)
+        self.calls = 0
+
+    def rows(self, needed: int) -> int:
+        if not self.sbd:
+            return 1
+        return max(needed, 2) if self.dynamic_rows else 2 * self.block_size
+
+    def __call__(self, fw: ForwardRows) -> StepLogits:
+        n_commit, n_valid = self.cache.check_plan(fw.n_commit, fw.n_valid)
+        tokens = torch.stack([fw.ids, fw.pos])
+        meta = torch.tensor([self.cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
+        if self.device.type == "cuda":
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+            meta = meta.pin_memory().to(self.device, non_blocking=True)
+            torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
+        if self.dynamic_rows:
+            torch._dynamo.mark_dynamic(tokens, 2)
+        # The first call of a generation checks every guard (model, config, cache, shapes); later calls only change
+        # tensor contents and the (dynamic) row count, so they run only the guards that pick among compiled graphs.
+        # dynamo's full check costs ~0.8 ms per call here (the model's every module and parameter).
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.calls > 0):
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        self.calls += 1
+        self.cache.advance(n_commit)
+        return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)

@@ -1,0 +1,235 @@
+"""The host-side state of decoding: :class:`SequenceState`, the per-sequence state machine shared by the cached
+decoder and the no-cache reference, and :class:`SBDGenerateOutput`, what both return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import ModelOutput
+
+from ..cache import SBDCache
+from .settings import Job
+
+__all__ = ["SBDGenerateOutput", "SequenceState", "block_tensor", "finish"]
+
+
+@dataclass
+class SBDGenerateOutput(ModelOutput):
+    """Result of :func:`generate` / :func:`generate_reference`.
+
+    sequences: [B, L] int64, row b = its prompt (padding removed) + its generated tokens, right-padded with
+        ``pad_token_id``.
+    prompt_lengths, num_generated, nfe: [B] int64; nfe = model forwards the sequence took part in (the fused
+        prefill included). tokens_per_forward: [B] float, num_generated / nfe.
+    trace: per sequence, one ``(forward index, positions revealed, tokens)`` tuple per forward (positions index
+        into the row of ``sequences``); only positions kept in the output are listed. None unless return_trace.
+    past_key_values: the :class:`SBDCache` (only with ``return_cache=True``; :func:`generate` only).
+    num_accepted, num_corrected: [B] int64 (verify mode; zeros otherwise): generated tokens that SBD revealed and
+        verification kept, and corrections (each the NTP choice that replaced the first disagreeing token of a
+        block, the rest of the block dropped); num_accepted + num_corrected = num_generated.
+    corrections: per sequence, the positions (in the row of ``sequences``) of corrected tokens (verify mode).
+    """
+
+    sequences: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
+    num_generated: torch.Tensor | None = None
+    nfe: torch.Tensor | None = None
+    tokens_per_forward: torch.Tensor | None = None
+    trace: list | None = None
+    past_key_values: SBDCache | None = None
+    num_accepted: torch.Tensor | None = None
+    num_corrected: torch.Tensor | None = None
+    corrections: list | None = None
+
+
+class SequenceState:
+    """Host-side state of one sequence: its output, the current block and the pending (uncached) tokens.
+
+    ``pending`` are the tokens after the cached prefix; they are committed (causal rows, K/V written) in the next
+    forward. In verify mode the last ``n_draft`` of them are a finished block's unverified tokens (drafts): that
+    forward's committed rows also give the next-token (NTP) choice at every draft position, which accepts the
+    agreeing prefix and corrects the first disagreement (:meth:`_verify`). Without verify, ``n_draft`` stays 0 and a
+    finished block goes straight to the output.
+    """
+
+    def __init__(self, prompt: list[int], job: Job):
+        self.job = job
+        self.prompt = prompt
+        self.gen: list[int] = []  # the output (in verify mode: verified tokens only)
+        self.pending: list[int] = list(prompt)  # tokens after the cached prefix, committed in the next forward
+        self.n_draft = 0  # trailing pending tokens still to verify (verify mode)
+        self.block: list[int] = []  # the current block (mask ids where masked); SBD only
+        self.block_verified = 0  # leading block positions revealed by the verified NTP choice (verify mode)
+        self.done = False
+        self.nfe = 0
+        self.corrected = 0  # corrections (one per rejected draft suffix)
+        self.corrections: list[int] = []  # positions (in the output row) of the corrected tokens
+        self.trace: list[tuple[int, list[int], list[int]]] = []
+        if job.sbd:
+            self._start_block()
+
+    @property
+    def n_cached(self) -> int:
+        return len(self.prompt) + len(self.gen) + self.n_draft - len(self.pending)
+
+    @property
+    def block_start(self) -> int:
+        return len(self.prompt) + len(self.gen) + self.n_draft
+
+    def _start_block(self) -> None:
+        k = min(self.job.block_size, self.job.max_new_tokens - len(self.gen) - self.n_draft)
+        self.block = [self.job.mask_id] * k  # k = 0: the drafts fill the budget, only their verification is left
+        self.block_verified = 0
+
+    def _finished(self) -> bool:
+        return self.n_draft == 0 and (
+            len(self.gen) >= self.job.max_new_tokens or (bool(self.gen) and self.gen[-1] in self.job.stop_ids)
+        )
+
+    def _cut_trace(self, end: int) -> None:
+        """Drop trace entries at positions >= end (tokens that will not be in the output)."""
+        self.trace = [
+            (g, [p for p in pos if p < end], [t for p, t in zip(pos, tok, strict=True) if p < end])
+            for g, pos, tok in self.trace
+        ]
+
+    def _verify(self, f: int, ntp: list[int]) -> int | None:
+        """Check the drafts against the NTP choices of this forward's committed rows (``ntp[i]`` = the choice for
+        the position after pending row i). Returns None when all are accepted, else the number of committed rows
+        whose K/V stay valid (the cache length is rolled back to n_cached + that)."""
+        base = len(self.pending) - self.n_draft  # row of the first draft
+        drafts = self.pending[base:]
+        for t, d in enumerate(drafts):
+            row = base + t - 1  # the committed row that predicts draft t (t = 0: checked when it was revealed)
+            if row >= 0 and (ntp[row] is None or ntp[row] < 0):
+                raise RuntimeError(
+                    f"verify: sequence got an invalid next-token distribution at forward {f} (NaN or +inf logits)"
+                )
+            if row >= 0 and d != ntp[row]:
+                c = ntp[row]
+                pos = self.block_start - self.n_draft + t
+                self._cut_trace(pos)
+                self.trace.append((f, [pos], [c]))
+                self.corrections.append(pos)
+                self.gen.extend(drafts[:t] + [c])
+                self.corrected += 1
+                self.pending, self.n_draft = [c], 0
+                return base + t
+        self.gen.extend(drafts)
+        self.pending, self.n_draft = [], 0
+        return None
+
+    def after_sbd_forward(
+        self, f: int, block: list[int], n_rev: int, n_rem: int, b: int, ntp: list[int | None] | None = None
+    ) -> int | None:
+        """Update after an SBD forward (``block``: the block as revealed in place; ``ntp``, verify mode: the NTP
+        choice after each of this sequence's committed rows, None where not computed). Returns, after a
+        correction, how many of this forward's committed rows keep their K/V (the caller rolls the cache back to
+        the length before the forward + that); else None."""
+        job = self.job
+        self.nfe += 1
+        n_commit = len(self.pending)
+        if self.n_draft:  # verify mode: this forward committed a finished block's drafts
+            keep_rows = self._verify(f, ntp)
+            if keep_rows is not None:
+                # The block's predictions of this forward were conditioned on rejected drafts: drop them and start
+                # the block after the correction.
+                self.block = []
+                if self._finished():
+                    self.done = True
+                else:
+                    self._start_block()
+                return keep_rows
+        else:
+            self.pending = []  # committed (their K/V cached) by this forward
+        if self._finished():  # verify mode: the accepted drafts completed the output
+            self.done, self.block = True, []
+            return None
+        k = len(self.block)
+        if k == 0:
+            return None
+        if job.verify and n_commit > 0:
+            self.block_verified = 1  # position 0 was revealed from the last committed row's NTP choice
+        block = block[:k]
+        if n_rem > 0 and n_rev == 0:
+            raise RuntimeError(
+                f"SBD decoding: sequence {b} revealed no token at forward {f} although {n_rem} positions are masked: "
+                f"every proposal was invalid (NaN or +inf logits, or all logits -inf once the mask token is banned)"
+            )
+        revealed = [j for j in range(k) if self.block[j] == job.mask_id and block[j] != job.mask_id]
+        self.block = block
+        stop = next((j for j in range(k) if block[j] in job.stop_ids and block[j] != job.mask_id), None)
+        stopped = stop is not None and all(t != job.mask_id for t in block[:stop])
+        if stopped:
+            keep = stop + 1
+        elif n_rem == 0:
+            keep = k
+        else:
+            keep = None
+        start = self.block_start
+        self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
+        if keep is None:
+            return None
+        if keep < k:
+            self._cut_trace(start + keep)  # stopped at a stop token: the positions after it are dropped
+        finished = block[:keep]
+        self.block = []
+        if job.verify and keep > self.block_verified:
+            self.pending, self.n_draft = finished, keep  # checked by the next forward's committed rows
+        else:
+            self.gen.extend(finished)
+            self.pending = finished
+        if self._finished():
+            self.done = True
+        elif not stopped:
+            self._start_block()  # (after a stop token only the drafts' verification is left)
+        return None
+
+    def after_ntp_forward(self, f: int, token: int, b: int) -> None:
+        self.nfe += 1
+        if token < 0:
+            raise RuntimeError(
+                f"NTP decoding: sequence {b} got an invalid next-token distribution at forward {f} (NaN or +inf logits)"
+            )
+        self.trace.append((f, [self.block_start], [token]))
+        self.gen.append(token)
+        self.pending = [token]
+        if token in self.job.stop_ids or len(self.gen) >= self.job.max_new_tokens:
+            self.done = True
+
+
+def block_tensor(seqs: list[SequenceState], active: list[bool], job: Job) -> torch.Tensor:
+    """[B, block_size] int64 on the CPU: each active sequence's block, then a filler that is not the mask id."""
+    fill = job.pad_id if job.pad_id != job.mask_id else (0 if job.mask_id != 0 else 1)
+    block = torch.full((len(seqs), job.block_size), fill, dtype=torch.int64)
+    for b, seq in enumerate(seqs):
+        if active[b] and seq.block:
+            block[b, : len(seq.block)] = torch.tensor(seq.block, dtype=torch.int64)
+    return block
+
+
+def finish(seqs: list[SequenceState], job: Job, device, return_trace: bool, cache=None) -> SBDGenerateOutput:
+    """The output of a finished generation: the sequences (prompt + generated tokens, right-padded) and counts."""
+    B = len(seqs)
+    L = max(len(seq.prompt) + len(seq.gen) for seq in seqs)
+    out = torch.full((B, L), job.pad_id, dtype=torch.int64)
+    for b, seq in enumerate(seqs):
+        row = seq.prompt + seq.gen
+        out[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    n_gen = torch.tensor([len(seq.gen) for seq in seqs], dtype=torch.int64)
+    nfe = torch.tensor([seq.nfe for seq in seqs], dtype=torch.int64)
+    return SBDGenerateOutput(
+        sequences=out.to(device),
+        prompt_lengths=torch.tensor([len(seq.prompt) for seq in seqs], dtype=torch.int64),
+        num_generated=n_gen,
+        nfe=nfe,
+        tokens_per_forward=n_gen.double() / nfe.clamp_min(1).double(),
+        trace=[seq.trace for seq in seqs] if return_trace else None,
+        past_key_values=cache,
+        num_accepted=torch.tensor(
+            [len(seq.gen) - seq.corrected if job.verify else 0 for seq in seqs], dtype=torch.int64
+        ),
+        num_corrected=torch.tensor([seq.corrected for seq in seqs], dtype=torch.int64),
+        corrections=[list(seq.corrections) for seq in seqs],
+    )

@@ -1,0 +1,214 @@
+"""One forward of the cached decoder -- plan its rows, run it, reveal from its logits -- and the loop of Alg. 3.
+
+:class:`DecodeStep` is the seam between the loop and how a forward runs: the loop asks the step how many rows a
+forward has (:meth:`DecodeStep.rows`), builds the :class:`ForwardRows`, calls the step, and reads the logits
+through the :class:`StepLogits` it returns (which rows they hold). :class:`EagerStep` runs the model as is; the
+compiled step (:class:`sbd_ext.decoding.compiled.StaticStep`) runs it with static shapes under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import SBDCache
+from .sampling import position_key, sample_block, sample_positions
+from .settings import Job
+from .state import SequenceState, block_tensor
+
+__all__ = ["ForwardRows", "StepLogits", "DecodeStep", "EagerStep", "plan_forward", "reveal", "decode"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardRows:
+    """The rows of one cached forward (host side): per sequence, ``n_commit`` committed rows (the finished block,
+    or the prompt, causal; their K/V are written now) followed by the current block's rows (the set block)."""
+
+    ids: torch.Tensor  # [B, T] int64 on the CPU
+    pos: torch.Tensor  # [B, T] int64 position ids
+    n_commit: list[int]
+    n_valid: list[int]
+    first_read: int  # the first row whose logits any sequence reads (a step may skip the rows before it)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """The logits a step returns: [B, R, V] holding forward rows [first_row, first_row + R) of every sequence, or,
+    with ``block_rows_only``, each sequence's block rows [n_commit[b], n_commit[b] + block_size)."""
+
+    logits: torch.Tensor
+    first_row: int = 0
+    block_rows_only: bool = False
+
+
+def first_row_read(seq: SequenceState, n_commit: int, job: Job) -> int:
+    """The first of this forward's rows whose logits ``seq`` reads (``n_commit`` committed rows)."""
+    if not job.sbd:
+        return n_commit - 1
+    if job.first_from_ntp and n_commit > 0:
+        return max(n_commit - seq.n_draft - 1, 0)
+    return n_commit
+
+
+def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> ForwardRows:
+    """Alg. 3, lines "commit + fill": each active sequence contributes its pending tokens (the block it finished
+    last forward, or its prompt) as committed rows, then its current block (SBD). T = ``step.rows`` of the longest
+    sequence's rows."""
+    active = [not seq.done for seq in seqs]
+    n_commit = [len(seq.pending) if a else 0 for seq, a in zip(seqs, active, strict=True)]
+    n_block = [len(seq.block) if (a and job.sbd) else 0 for seq, a in zip(seqs, active, strict=True)]
+    n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
+    T = step.rows(max(n_valid))
+    if T < max(n_valid):
+        raise RuntimeError(f"internal: a forward of {T} rows cannot hold {max(n_valid)} rows")
+    # Padding rows at position 0: never widens a dynamic RoPE. Built as lists, one tensor: cheap at small B.
+    ids, pos = [], []
+    for b, seq in enumerate(seqs):
+        row = (seq.pending + (seq.block if job.sbd else [])) if active[b] else []
+        pad = [0] * (T - len(row))
+        ids.append(row + pad)
+        pos.append(list(range(seq.n_cached, seq.n_cached + len(row))) + pad)
+    both = torch.tensor([ids, pos], dtype=torch.int64)
+    # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
+    # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
+    first = min(first_row_read(seq, c, job) for seq, c, a in zip(seqs, n_commit, active, strict=True) if a)
+    return ForwardRows(both[0], both[1], n_commit, n_valid, first)
+
+
+# --------------------------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------------------------
+class DecodeStep:
+    """One forward over ``cache``: the interface the decoding loop calls (eager or compiled)."""
+
+    cache: SBDCache
+
+    def rows(self, needed: int) -> int:
+        """The row count T of a forward whose longest sequence has ``needed`` rows (a static step pads)."""
+        return needed
+
+    def __call__(self, fw: ForwardRows) -> StepLogits:
+        """Run the forward: the committed rows' K/V are appended to the cache and its lengths advanced."""
+        raise NotImplementedError
+
+
+class EagerStep(DecodeStep):
+    """The model's own forward; the output head runs only on the rows from ``fw.first_read`` on."""
+
+    def __init__(self, model, cache: SBDCache, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+
+    def __call__(self, fw: ForwardRows) -> StepLogits:
+        T = fw.ids.shape[1]
+        with self.cache.forward_plan(fw.n_commit, fw.n_valid) as plan:
+            logits = self.model(
+                input_ids=fw.ids.to(self.device, non_blocking=True),
+                position_ids=fw.pos.to(self.device, non_blocking=True),
+                past_key_values=self.cache,
+                use_cache=True,
+                sbd_plan=plan,
+                logits_to_keep=T - fw.first_read,
+            ).logits
+        return StepLogits(logits, first_row=fw.first_read)
+
+
+# --------------------------------------------------------------------------------------------------------
+# reveal
+# --------------------------------------------------------------------------------------------------------
+def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of absolute forward rows ``rows`` [B, R] -> [B, R, V] copy; rows outside ``out`` are clamped (their
+    values are never used)."""
+    logits = out.logits
+    rows = (rows - out.first_row).clamp_(0, logits.shape[1] - 1).to(logits.device)
+    return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, logits.shape[2]))
+
+
+def _reveal_ntp(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> None:
+    """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
+    B, V = len(seqs), out.logits.shape[2]
+    x = gather_rows(out, (torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V)
+    keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)]
+    tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
+    for b, seq in enumerate(seqs):
+        if not seq.done:
+            seq.after_ntp_forward(f, int(tok[b]), b)
+
+
+def _commit_row_choices(
+    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, block: torch.Tensor
+) -> tuple[torch.Tensor, list[int]]:
+    """The NTP choice after each committed row that the drafts' check needs, rows [lo[b], c[b]) -> ([B, R], lo);
+    the last committed row's choice is the token at the block's first position: written into ``block`` now."""
+    B, V, device = len(seqs), out.logits.shape[2], out.logits.device
+    live = [not seq.done and c > 0 for seq, c in zip(seqs, fw.n_commit, strict=True)]
+    lo = [first_row_read(seq, c, job) if ok else 0 for seq, c, ok in zip(seqs, fw.n_commit, live, strict=True)]
+    R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
+    rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
+    keys = [position_key(b, seqs[b].n_cached + r + 1) for b in range(B) for r in rows[b].tolist()]
+    ntp = sample_positions(gather_rows(out, rows).reshape(B * R, V), job.temperature, job.seed, keys)[2]
+    ntp = ntp.view(B, R)
+    last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
+    first_tok = ntp.gather(1, last.view(B, 1)).view(B)
+    can = torch.tensor([ok and len(seq.block) > 0 for seq, ok in zip(seqs, live, strict=True)], device=device)
+    can &= (first_tok >= 0) & (block[:, 0] == job.mask_id)
+    block[:, 0] = torch.where(can, first_tok, block[:, 0])
+    return ntp, lo
+
+
+def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> dict[int, int]:
+    """Alg. 3, "reveal": sample every block position and reveal by the sampler rule in place (SBD; NTP mode: the
+    next token); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
+    verify mode are checked first). Returns {batch row: committed rows to keep} for sequences whose drafts were
+    corrected (the caller rolls their cache length back)."""
+    if not job.sbd:
+        _reveal_ntp(out, fw, seqs, job, f)
+        return {}
+    B, K = len(seqs), job.block_size
+    block = block_tensor(seqs, [not seq.done for seq in seqs], job).to(out.logits.device)
+    ntp, lo = _commit_row_choices(out, fw, seqs, job, block) if job.first_from_ntp else (None, None)
+    if out.block_rows_only:
+        x = out.logits  # [B, K, V]
+    else:
+        x = gather_rows(out, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
+    keys = None
+    if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
+        keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
+    n_rev, n_rem = sample_block(
+        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )[:2]
+    parts = [n_rev.view(B, 1), n_rem.view(B, 1), block] + ([ntp] if job.verify else [])
+    back = torch.cat(parts, dim=1).cpu()  # the one sync
+    rollback = {}
+    for b, seq in enumerate(seqs):
+        if seq.done:
+            continue
+        ntp_b = None
+        if job.verify:
+            ntp_b = [None] * lo[b] + back[b, 2 + K :].tolist()[: fw.n_commit[b] - lo[b]]
+        keep = seq.after_sbd_forward(f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b)
+        if keep is not None:
+            rollback[b] = keep
+    return rollback
+
+
+# --------------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------------
+def decode(seqs: list[SequenceState], job: Job, step: DecodeStep, f: int = 0, max_forwards: int | None = None) -> int:
+    """Alg. 3's loop from forward ``f`` until every sequence is done (or ``max_forwards`` forwards), each forward
+    run by ``step`` over ``step.cache``. Returns the next forward index."""
+    end = math.inf if max_forwards is None else f + max_forwards
+    while f < end and not all(seq.done for seq in seqs):
+        fw = plan_forward(seqs, job, step)  # commit the finished block + fill the current one
+        lengths = list(step.cache.seq_lens)
+        out = step(fw)
+        rollback = reveal(out, fw, seqs, job, f)  # reveal; finished blocks move to the output (or are checked)
+        for b, keep in rollback.items():  # verify: rows after a correction are overwritten later
+            step.cache.rollback(b, lengths[b] + keep)
+        f += 1
+    return f

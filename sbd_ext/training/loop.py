@@ -1,0 +1,210 @@
+"""The package's one plain training loop, :func:`train_loop`: any model, any loss (nothing SBD-specific); used by
+:func:`~sbd_ext.training.train_sbd`, the demo trainer and the SmolLM2 recipe."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["train_loop", "lr_factor"]
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Linear warm-up over ``warmup_steps`` (step 0 gets 1/warmup of the lr, not 0), then cosine decay from 1 to
+    ``min_lr_ratio`` at ``steps``. ``step`` counts optimizer steps taken so far (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    t = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _rng_state(r):
+    return r.get_state() if isinstance(r, torch.Generator) else r.getstate()
+
+
+def _set_rng_state(r, state) -> None:
+    if isinstance(r, torch.Generator):
+        r.set_state(state)
+    else:
+        r.setstate(state)
+
+
+class _Batches:
+    """Endless batches: a re-iterable (list, DataLoader) starts over when exhausted; a one-shot iterator ends."""
+
+    def __init__(self, data: Iterable):
+        self.data, self.it = data, iter(data)
+
+    def next(self):
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.data)
+            if self.it is self.data:  # a one-shot iterator: nothing left
+                return None
+            return next(self.it, None)
+
+
+def train_loop(
+    model: torch.nn.Module,
+    data: Iterable,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    steps: int,
+    *,
+    lr: float = 3e-4,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    warmup_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+    max_grad_norm: float | None = 1.0,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    log_every: int = 10,
+    progress: bool | str = True,
+    name: str = "train",
+    callback: Callable[[dict], None] | None = None,
+    eval_fn: Callable[[torch.nn.Module, int], dict] | None = None,
+    eval_every: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
+    rngs: Sequence[torch.Generator | random.Random] = (),
+) -> list[dict]:
+    """Train ``model`` for ``steps`` optimizer steps of ``loss_fn``: the package's one training loop.
+
+    loss_fn(model, batch) returns the loss or ``(loss, parts)``, parts a dict of scalars (tensors or numbers) that
+    are averaged over each logging interval next to ``loss`` (an int ``block_size`` part is skipped). ``data`` is
+    an iterable of batches, re-iterated when exhausted if it can be (a list, a DataLoader); a one-shot iterator
+    that runs out ends training early.
+
+    AdamW over ``params`` (default: the parameters that require grad) with ``lr``, ``betas``, ``weight_decay``;
+    the lr follows :func:`lr_factor` (linear warm-up over ``warmup_steps``, default min(200, steps // 10), then
+    cosine decay to ``min_lr_ratio`` × lr); gradients are clipped at ``max_grad_norm`` (None: no clipping); the
+    forward runs under autocast to ``autocast_dtype`` when given (bf16 on a GPU). Every ``log_every`` steps (and at
+    the last) a record {step, loss, <parts>, lr, elapsed_s} is appended to the returned history, shown on a tqdm bar
+    (``progress="lines"``, or tqdm missing: a printed line per record, for logs; False: nothing) and passed to
+    ``callback``.
+    ``eval_fn(model, step)``, every ``eval_every`` steps before the last, returns a dict recorded as
+    {step, **dict}; the model is put back in train mode afterwards.
+
+    Resume: with ``checkpoint`` (a file path), the model, optimizer and schedule state, the history, the states of
+    ``rngs`` (the generators ``loss_fn`` draws from) and the step are saved there every ``checkpoint_every`` steps
+    and at the end (atomically); a later call with the same path continues from the saved step, skipping the
+    batches already consumed, so an interrupted run finishes with the same weights as an uninterrupted one.
+    The model is left in eval mode.
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"train_loop: steps must be an int >= 0, got {steps!r}")
+    if log_every < 1:
+        raise ValueError(f"train_loop: log_every must be >= 1, got {log_every!r}")
+    params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+    if not params:
+        raise ValueError("train_loop: no trainable parameters (none requires grad)")
+    warmup_steps = min(200, steps // 10) if warmup_steps is None else int(warmup_steps)
+    warmup_steps = max(1, warmup_steps)
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup_steps, min_lr_ratio))
+    device = params[0].device
+
+    history: list[dict] = []
+    start = 0
+    ckpt_path = Path(checkpoint) if checkpoint is not None else None
+    if ckpt_path is not None and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        history = list(state["history"])
+        for r, st in zip(rngs, state["rngs"], strict=True):
+            _set_rng_state(r, st)
+        start = int(state["step"])
+
+    def save_checkpoint(step: int) -> None:
+        state = dict(
+            step=step,
+            model=model.state_dict(),
+            optimizer=opt.state_dict(),
+            scheduler=sched.state_dict(),
+            history=history,
+            rngs=[_rng_state(r) for r in rngs],
+        )
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_path.with_name(ckpt_path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, ckpt_path)
+
+    batches = _Batches(data)
+    for _ in range(start):  # the batches the saved steps consumed
+        batches.next()
+
+    bar = None
+    if progress is True and steps > start:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, initial=start, desc=name, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    sums: dict[str, torch.Tensor] = {}
+    n_acc, t0 = 0, time.perf_counter()
+    model.train()
+    for step in range(start + 1, steps + 1):
+        batch = batches.next()
+        if batch is None:
+            break
+        with autocast:
+            out = loss_fn(model, batch)
+        loss, parts = out if isinstance(out, tuple) else (out, {})
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        sched.step()
+        # Sums stay on the device: no host sync per step, one per logging interval.
+        for key, v in {"loss": loss, **parts}.items():
+            if key == "block_size" or key == "num_masked":
+                continue
+            v = torch.as_tensor(v).detach().float().to(device)
+            sums[key] = sums[key] + v if key in sums else v
+        n_acc += 1
+        if bar is not None:
+            bar.update(1)
+        if step % log_every == 0 or step == steps:
+            rec = {"step": step, **{k: round(float(v) / n_acc, 4) for k, v in sums.items()}}
+            rec["lr"] = sched.get_last_lr()[0]
+            rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            history.append(rec)
+            sums, n_acc = {}, 0
+            msg = " ".join(f"{k} {rec[k]:.4f}" for k in rec if k not in ("step", "lr", "elapsed_s"))
+            if bar is not None:
+                bar.set_postfix_str(msg)
+            elif progress:
+                rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
+                print(f"[{name}] step {step}/{steps} {msg} lr {rec['lr']:.2e} ({rate:.2f} steps/s)", flush=True)
+            if callback is not None:
+                callback(rec)
+        if eval_fn is not None and eval_every and step % eval_every == 0 and step < steps:
+            rec = {"step": step, **eval_fn(model, step)}
+            model.train()
+            history.append(rec)
+            if progress:
+                print(f"[{name}] step {step}: " + " ".join(f"{k} {v}" for k, v in rec.items() if k != "step"))
+        if ckpt_path is not None and checkpoint_every and step % checkpoint_every == 0 and step < steps:
+            save_checkpoint(step)
+    if bar is not None:
+        bar.close()
+    if ckpt_path is not None and steps > start:
+        save_checkpoint(steps)
+    model.eval()
+    return history
