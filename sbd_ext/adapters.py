@@ -23,6 +23,7 @@ code; the function returns ``(model, tokenizer)`` with the mask token already in
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Iterable
@@ -31,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .metadata import set_sbd_metadata
 
 __all__ = [
     "LORA_TARGETS",
@@ -279,10 +282,6 @@ def load_artifact(
 ):
     """``(model, tokenizer)``: the base model the artifact names (its ``base`` loader), the artifact applied, the
     SBD metadata set, in eval mode. The base loader may need packages the artifact's recipe needs (it says which)."""
-    import importlib
-
-    from .metadata import set_sbd_metadata
-
     meta = read_artifact_config(folder)
     base = meta.get("base_loader")
     if not base or ":" not in base:

@@ -70,6 +70,7 @@ def sbd_batch(
     labels: torch.Tensor | None = None,
     mask_format: str = "bool",
     dtype: torch.dtype = torch.float32,
+    noise: torch.Tensor | None = None,
 ) -> SBDBatch:
     """Build the 2L SBD input, its position ids, aligned labels and attention mask for a batch x [B, L].
 
@@ -79,7 +80,8 @@ def sbd_batch(
     (optional, HF convention: same positions as input_ids, ``IGNORE_INDEX`` = no loss): the tokens to learn; by
     default input_ids. A label of ``IGNORE_INDEX`` (e.g. a prompt token in SFT data) removes the token from both
     losses; it is still masked in x_hat with the same probability. mask_format / dtype: see
-    :func:`sbd_attention_mask`.
+    :func:`sbd_attention_mask`. noise [B, L] (optional): the uniform draws in [0, 1) that decide the masks (a
+    token is masked where noise < eta), instead of drawing them from ``generator``.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -114,7 +116,12 @@ def sbd_batch(
         eta_t = torch.as_tensor(eta, dtype=torch.float32, device=dev).expand(B).clone()
         if bool(((eta_t < 0) | (eta_t > 1)).any()):
             raise ValueError(f"eta must lie in [0, 1], got {eta}")
-    u = torch.rand(B, L, generator=generator, device=gdev).to(dev)
+    if noise is None:
+        u = torch.rand(B, L, generator=generator, device=gdev).to(dev)
+    elif tuple(noise.shape) != (B, L):
+        raise ValueError(f"noise must have input_ids' shape {(B, L)}, got {tuple(noise.shape)}")
+    else:
+        u = noise.to(dev, torch.float32)
     masked = (u < eta_t.view(B, 1)) & valid
     noisy = input_ids.masked_fill(masked, int(mask_token_id))
 

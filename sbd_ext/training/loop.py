@@ -53,6 +53,43 @@ class _Batches:
             return next(self.it, None)
 
 
+def _trainable_state(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The named parameters that train: all that changes during :func:`train_loop` (frozen ones stay as loaded),
+    so a LoRA run's checkpoint holds its adapters, not the base model."""
+    ids = {id(p) for p in params}
+    return {n: p.detach() for n, p in model.named_parameters() if id(p) in ids}
+
+
+_CHECKPOINT_KEYS = frozenset({"step", "model", "optimizer", "scheduler", "history", "rngs"})
+
+
+def _load_checkpoint(path: Path) -> dict:
+    """A :func:`train_loop` checkpoint, loaded without executing code (``weights_only``); one clear error for a file
+    that is not one."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any unpickling failure means: not a checkpoint of this loop
+        raise ValueError(f"train_loop: {path} is not a train_loop checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
+        raise ValueError(f"train_loop: {path} is not a train_loop checkpoint (expected {sorted(_CHECKPOINT_KEYS)})")
+    return state
+
+
+def _load_trainable(model: torch.nn.Module, saved: dict, path: Path) -> None:
+    current = dict(model.named_parameters())
+    unknown = sorted(set(saved) - set(current))
+    if unknown:
+        raise ValueError(f"train_loop: {path} holds parameters this model does not have: {unknown[:5]}")
+    with torch.no_grad():
+        for name, value in saved.items():
+            if current[name].shape != value.shape:
+                raise ValueError(
+                    f"train_loop: {path}: {name} has shape {tuple(value.shape)}, the model's is "
+                    f"{tuple(current[name].shape)}"
+                )
+            current[name].copy_(value)
+
+
 def train_loop(
     model: torch.nn.Module,
     data: Iterable,
@@ -117,8 +154,8 @@ def train_loop(
     start = 0
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if ckpt_path is not None and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
+        state = _load_checkpoint(ckpt_path)
+        _load_trainable(model, state["model"], ckpt_path)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         history = list(state["history"])
@@ -129,7 +166,7 @@ def train_loop(
     def save_checkpoint(step: int) -> None:
         state = dict(
             step=step,
-            model=model.state_dict(),
+            model=_trainable_state(model, params),
             optimizer=opt.state_dict(),
             scheduler=sched.state_dict(),
             history=history,

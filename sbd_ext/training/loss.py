@@ -3,6 +3,8 @@ from one forward over the 2L batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,9 @@ def sbd_loss(
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
     eta: float | torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
     mask_format: str | None = None,
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     return_parts: bool = False,
 ):
     """The SBD loss of ``model`` on a batch x [B, L]: one forward over the 2L input.
@@ -34,8 +38,9 @@ def sbd_loss(
     token-level mean over the batch; 0 for a part with no token). ``mask_token_id`` defaults to
     ``model.config.mask_token_id``. ``block_size`` k, when None, is drawn uniformly in ``block_size_range``
     (inclusive; default ``model.config.sbd_block_size_range``, else (2, 16)) from ``generator``, which also draws
-    eta and the masks (see :func:`sbd_batch` for ``attention_mask``, ``labels``, ``eta``). ``mask_format`` defaults
-    to what ``config._attn_implementation`` needs (:func:`mask_format_for`). With ``return_parts`` returns
+    eta and the masks (see :func:`sbd_batch` for ``attention_mask``, ``labels``, ``eta``, ``noise``).
+    ``mask_format`` defaults to what ``config._attn_implementation`` needs (:func:`mask_format_for`);
+    ``reduce_counts``: see :func:`sbd_loss_from_logits`. With ``return_parts`` returns
     ``(loss, parts)``, parts a dict of detached ``ntp_loss``, ``mask_loss``, ``mask_accuracy`` (fraction of masked
     positions whose argmax is right), ``num_masked`` tensors and the int ``block_size``.
     """
@@ -60,18 +65,25 @@ def sbd_loss(
         k,
         generator=generator,
         eta=eta,
+        noise=noise,
         attention_mask=attention_mask,
         labels=labels,
         mask_format=mask_format,
         dtype=dtype,
     )
     logits = model(**batch.model_inputs()).logits  # [B, 2L, V]
-    loss, parts = sbd_loss_from_logits(logits, batch)
+    loss, parts = sbd_loss_from_logits(logits, batch, reduce_counts)
     return (loss, parts) if return_parts else loss
 
 
-def sbd_loss_from_logits(logits: torch.Tensor, batch: SBDBatch) -> tuple[torch.Tensor, dict]:
-    """The SBD loss and its parts from the logits [B, 2L, V] of a forward over ``batch`` (see :func:`sbd_loss`)."""
+def sbd_loss_from_logits(
+    logits: torch.Tensor, batch: SBDBatch, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict]:
+    """The SBD loss and its parts from the logits [B, 2L, V] of a forward over ``batch`` (see :func:`sbd_loss`).
+
+    ``reduce_counts`` (optional): maps this batch's token counts [n_ntp, n_mask] (float) to the counts the two sums
+    are divided by; data parallelism passes the global counts over the world size, so that the ranks' averaged
+    gradients are the gradient of one mean over the world's tokens."""
     L = batch.seq_len
     V = logits.shape[-1]
     logits = logits.float()  # CE in fp32, as HF's ForCausalLMLoss
@@ -84,6 +96,8 @@ def sbd_loss_from_logits(logits: torch.Tensor, batch: SBDBatch) -> tuple[torch.T
     mask_sum = F.cross_entropy(
         logits[:, L:].reshape(-1, V), noisy_t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    if reduce_counts is not None:
+        n_ntp, n_mask = reduce_counts(torch.stack([n_ntp, n_mask]).float()).to(logits.device).unbind()
     ntp_loss = ntp_sum / n_ntp.clamp_min(1)
     mask_loss = mask_sum / n_mask.clamp_min(1)
     with torch.no_grad():

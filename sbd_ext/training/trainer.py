@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import torch
 from transformers import Trainer
@@ -29,7 +30,9 @@ class SBDTrainer(Trainer):
     ``mask_token_id`` (default ``model.config.mask_token_id``). Batches are dicts with ``input_ids`` [B, L] and
     optionally ``attention_mask`` (right padding) and ``labels`` (``IGNORE_INDEX`` = no loss). k is drawn per
     forward from a ``random.Random(args.seed)``, so every rank uses the same k at the same step (equal work per
-    rank); the masks use torch's global RNG, which the Trainer seeds. The mean NTP loss, mask loss and masked
+    rank). Each sequence's eta and masks come from a generator keyed by (seed, optimizer step, its unpadded
+    tokens), and the two token means are taken over the whole world's tokens (counts summed across ranks): N ranks
+    with batch b follow the trajectory of one rank with batch N·b. The mean NTP loss, mask loss and masked
     accuracy since the last log are logged next to ``loss`` (``ntp_loss``, ``mask_loss``, ``mask_accuracy``; with
     the ``eval_`` prefix on evaluation). Evaluation reports the SBD loss as ``eval_loss``.
     """
@@ -57,8 +60,27 @@ class SBDTrainer(Trainer):
             acc[name] = acc.get(name, 0.0) + parts[name]
         acc["n"] += 1
 
+    def _sequence_noise(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """(eta [B], noise [B, L]) per sequence from (seed, step, its unpadded tokens): a sequence is masked the same
+        way whichever rank, batch or padding it gets."""
+        B, L = input_ids.shape
+        lengths = [L] * B if attention_mask is None else attention_mask.long().sum(1).tolist()
+        eta, noise = torch.empty(B), torch.ones(B, L)
+        for b in range(B):
+            tokens = input_ids[b, : lengths[b]].detach().cpu().numpy().tobytes()
+            key = (int(self.args.seed) * 1_000_003 + int(self.state.global_step)) * (1 << 32) + zlib.crc32(tokens)
+            g = torch.Generator().manual_seed(key % (1 << 63))
+            eta[b] = torch.rand(1, generator=g)[0]
+            noise[b, : lengths[b]] = torch.rand(lengths[b], generator=g)
+        return eta.to(input_ids.device), noise.to(input_ids.device)
+
+    def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        world = self.accelerator.num_processes
+        return self.accelerator.reduce(counts.to(self.args.device), reduction="sum") / world
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         k = self._k_rng.randint(*self.block_size_range)
+        eta, noise = self._sequence_noise(inputs["input_ids"], inputs.get("attention_mask"))
         loss, parts = sbd_loss(
             model,
             inputs["input_ids"],
@@ -66,6 +88,9 @@ class SBDTrainer(Trainer):
             block_size=k,
             attention_mask=inputs.get("attention_mask"),
             labels=inputs.get("labels"),
+            eta=eta,
+            noise=noise,
+            reduce_counts=self._global_counts if self.accelerator.num_processes > 1 and model.training else None,
             return_parts=True,
         )
         self._accumulate("" if model.training else "eval_", parts)
