@@ -28,8 +28,8 @@ from sbd_ext.decoding import set_sbd_metadata
 
 single_thread = sbd_models.single_thread  # the fixture
 
-VOCAB = 128
-MASK_ID = VOCAB - 1
+VOCAB, MASK_ID = sbd_models.VOCAB, sbd_models.MASK_ID
+prompts = sbd_models.random_prompts  # ragged random prompts, left-padded, no mask token
 WINDOW = 5  # every window is smaller than the sequences below (prompts 7-9 + 20 new tokens)
 COMMON = dict(
     vocab_size=VOCAB,
@@ -88,17 +88,6 @@ def tiny_model(model_type: str, seed: int = 0):
         model.lm_head.weight.mul_(8.0)
     set_sbd_metadata(model.config, MASK_ID, None)
     return model
-
-
-def prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    P = max(lengths)
-    ids = torch.zeros(len(lengths), P, dtype=torch.int64)
-    mask = torch.zeros(len(lengths), P, dtype=torch.int64)
-    for b, n in enumerate(lengths):
-        ids[b, P - n :] = torch.randint(0, MASK_ID, (n,), generator=g)
-        mask[b, P - n :] = 1
-    return ids, mask
 
 
 def kernel_calls() -> int:
