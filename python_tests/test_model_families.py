@@ -121,9 +121,7 @@ def eager(model):
 
 def test_table_covers_the_tested_families(family, model):
     assert families.check_model(model) == {
-        f: families.KERNEL
-        for f in ("sliding_window", "softcap")
-        if families._uses(model.config, f) and f in families.FAMILIES[family]
+        f: how for f, how in families.FAMILIES[family].items() if families._uses(model.config, f)
     }
     if family in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"):
         assert "sliding_window" in families.check_model(model)  # the window really is on in these tests
@@ -190,6 +188,20 @@ def test_backend_fallback_keeps_the_features(model):
     finally:
         model.set_attn_implementation("sbd")
     torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2"])  # soft-capping in the attention and the head, alternating windows
+def test_compiled_decode_step_equals_eager(single_thread, family):
+    """generate(compile=True) runs the decoder and the head itself (decoding._static_forward): the head must apply
+    the family's final soft-capping (families.lm_logits), or entropies -- and the revealed positions -- change."""
+    model = tiny_model(family)
+    ids, mask = prompts([7, 9], seed=4)
+    kw = dict(block_size=4, threshold=1.0, max_new_tokens=12, eos_token_id=[])
+    eager = sbd_ext.generate(model, ids, mask, **kw)
+    compiled = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert eager.trace == compiled.trace
 
 
 # ---- refused before any work ----------------------------------------------------------------------------

@@ -5,6 +5,8 @@ and how sbd_ext handles each (:data:`FEATURES` says what each feature is):
 
 * ``"kernel"`` -- a parameter of :func:`sbd_ext.ops.block_attention`, filled from what transformers passes the
   attention function (``softcap``, ``sliding_window`` -> ``window_left = sliding_window - 1``), on every path;
+* ``"head"`` -- applied to the output logits by the model's forward, and by sbd_ext's compiled decode step, which
+  calls the decoder and the head itself (:func:`lm_logits`);
 * ``"refuse"`` -- the kernel has no such parameter: a model that uses the feature is refused.
 
 :func:`check_model` reads the table: :func:`sbd_ext.generate`, :func:`sbd_ext.generate_reference` and the ``"sbd"``
@@ -13,8 +15,8 @@ feature, raises :class:`UnsupportedModelError` naming what is supported. Unknown
 look like a Llama: a family enters the table once its features are known and its tests pass
 (python_tests/test_model_families.py: NTP mode == HF ``generate``, SBD == the no-cache reference).
 
-Everything else a family does differently (Gemma's embedding scale and final logit soft-capping, Gemma-3's RoPE per
-layer type, Qwen3's q/k norms, biases, GQA) happens in transformers' own modules around the attention call.
+Everything else a family does differently (Gemma's embedding scale, Gemma-3's RoPE per layer type, Qwen3's q/k
+norms, biases, GQA) happens in transformers' own modules around the attention call.
 """
 
 from __future__ import annotations
@@ -26,24 +28,28 @@ import torch
 __all__ = [
     "FAMILIES",
     "FEATURES",
+    "HEAD",
     "KERNEL",
     "REFUSE",
     "UnsupportedModelError",
     "check_config",
     "check_model",
     "layer_windows",
+    "lm_logits",
     "markdown_table",
     "reference_mask",
     "window_left",
 ]
 
 KERNEL = "kernel"
+HEAD = "head"
 REFUSE = "refuse"
 
 # feature -> (what it is, how it is detected on a text config; shown in errors and in the README table)
 FEATURES: dict[str, str] = {
     "sliding_window": "sliding-window attention (`sliding_window`, per layer by `layer_types`) -> `window_left`",
     "softcap": "attention logit soft-capping (`attn_logit_softcapping`, as transformers passes it) -> `softcap`",
+    "final_softcap": "final logit soft-capping (`final_logit_softcapping`) of the output head",
     "attention_sinks": "attention sinks (`s_aux`, gpt-oss): no kernel parameter",
     "bidirectional": "bidirectional attention (`use_bidirectional_attention`, `is_causal=False`): not a decoder",
 }
@@ -56,8 +62,8 @@ FAMILIES: dict[str, dict[str, str]] = {
     "qwen2": {"sliding_window": KERNEL},
     "qwen3": {"sliding_window": KERNEL},
     "gemma": {},
-    "gemma2": {"softcap": KERNEL, "sliding_window": KERNEL},
-    "gemma3_text": {"softcap": KERNEL, "sliding_window": KERNEL},
+    "gemma2": {"softcap": KERNEL, "sliding_window": KERNEL, "final_softcap": HEAD},
+    "gemma3_text": {"softcap": KERNEL, "sliding_window": KERNEL, "final_softcap": HEAD},
     "gpt_oss": {"sliding_window": KERNEL, "attention_sinks": REFUSE},
 }
 
@@ -106,6 +112,8 @@ def _uses(cfg, feature: str) -> bool:
         return any(w is not None for w in layer_windows(cfg))
     if feature == "softcap":
         return getattr(cfg, "attn_logit_softcapping", None) is not None
+    if feature == "final_softcap":
+        return getattr(cfg, "final_logit_softcapping", None) is not None
     if feature == "attention_sinks":
         return True  # every gpt-oss attention layer has sinks
     if feature == "bidirectional":
@@ -147,6 +155,16 @@ def check_model(model) -> dict[str, str]:
     return check_config(model.config)
 
 
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head as the family's ``ForCausalLM.forward`` applies it -- the head, then Gemma-2/3's final logit
+    soft-capping (``tanh(logits / cap) * cap``) -- for code that runs the decoder and the head itself."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(_text_config(model.config), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def reference_mask(config, n_clean: int, n_block: int, dtype: torch.dtype, device) -> Any:
     """The attention mask of one no-cache reference forward (:func:`sbd_ext.generate_reference`): ``n_clean`` clean
     rows (causal) then ``n_block`` set-block rows (the clean prefix and the whole block), at positions 0..n-1,
@@ -178,10 +196,14 @@ def reference_mask(config, n_clean: int, n_block: int, dtype: torch.dtype, devic
 
 def markdown_table() -> str:
     """The README's table of supported model families (python_tests/test_model_families.py keeps them equal)."""
-    rows = ["| model type | sliding window | logit soft-capping | refused |", "|---|---|---|---|"]
+    rows = [
+        "| model type | sliding window | attention logit soft-capping | final logit soft-capping | refused |",
+        "|---|---|---|---|---|",
+    ]
     for model_type, feats in FAMILIES.items():
         refused = ", ".join(FEATURES[f].split(":")[0] for f, how in feats.items() if how == REFUSE)
         cells = ["kernel `window_left`" if feats.get("sliding_window") == KERNEL else "—"]
         cells.append("kernel `softcap`" if feats.get("softcap") == KERNEL else "—")
-        rows.append(f"| `{model_type}` | {cells[0]} | {cells[1]} | {refused or '—'} |")
+        cells.append("head (`lm_logits`)" if feats.get("final_softcap") == HEAD else "—")
+        rows.append(f"| `{model_type}` | {' | '.join(cells)} | {refused or '—'} |")
     return "\n".join(rows)
