@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -29,7 +30,8 @@ namespace sbd_ext {
 
 inline void check_block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_lens,
-                                  const at::Tensor& n_commit, const at::Tensor& n_valid, double scale) {
+                                  const at::Tensor& n_commit, const at::Tensor& n_valid, double scale,
+                                  double softcap, int64_t window_left) {
   constexpr const char* op = "block_attention";
   check_dtype(op, "q", q, {at::kFloat, at::kBFloat16, at::kHalf});
   check_dim(op, "q", q, 4, "[B, Hq, T, D]");
@@ -69,6 +71,13 @@ inline void check_block_attention(const at::Tensor& q, const at::Tensor& k, cons
     check_same_device(op, name, t, q, "q");
   }
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
+  // The kernels compute in fp32: a cap that is not a finite fp32 number would make every logit NaN.
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 && softcap <= std::numeric_limits<float>::max(), op,
+                    ": softcap must be a finite number >= 0 that fits in fp32 (0 = no soft-capping), got ", softcap);
+  TORCH_CHECK_VALUE(window_left >= -1, op,
+                    ": window_left must be >= 0 (a row at position p sees keys at positions >= p - window_left) or -1 "
+                    "(no window), got ",
+                    window_left);
   // The output [B, T, Hq, D] is allocated, so its element count must exist (q may be an expanded view).
   checked_mul(op, "the output size B * T * Hq * D", {B, T, Hq, D});
 
@@ -135,7 +144,7 @@ inline void check_block_attention_lengths(const std::vector<int64_t>& lens, cons
 // CUDA binding may pass aligned copies); out is [B, T, Hq, D] contiguous.
 inline void fill_block_attention_params(sbd::BlockAttentionParams& p, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                                        at::Tensor& out, double scale) {
+                                        at::Tensor& out, double scale, double softcap, int64_t window_left) {
   p.q = q.const_data_ptr();
   p.k = k.const_data_ptr();
   p.v = v.const_data_ptr();
@@ -154,6 +163,8 @@ inline void fill_block_attention_params(sbd::BlockAttentionParams& p, const at::
   p.kc_sb = k_cache.stride(0), p.kc_sh = k_cache.stride(1), p.kc_st = k_cache.stride(2);
   p.vc_sb = v_cache.stride(0), p.vc_sh = v_cache.stride(1), p.vc_st = v_cache.stride(2);
   p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.window_left = window_left;
 }
 
 }  // namespace sbd_ext

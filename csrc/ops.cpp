@@ -17,9 +17,11 @@
 TORCH_LIBRARY(sbd_ext, m) {
   // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated: committed rows appended at
   // cache_lens[b]); cache_lens, n_commit, n_valid [B] int32/int64. Returns [B, T, Hq, D] in q's dtype.
+  // softcap > 0: logits soft-capped (0 = off); window_left >= 0: sliding window (-1 = off); see
+  // sbd/block_attention_params.h.
   m.def(
       "block_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_lens, "
-      "Tensor n_commit, Tensor n_valid, float scale) -> Tensor");
+      "Tensor n_commit, Tensor n_valid, float scale, float softcap=0.0, int window_left=-1) -> Tensor");
   // logits [N, V] fp32/bf16/fp16 -> (entropy fp32 [N], max_prob fp32 [N], token int64 [N]).
   m.def("entropy_sample(Tensor logits, float temperature, int seed, int offset) -> (Tensor, Tensor, Tensor)");
   // tokens [B, K] int64 (mutated), proposals [B, K] int64, entropy / max_prob [B, K] fp32; rule "eb" | "entropy" |

@@ -255,8 +255,20 @@ class SBDForwardPlan:
     n_valid: torch.Tensor  # [B] int32
     layers_done: int = 0
 
-    def attend(self, module, query, key, value, scaling: float, dropout: float = 0.0) -> torch.Tensor:
-        """block_attention of this forward's rows over layer ``module.layer_idx``'s cache; returns [B, T, Hq, D]."""
+    def attend(
+        self,
+        module,
+        query,
+        key,
+        value,
+        scaling: float,
+        dropout: float = 0.0,
+        softcap: float | None = None,
+        window_left: int = -1,
+    ) -> torch.Tensor:
+        """block_attention of this forward's rows over layer ``module.layer_idx``'s cache; returns [B, T, Hq, D].
+
+        ``softcap`` / ``window_left``: the layer's attention features (:mod:`sbd_ext.families`), kernel parameters."""
         if dropout != 0.0:
             raise RuntimeError("SBD decoding does not support attention dropout: call model.eval()")
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -269,7 +281,17 @@ class SBDForwardPlan:
         if layer.keys.dtype != query.dtype:
             raise TypeError(f"SBDCache holds {layer.keys.dtype} but the model computes in {query.dtype}")
         out = ops.block_attention(
-            query, key, value, layer.keys, layer.values, self.cache_lens, self.n_commit, self.n_valid, scaling
+            query,
+            key,
+            value,
+            layer.keys,
+            layer.values,
+            self.cache_lens,
+            self.n_commit,
+            self.n_valid,
+            scaling,
+            softcap,
+            window_left,
         )
         self.layers_done += 1
         return out

@@ -6,8 +6,12 @@
 * ``"sbd"`` with :class:`transformers.masking_utils.AttentionMaskInterface` -> :func:`sbd_mask`,
 
 so ``LlamaForCausalLM.from_pretrained(path, attn_implementation="sbd")``, ``config._attn_implementation = "sbd"``
-and ``model.set_attn_implementation("sbd")`` all work, for Llama and every model whose attention calls
-``ALL_ATTENTION_FUNCTIONS.get_interface(...)``.
+and ``model.set_attn_implementation("sbd")`` all work, for the model families of :mod:`sbd_ext.families`.
+
+The model's family must be in :data:`sbd_ext.families.FAMILIES` (checked per call, before any work): its
+attention features reach the kernel as parameters -- ``softcap`` (logit soft-capping) and ``sliding_window``
+(``window_left = sliding_window - 1``), as transformers passes them to this function -- on every route below; a
+feature the kernel has no parameter for (gpt-oss's ``s_aux``) is refused, never dropped.
 
 How a forward is routed (decided per layer call, in this order):
 
@@ -16,17 +20,20 @@ How a forward is routed (decided per layer call, in this order):
    ``attention_interface(..., **kwargs)``): ``key``/``value`` are this forward's new rows only (``SBDCache.update``
    stores nothing) and :func:`sbd_ext.ops.block_attention` attends over the plan's cache + the new rows, appending
    the committed rows' K/V to the cache in place.
-2. **Plain causal, no grad.** :func:`sbd_mask` returns ``None`` exactly when the mask is the plain causal one
-   (causal mask function, no padding, keys = every cached token followed by the queries). Then ``key``/``value`` are
-   the full keys (e.g. what ``DynamicCache.update`` returned) and the last ``T`` of them are the queries' own rows:
-   :func:`~sbd_ext.ops.block_attention` runs with ``cache_lens = S - T`` and ``n_commit = n_valid = T``.
+2. **Plain causal or sliding-window causal, no grad.** :func:`sbd_mask` returns ``None`` exactly when the mask is
+   the plain causal one, or the plain sliding-window causal one of a family whose window is a kernel parameter (no
+   padding, keys = consecutive tokens ending with the queries: every cached token, or the last ``W - 1`` of them
+   that a sliding cache layer keeps). Then ``key``/``value`` end with the queries' own ``T`` rows:
+   :func:`~sbd_ext.ops.block_attention` runs with ``cache_lens = S - T``, ``n_commit = n_valid = T`` and the
+   layer's window (positions relative to the first key, which the window only compares by difference).
 3. **Fallback to transformers' SDPA path** (:func:`transformers.integrations.sdpa_attention.sdpa_attention_forward`)
    for everything else: a materialised 4D mask (padding, custom 4D masks, sliding/chunked/bidirectional or
    ``or``/``and`` mask functions, static caches), autograd (any of q/k/v requires grad while grad mode is on:
-   the kernel has no backward), dropout in training mode, ``softcap``/``sliding_window``/``s_aux`` kwargs,
-   dtypes or devices without an ``sbd_ext`` kernel. With a ``None`` mask and ``1 < T < S`` (a multi-token forward on
-   top of a cache) the fallback builds the lower-right causal mask itself, because SDPA's ``is_causal`` is
-   upper-left aligned and transformers' SDPA path would crop the keys.
+   the kernel has no backward), dropout in training mode, ``output_attentions``, dtypes or devices without an
+   ``sbd_ext`` kernel. With a ``None`` mask and ``1 < T < S`` (a multi-token forward on top of a cache), or a
+   sliding window, the fallback builds the lower-right (sliding) causal mask itself, because SDPA's ``is_causal``
+   is upper-left aligned and transformers' SDPA path would crop the keys. With ``softcap`` the fallback is an eager
+   attention (the one of transformers' Gemma-2: scale, soft-cap, mask, fp32 softmax), which SDPA cannot do.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils.import_utils import is_tracing
 
-from . import ops
+from . import families, ops
 
 __all__ = ["ATTN_IMPLEMENTATION", "sbd_attention_forward", "sbd_mask", "register", "kernel_available"]
 
@@ -83,27 +90,28 @@ def sbd_mask(
 ) -> torch.Tensor | None:
     """The ``"sbd"`` entry of ``AttentionMaskInterface``.
 
-    Returns ``None`` iff the mask is plain causal over *all* keys -- the causal mask function, no local window, no
-    padding in ``attention_mask``, and the keys are exactly the ``q_offset`` cached tokens followed by the
-    ``q_length`` queries (``kv_offset == 0``, ``kv_length == q_offset + q_length``; not true for static caches,
-    whose keys are the whole preallocated buffer). :func:`sbd_attention_forward` reads ``None`` as "lower-right
-    aligned causal" and runs the block-attention kernel. In every other case the mask is materialised exactly as
-    ``sdpa_mask`` builds it (4D boolean, never skipped), which sends the layer to the SDPA fallback. In particular a
-    ``None`` never means "bidirectional", unlike ``sdpa_mask(..., allow_is_bidirectional_skip=True)``.
+    Returns ``None`` iff the mask is plain causal, or plain sliding-window causal (:func:`_plain_sliding`), over
+    consecutive keys that end with the queries -- no padding in ``attention_mask``, and ``kv_offset + kv_length ==
+    q_offset + q_length`` (keys = every cached token, or the last ``W - 1`` a sliding cache layer keeps; not true
+    for static caches, whose keys are the whole preallocated buffer). :func:`sbd_attention_forward` reads ``None``
+    as "lower-right aligned causal, within the layer's ``sliding_window``" and runs the block-attention kernel. In
+    every other case the mask is materialised exactly as ``sdpa_mask`` builds it (4D boolean, never skipped), which
+    sends the layer to the fallback. In particular a ``None`` never means "bidirectional", unlike
+    ``sdpa_mask(..., allow_is_bidirectional_skip=True)``.
     """
+    causal = mask_function is causal_mask_function and local_size is None
     plain = (
         allow_is_causal_skip
-        and mask_function is causal_mask_function
-        and local_size is None
+        and (causal or _plain_sliding(local_size, kwargs))
         and not isinstance(kv_offset, torch.Tensor)
-        and kv_offset == 0
+        and kv_offset >= 0
     )
     if plain and isinstance(q_offset, torch.Tensor):
         plain = not is_tracing(q_offset) and q_offset.numel() == 1
         q_offset_int = int(q_offset) if plain else -1
     else:
         q_offset_int = q_offset
-    plain = plain and kv_length == q_offset_int + q_length
+    plain = plain and kv_offset + kv_length == q_offset_int + q_length
     if plain and attention_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, :kv_length]
         # One host sync, as sdpa_mask's own skip check does.
@@ -125,6 +133,19 @@ def sbd_mask(
     )
 
 
+def _plain_sliding(local_size: int | None, kwargs: dict) -> bool:
+    """Whether a mask request is transformers' plain sliding-window causal mask of a family whose window the kernel
+    takes as a parameter: ``create_sliding_window_causal_mask`` passes ``local_size = config.sliding_window`` and
+    turns the skip off (``allow_is_causal_skip=False``, checked by the caller) or builds with vmap whenever it adds
+    anything (extra mask functions, packed sequences, block overlays); the family table says the model passes the
+    same window to its attention as ``sliding_window``."""
+    config = kwargs.get("config")
+    if local_size is None or config is None or kwargs.get("use_vmap", False):
+        return False
+    family = families.FAMILIES.get(getattr(config, "model_type", None), {})
+    return family.get("sliding_window") == families.KERNEL and local_size == getattr(config, "sliding_window", None)
+
+
 # --------------------------------------------------------------------------------------------------------
 # attention function
 # --------------------------------------------------------------------------------------------------------
@@ -137,7 +158,7 @@ def _kernel_ok(module, query, key, value, attention_mask, dropout, is_causal, kw
         return False
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         return False
-    if any(kwargs.get(k) is not None for k in ("softcap", "sliding_window", "s_aux", "position_bias")):
+    if kwargs.get("position_bias") is not None:
         return False
     if kwargs.get("output_attentions", False):
         return False
@@ -152,12 +173,57 @@ def _kernel_ok(module, query, key, value, attention_mask, dropout, is_causal, kw
     return kernel_available(query.device)
 
 
-def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+def _check_family(module) -> None:
+    """Read the family table (once per config object), so that an unsupported model fails before any work. Not on
+    the SBD decoding route: sbd_ext.generate checks the model before its first forward (and that route is compiled
+    with ``compile=True``)."""
+    config = getattr(module, "config", None)
+    if config is not None and _checked_configs.get(id(config)) is not config:
+        families.check_config(config)
+        _checked_configs[id(config)] = config
+
+
+def _features(kwargs: dict) -> tuple[float | None, int]:
+    """(softcap, window_left) of this layer call, from what transformers passes; refuses what the kernel cannot do."""
+    if kwargs.get("s_aux") is not None:
+        raise families.UnsupportedModelError(
+            "the sbd attention has no attention sinks (s_aux, gpt-oss): " + families.FEATURES["attention_sinks"]
+        )
+    softcap = kwargs.get("softcap")
+    return (float(softcap) if softcap else None), families.window_left(kwargs.get("sliding_window"))
+
+
+# id(config) -> config: the configs whose family was checked (a config object's model type does not change).
+_checked_configs: dict[int, Any] = {}
+
+
+def _eager_fallback(module, query, key, value, attention_mask, dropout, scaling, softcap):
+    """transformers' eager attention of Gemma-2 (scale, soft-cap, mask, fp32 softmax, dropout), with GQA."""
+    g = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    w = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        w = w.masked_fill(~mask, torch.finfo(w.dtype).min) if mask.dtype == torch.bool else w + mask
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    w = torch.nn.functional.dropout(w, p=dropout, training=module.training)
+    return torch.matmul(w, value).transpose(1, 2).contiguous(), None
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap, window, kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and 1 < q_len < kv_len:
-        # sbd_mask only returns None for a lower-right aligned causal mask; SDPA's is_causal is upper-left aligned.
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-        attention_mask = attention_mask[None, None]
+    if attention_mask is None and (1 < q_len < kv_len or window >= 0 or softcap is not None):
+        # sbd_mask only returns None for a lower-right aligned (sliding) causal mask; SDPA's is_causal is upper-left
+        # aligned and knows no window, and the eager path has no is_causal. Query i sits at key position
+        # kv_len - q_len + i.
+        pos = torch.arange(q_len, device=query.device).view(-1, 1) + (kv_len - q_len)
+        j = torch.arange(kv_len, device=query.device).view(1, -1)
+        attention_mask = ((j <= pos) & ((j >= pos - window) if window >= 0 else True))[None, None]
+    if softcap is not None:
+        return _eager_fallback(module, query, key, value, attention_mask, dropout, scaling, softcap)
+    kwargs = {k: v for k, v in kwargs.items() if k != "softcap"}
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
@@ -181,10 +247,14 @@ def sbd_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap, window = _features(kwargs)
     if sbd_plan is not None:
-        return sbd_plan.attend(module, query, key, value, scaling, dropout), None
+        return sbd_plan.attend(module, query, key, value, scaling, dropout, softcap=softcap, window_left=window), None
+    _check_family(module)
     if not _kernel_ok(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
-        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        return _fallback(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap, window, kwargs
+        )
 
     B, _, T, _ = query.shape
     S = key.shape[2]
@@ -197,7 +267,7 @@ def sbd_attention_forward(
     v_new = value[:, :, past:].clone()
     lens = torch.full((B,), past, dtype=torch.int32, device=query.device)
     rows = torch.full((B,), T, dtype=torch.int32, device=query.device)
-    out = ops.block_attention(query, k_new, v_new, key, value, lens, rows, rows, scaling)
+    out = ops.block_attention(query, k_new, v_new, key, value, lens, rows, rows, scaling, softcap, window)
     return out, None
 
 

@@ -58,6 +58,8 @@ def block_attention(
     n_commit: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Attention of T new rows over a KV cache plus themselves, appending the committed rows' K/V in place.
 
@@ -71,6 +73,12 @@ def block_attention(
         n_valid: [B] valid new rows per sequence; rows [n_commit, n_valid) are a set block that attends
             bidirectionally to every valid new row; rows >= n_valid are padding (output 0). Default T.
         scale: softmax scale, default D ** -0.5.
+        softcap: logit soft-capping (Gemma-2's ``attn_logit_softcapping``): the scaled scores s become
+            ``softcap * tanh(s / softcap)`` before the mask and softmax. None or 0: off. A finite number >= 0.
+        window_left: sliding window (FlashInfer's ``window_left``): new row i of sequence b sits at position
+            ``cache_lens[b] + i`` (cache row j at j) and sees only keys at positions ``>= position - window_left``,
+            on top of the causal / set-block rule (a set-block row still sees the block rows after it).
+            transformers' ``sliding_window = W`` (``kv > q - W``) is ``window_left = W - 1``. -1: no window.
 
     Returns:
         [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32.
@@ -91,7 +99,13 @@ def block_attention(
         n_valid = torch.full((B,), T, dtype=torch.int32, device=q.device)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return torch.ops.sbd_ext.block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, float(scale))
+    softcap = 0.0 if softcap is None else _as_float(softcap, "block_attention", "softcap")
+    window_left = _as_int(window_left, "block_attention", "window_left")
+    if not _I64_MIN <= window_left < _I64_END:
+        raise ValueError(f"block_attention: window_left must be >= 0 or -1 (no window), got {window_left}")
+    return torch.ops.sbd_ext.block_attention(
+        q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, float(scale), softcap, window_left
+    )
 
 
 def check_cuda_errors() -> None:
@@ -171,7 +185,7 @@ def mask_replace(
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
 @torch.library.register_fake("sbd_ext::block_attention")
-def _block_attention_fake(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale):
+def _block_attention_fake(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap=0.0, window_left=-1):
     B, Hq, T, D = q.shape
     return q.new_empty((B, T, Hq, D))
 

@@ -29,13 +29,16 @@ MODEL_TOLERANCE_FP32 = (2e-5, 1e-4)
 # block_attention
 # --------------------------------------------------------------------------------------------------------
 def block_attention_mask(
-    cache_lens: torch.Tensor, n_commit: torch.Tensor, n_valid: torch.Tensor, T: int, S: int
+    cache_lens: torch.Tensor, n_commit: torch.Tensor, n_valid: torch.Tensor, T: int, S: int, window_left: int = -1
 ) -> torch.Tensor:
     """Boolean mask [B, T, S + T]: may new row i of sequence b attend to key column c?
 
     Columns 0..S-1 are cache slots, S..S+T-1 the new rows of this forward. Row i < n_commit[b] is committed
     (causal over the new rows), n_commit[b] <= i < n_valid[b] is a set-block row (sees every valid new row),
-    rows >= n_valid[b] are padding (see nothing).
+    rows >= n_valid[b] are padding (see nothing). Sliding window (``window_left >= 0``; -1 = none): positions are
+    cache slot j -> j, new row i -> cache_lens[b] + i (committed and set-block rows alike), and a row at position
+    p also needs the key's position >= p - window_left -- transformers' ``kv > q - sliding_window`` with
+    ``window_left = sliding_window - 1``. A set-block row keeps seeing the block rows after it.
     """
     dev = cache_lens.device
     lens = cache_lens.long().view(-1, 1, 1)
@@ -47,6 +50,10 @@ def block_attention_mask(
     row_valid = i < nv
     cache_ok = (col_cache < lens) & row_valid
     new_ok = (col_new < nv) & row_valid & ((i >= c) | (col_new <= i))
+    if window_left >= 0:
+        first = lens + i - window_left  # [B, T, 1]: the first key position each row sees
+        cache_ok = cache_ok & (col_cache >= first)
+        new_ok = new_ok & (lens + col_new >= first)
     return torch.cat([cache_ok, new_ok], dim=-1)
 
 
@@ -81,10 +88,14 @@ def block_attention(
     n_commit: torch.Tensor,
     n_valid: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Dense masked softmax in fp32; appends committed K/V to the caches in place.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D]; cache_lens, n_commit, n_valid [B].
+    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) before the mask (transformers' eager
+    Gemma-2 attention); window_left: the sliding window of :func:`block_attention_mask`.
     Returns [B, T, Hq, D] in q's dtype; padding rows are zero.
     """
     B, Hq, T, D = q.shape
@@ -92,8 +103,10 @@ def block_attention(
     g = Hq // Hkv
     keys = torch.cat([k_cache.float(), k.float()], dim=2).repeat_interleave(g, dim=1)  # [B, Hq, S+T, D]
     vals = torch.cat([v_cache.float(), v.float()], dim=2).repeat_interleave(g, dim=1)
-    mask = block_attention_mask(cache_lens, n_commit, n_valid, T, S)  # [B, T, S+T]
+    mask = block_attention_mask(cache_lens, n_commit, n_valid, T, S, window_left)  # [B, T, S+T]
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), keys) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
     out = torch.einsum("bhts,bhsd->bthd", probs, vals)

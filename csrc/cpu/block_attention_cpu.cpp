@@ -40,8 +40,8 @@ bool rows_are_matrices(const sbd_cpu::BlockAttentionParams& p) {
 
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
-                               const at::Tensor& n_valid, double scale) {
-  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
+                               const at::Tensor& n_valid, double scale, double softcap, int64_t window_left) {
+  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap, window_left);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), S = k_cache.size(2);
   const std::vector<int64_t> lens = host_lengths(cache_lens), commit = host_lengths(n_commit),
                              valid = host_lengths(n_valid);
@@ -50,7 +50,7 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   if (B == 0 || T == 0) return out;
 
   sbd_cpu::BlockAttentionParams p;
-  fill_block_attention_params(p, q, k, v, k_cache, v_cache, out, scale);
+  fill_block_attention_params(p, q, k, v, k_cache, v_cache, out, scale, softcap, window_left);
   p.cache_lens = lens.data();
   p.n_commit = commit.data();
   p.n_valid = valid.data();

@@ -14,6 +14,10 @@
 // Accumulation is fp32; the rescale is fused into the load of the accumulators. Padding rows (>= n_valid) take
 // no lanes and are written as zeros.
 //
+// Model features (sbd/block_attention_params.h): soft-capping maps the scaled scores before the mask (softmax_tile,
+// row_block); a sliding window starts each unit's cache range at the first row its first lane sees (split_range)
+// and masks, per block, the keys before each lane's window (block_bounds) with the same mask as the causal rule.
+//
 // A unit with fewer lanes than a vector (NTP decode: T = 1, g = 4 is 4 of 16 lanes) takes the rows path instead
 // (row_block): vectors run along the keys and the head dimension, at the price of transposing each K block.
 // At NTP decode shapes it is the faster of the two paths (bench/bench_block_attention.py; bench/results/cpu_ops.csv).
@@ -115,18 +119,24 @@ inline MicroKernel micro_kernel_for(int64_t ri, int64_t rm) { return kMicroKerne
 
 // One block of nb keys for the lanes [0, nvec * W) of a tile. The scores st [nb][ld] become e^(s - offset) in
 // place; the lanes' running (m, l) absorb the block and alpha receives the factor their earlier accumulators
-// must be scaled by. The vector form of sbd::SoftmaxState::push_block. lim (null outside the new-rows block)
-// carries the causal mask: key j0 + n is hidden from a lane when j0 + n > lim[lane].
-void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, const float* lim, int64_t j0, float* run_m,
-                  float* run_l, float* alpha) {
+// must be scaled by. The vector form of sbd::SoftmaxState::push_block. The scores are soft-capped first when
+// softcap > 0 (sbd::soft_cap). lo / hi (both null when no key of the block is hidden from any lane) carry the mask
+// (block_bounds): key n is visible to a lane when lo[lane] <= n <= hi[lane].
+void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, float softcap, const float* lo, const float* hi,
+                  float* run_m, float* run_l, float* alpha) {
   const Vec ninf(-INFINITY), zero(0.f);
   for (int64_t j = 0; j < nvec; ++j) {
     float* col = st + j * W;
+    if (softcap > 0.f) {
+      const Vec cap(softcap);
+      for (int64_t n = 0; n < nb; ++n) (cap * (Vec::loadu(col + n * ld) / cap).tanh()).store(col + n * ld);
+    }
     Vec bmax(-INFINITY);
-    if (lim != nullptr) {
-      const Vec vlim = Vec::loadu(lim + j * W);
+    if (hi != nullptr) {
+      const Vec vlo = Vec::loadu(lo + j * W), vhi = Vec::loadu(hi + j * W);
       for (int64_t n = 0; n < nb; ++n) {
-        const Vec s = Vec::blendv(Vec::loadu(col + n * ld), ninf, Vec(static_cast<float>(j0 + n)) > vlim);
+        const Vec vn(static_cast<float>(n));
+        const Vec s = Vec::blendv(Vec::loadu(col + n * ld), ninf, (vn > vhi) | (vn < vlo));
         s.store(col + n * ld);
         bmax = at::vec::maximum(bmax, s);
       }
@@ -183,7 +193,8 @@ inline int64_t tiled_index(int64_t D, int64_t d, int64_t m) {
 
 // Per-thread working set, sized for the largest panel.
 struct Workspace {
-  Buffer qt, ot, st, kf, vf, kt, ones, lim, run_m, run_l, alpha, tile_lim;
+  Buffer qt, ot, st, kf, vf, kt, ones, lim, run_m, run_l, alpha, tile_lim, lo, hi;
+  std::unique_ptr<int64_t[]> first;  // per lane: the first key position its window shows (0 without a window)
   explicit Workspace(const BlockAttentionParams& p)
       : qt(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
         ot(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
@@ -196,7 +207,10 @@ struct Workspace {
         run_m(alloc_floats(p.panel_lanes)),
         run_l(alloc_floats(p.panel_lanes)),
         alpha(alloc_floats(kTileLanes)),
-        tile_lim(alloc_floats(tiled_lanes(p.panel_lanes) / kTileLanes)) {
+        tile_lim(alloc_floats(tiled_lanes(p.panel_lanes) / kTileLanes)),
+        lo(alloc_floats(kTileLanes)),
+        hi(alloc_floats(kTileLanes)),
+        first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]) {
     std::fill(ones.get(), ones.get() + kTileLanes, 1.f);
     std::fill(kt.get(), kt.get() + p.D * kBlock, 0.f);  // its ragged columns are computed on, then masked
   }
@@ -244,12 +258,13 @@ void append_and_pad(const BlockAttentionParams& p, const Unit& u) {
       std::memset(out_row<T>(p, u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
 }
 
-// The cache rows [c0, c1) of a unit's split: equal shares rounded to whole blocks of kBlock rows (for both paths,
-// so the partial states line up); the new rows go with the last split.
+// The cache rows [c0, c1) of a unit's split: the rows from the first one a sliding window shows (0 without one)
+// to cache_lens[b], in equal shares rounded to whole blocks of kBlock rows (for both paths, so the partial states
+// line up); the new rows go with the last split.
 inline std::pair<int64_t, int64_t> split_range(const BlockAttentionParams& p, const Unit& u) {
-  const int64_t len = p.cache_len(u.b);
-  const int64_t share = ((len + p.n_splits - 1) / p.n_splits + kBlock - 1) / kBlock * kBlock;
-  const int64_t c0 = std::min(len, u.split * share), c1 = std::min(len, c0 + share);
+  const int64_t len = p.cache_len(u.b), start = p.first_cache_row(len);
+  const int64_t share = ((len - start + p.n_splits - 1) / p.n_splits + kBlock - 1) / kBlock * kBlock;
+  const int64_t c0 = std::min(len, start + u.split * share), c1 = std::min(len, c0 + share);
   return {c0, c1};
 }
 
@@ -263,27 +278,49 @@ Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
 }
 
 // The unit's keys in blocks of at most `rows`: its split's cache rows, then (last split only) the new rows, as
-// fn(k rows, k row stride, v rows, v row stride, n rows, j0), j0 = -1 for cache rows (all visible) and the index of
-// the first new row otherwise (masked). max_lim: the last new row any lane of the unit sees -- the causal skip:
-// no block past it is visited (matters when T is long, e.g. a prefill).
+// fn(k rows, k row stride, v rows, v row stride, n rows, j0, pos0), j0 = -1 for cache rows (causally visible to
+// all) and the index of the first new row otherwise (masked), pos0 the position of the block's first key.
+// max_lim: the last new row any lane of the unit sees -- the causal skip: no block past it is visited (matters
+// when T is long, e.g. a prefill).
 template <typename T, typename Fn>
 void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t rows, float max_lim, Fn&& fn) {
   const auto [c0, c1] = split_range(p, u);
   const T* kc = static_cast<const T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh;
   const T* vc = static_cast<const T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh;
   for (int64_t j = c0; j < c1; j += rows)
-    fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, std::min(rows, c1 - j), int64_t{-1});
+    fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, std::min(rows, c1 - j), int64_t{-1}, j);
   if (u.split != p.n_splits - 1) return;
   const T* kn = static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh;
   const T* vn = static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh;
   const int64_t new_end = max_lim >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim) + 1;
+  const int64_t len = p.cache_len(u.b);
   for (int64_t j = 0; j < new_end; j += rows)
-    fn(kn + j * p.k_st, p.k_st, vn + j * p.v_st, p.v_st, std::min(rows, new_end - j), j);
+    fn(kn + j * p.k_st, p.k_st, vn + j * p.v_st, p.v_st, std::min(rows, new_end - j), j, len + j);
 }
 
 // The last new row lane (head h, row t) sees: a committed row (t < n_commit) sees new rows 0..t, a set-block row
 // every valid new row.
 inline float lane_limit(int64_t t, int64_t n_commit) { return t < n_commit ? static_cast<float>(t) : INFINITY; }
+
+// The first key position lane (row t) sees: the start of its sliding window, at the row's position cache_len + t.
+inline int64_t lane_first_key(const BlockAttentionParams& p, int64_t cache_len, int64_t t) {
+  return sbd::window_first_key(cache_len + t, p.window_left);
+}
+
+// The mask of one block of nb keys, the first at position pos0 (new-row index j0, or -1 for cache rows), for n
+// lanes with limits lim (lane_limit; -1 for padding lanes) and window starts first: key i is visible to lane m when
+// lo[m] <= i <= hi[m]. Returns false, leaving lo / hi unspecified, when every key is visible to every lane.
+inline bool block_bounds(const float* lim, const int64_t* first, int64_t n, int64_t nb, int64_t j0, int64_t pos0,
+                         float* lo, float* hi) {
+  bool masked = false;
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t f = first[m] - pos0;  // keys before it are outside the window; exact in fp32 once clamped to nb
+    lo[m] = f <= 0 ? 0.f : static_cast<float>(std::min(f, nb));
+    hi[m] = j0 < 0 ? INFINITY : lim[m] - static_cast<float>(j0);  // both at most T: exact
+    masked = masked || f > 0 || hi[m] < static_cast<float>(nb - 1);
+  }
+  return masked;
+}
 
 // A unit's result from its running softmax state (run_m, run_l per lane) and unnormalised accumulator acc(d, m):
 // with one split the output rows (zeros when no key block was seen: first), else its partial state for
@@ -325,9 +362,8 @@ class UnitRunner {
     rows_ = u.lanes < W && p_.D % W == 0;
     pack_queries(u);
     first_ = true;
-    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
-      block(u, kp, ks, vp, vs, nb, j0);
-    };
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0,
+                           int64_t pos0) { block(u, kp, ks, vp, vs, nb, j0, pos0); };
     for_each_key_block<T>(p_, u, kBlock, max_lim_, visit);
     finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
                    [&](int64_t d, int64_t m) { return ws_.ot[q_index(d, m)]; });
@@ -335,9 +371,9 @@ class UnitRunner {
 
  private:
   // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
-  // the padding lanes up to mp), and its max per tile and over the unit; state reset.
+  // the padding lanes up to mp), and its max per tile and over the unit; first = its window start; state reset.
   void pack_queries(const Unit& u) {
-    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b);
+    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b), len = p_.cache_len(u.b);
     float* qt = ws_.qt.get();
     max_lim_ = -1.f;
     for (int64_t m = 0; m < mp; ++m) {
@@ -347,9 +383,11 @@ class UnitRunner {
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = static_cast<float>(q[d]) * p_.scale;
         ws_.lim[m] = lane_limit(t, c);
+        ws_.first[m] = lane_first_key(p_, len, t);
       } else {
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = 0.f;
         ws_.lim[m] = -1.f;
+        ws_.first[m] = 0;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
@@ -359,8 +397,9 @@ class UnitRunner {
     }
   }
 
-  // Keys j0 .. j0 + nb of the new rows (j0 >= 0, masked) or nb cache rows (j0 < 0, all visible).
-  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
+  // Keys j0 .. j0 + nb of the new rows (j0 >= 0, masked) or nb cache rows (j0 < 0, causally visible), the first
+  // at position pos0.
+  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0, int64_t pos0) {
     const int64_t D = p_.D;
     const float* kf;
     const float* vf;
@@ -378,20 +417,21 @@ class UnitRunner {
       kfs = vfs = D;
     }
     if (rows_) {
-      row_block(u, kf, kfs, vf, vfs, nb, j0);
+      row_block(u, kf, kfs, vf, vfs, nb, j0, pos0);
     } else {
-      lane_block(u, kf, kfs, vf, vfs, nb, j0);
+      lane_block(u, kf, kfs, vf, vfs, nb, j0, pos0);
     }
     first_ = false;
   }
 
   // Lanes path: the lanes are the vector axis of both products (see the file comment).
-  void lane_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0) {
+  void lane_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0,
+                  int64_t pos0) {
     const int64_t D = p_.D, mp = u.mp;
     float* st = ws_.st.get();
     for (int64_t m0 = 0; m0 < mp; m0 += kTileLanes) {
       // A tile none of whose lanes sees these new rows is left as is (alpha = 1, p = 0). Never the unit's first
-      // block: that is a cache block, or new rows from 0, which every valid lane sees.
+      // block: that is a cache block, or new rows from 0, which are within every valid lane's causal limit.
       if (j0 > ws_.tile_lim[m0 / kTileLanes]) continue;
       const int64_t rm = std::min<int64_t>(kRM, (mp - m0) / W);
       for (int64_t n = 0; n < nb; n += kRI) {
@@ -399,8 +439,10 @@ class UnitRunner {
         micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0 * D, kTileLanes, st + n * kTileLanes,
                                  kTileLanes, D, nullptr);
       }
-      softmax_tile(st, kTileLanes, nb, rm, j0 >= 0 ? ws_.lim.get() + m0 : nullptr, j0, ws_.run_m.get() + m0,
-                   ws_.run_l.get() + m0, ws_.alpha.get());
+      const bool masked = block_bounds(ws_.lim.get() + m0, ws_.first.get() + m0, rm * W, nb, j0, pos0, ws_.lo.get(),
+                                       ws_.hi.get());
+      softmax_tile(st, kTileLanes, nb, rm, p_.softcap, masked ? ws_.lo.get() : nullptr,
+                   masked ? ws_.hi.get() : nullptr, ws_.run_m.get() + m0, ws_.run_l.get() + m0, ws_.alpha.get());
       for (int64_t d = 0; d < D; d += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, D - d);
         micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + m0 * D + d * kTileLanes, kTileLanes,
@@ -414,7 +456,8 @@ class UnitRunner {
   //   softmax along each row           (sbd::SoftmaxState per lane)
   //   O = O * alpha + P . V            (broadcast a probability, FMA a vector of V's head dimension)
   // Every vector is full however few lanes there are; the price is the transpose of each K block.
-  void row_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0) {
+  void row_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0,
+                 int64_t pos0) {
     const int64_t D = p_.D, lanes = u.lanes, nbw = (nb + W - 1) / W * W;  // kBlock is a multiple of W
     float* kt = ws_.kt.get();
     float* st = ws_.st.get();  // [lanes][kBlock]
@@ -430,10 +473,15 @@ class UnitRunner {
     const Vec ninf(-INFINITY);
     for (int64_t m = 0; m < lanes; ++m) {
       float* row = st + m * kBlock;
+      if (p_.softcap > 0.f) {
+        const Vec cap(p_.softcap);
+        for (int64_t n = 0; n < nbw; n += W) (cap * (Vec::loadu(row + n) / cap).tanh()).store(row + n);
+      }
       for (int64_t n = nb; n < nbw; ++n) row[n] = -INFINITY;  // the transposed block's ragged edge
-      const float lim = ws_.lim[m];  // causal mask of the new rows: key j0 + n is hidden when j0 + n > lim
-      if (j0 >= 0 && lim < static_cast<float>(j0 + nb))
-        for (int64_t n = std::max<int64_t>(0, static_cast<int64_t>(lim) + 1 - j0); n < nb; ++n) row[n] = -INFINITY;
+      float lo, hi;  // the causal / set-block rule and the window (block_bounds): keys outside [lo, hi] are hidden
+      if (block_bounds(ws_.lim.get() + m, ws_.first.get() + m, 1, nb, j0, pos0, &lo, &hi))
+        for (int64_t n = 0; n < nb; ++n)
+          if (static_cast<float>(n) < lo || static_cast<float>(n) > hi) row[n] = -INFINITY;
       Vec vmax = ninf;
       for (int64_t n = 0; n < nbw; n += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + n));
       const float bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
@@ -486,7 +534,8 @@ class UnitRunner {
 constexpr int64_t kGemmBlock = 2 * kBlock;
 
 struct GemmWorkspace {
-  Buffer st, o, run_m, run_l, alpha, lim;
+  Buffer st, o, run_m, run_l, alpha, lim, lo, hi;
+  std::unique_ptr<int64_t[]> first;  // per lane: its window start (UnitRunner's)
   std::unique_ptr<char[]> qt, pm;  // input-type QT [D][mp] and P [lanes][kGemmBlock]
   GemmWorkspace(const BlockAttentionParams& p, size_t elem)
       : st(alloc_floats(kGemmBlock * tiled_lanes(p.panel_lanes))),
@@ -495,6 +544,9 @@ struct GemmWorkspace {
         run_l(alloc_floats(tiled_lanes(p.panel_lanes))),
         alpha(alloc_floats(tiled_lanes(p.panel_lanes))),
         lim(alloc_floats(tiled_lanes(p.panel_lanes))),
+        lo(alloc_floats(tiled_lanes(p.panel_lanes))),
+        hi(alloc_floats(tiled_lanes(p.panel_lanes))),
+        first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
         qt(new char[static_cast<size_t>(p.D * tiled_lanes(p.panel_lanes)) * elem]),
         pm(new char[static_cast<size_t>(p.panel_lanes * kGemmBlock) * elem]) {}
 };
@@ -510,18 +562,18 @@ class GemmUnitRunner {
     if (u.lanes == 0) return;
     pack_queries(u);
     first_ = true;
-    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
-      block(u, kp, ks, vp, vs, nb, j0);
-    };
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0,
+                           int64_t pos0) { block(u, kp, ks, vp, vs, nb, j0, pos0); };
     for_each_key_block<T>(p_, u, kGemmBlock, max_lim_, visit);
     finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
                    [&](int64_t d, int64_t m) { return ws_.o[m * p_.D + d]; });
   }
 
  private:
-  // QT [D][mp] (input type, unscaled; zero beyond the unit's lanes), lim per lane (-1 for the padding lanes), state.
+  // QT [D][mp] (input type, unscaled; zero beyond the unit's lanes), lim per lane (-1 for the padding lanes), the
+  // window starts, state.
   void pack_queries(const Unit& u) {
-    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b);
+    const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b), len = p_.cache_len(u.b);
     max_lim_ = -1.f;
     for (int64_t m = 0; m < mp; ++m) {
       if (m < u.lanes) {
@@ -529,9 +581,11 @@ class GemmUnitRunner {
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = q[d];
         ws_.lim[m] = lane_limit(t, c);
+        ws_.first[m] = lane_first_key(p_, len, t);
       } else {
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = T(0.f);
         ws_.lim[m] = -1.f;
+        ws_.first[m] = 0;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
@@ -539,15 +593,16 @@ class GemmUnitRunner {
     }
   }
 
-  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0) {
+  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0, int64_t pos0) {
     namespace blas = at::native::cpublas;
     const int64_t D = p_.D, mp = u.mp, lanes = u.lanes;
     float* st = ws_.st.get();
     blas::brgemm(nb, mp, D, ks, mp, mp, /*add_C=*/false, kp, qt_, st, /*is_vnni=*/false);
     const Vec scale(p_.scale);
     for (int64_t i = 0; i < nb * mp; i += W) (Vec::loadu(st + i) * scale).store(st + i);
-    softmax_tile(st, mp, nb, mp / W, j0 >= 0 ? ws_.lim.get() : nullptr, j0, ws_.run_m.get(), ws_.run_l.get(),
-                 ws_.alpha.get());
+    const bool masked = block_bounds(ws_.lim.get(), ws_.first.get(), mp, nb, j0, pos0, ws_.lo.get(), ws_.hi.get());
+    softmax_tile(st, mp, nb, mp / W, p_.softcap, masked ? ws_.lo.get() : nullptr, masked ? ws_.hi.get() : nullptr,
+                 ws_.run_m.get(), ws_.run_l.get(), ws_.alpha.get());
     // P = (S^T)^T in the input type, 8 x 8 tiles so that neither side is walked a long stride apart.
     for (int64_t m0 = 0; m0 < lanes; m0 += 8)
       for (int64_t n0 = 0; n0 < nb; n0 += 8)

@@ -21,7 +21,8 @@ void block_attention_plan(BlockAttentionParams& p, int64_t threads) {
   int64_t max_valid = 0, max_len = 0;
   for (int64_t b = 0; b < p.B; ++b) {
     max_valid = std::max(max_valid, p.valid(b));
-    max_len = std::max(max_len, p.cache_len(b));
+    const int64_t len = p.cache_len(b);
+    max_len = std::max(max_len, len - p.first_cache_row(len));  // the rows a sliding window leaves to read
   }
   // Panels: the lanes of the longest sequence cut into near-equal panels of at most kMaxPanelLanes, each a
   // multiple of 16 lanes (the widest vector, AVX-512 fp32).

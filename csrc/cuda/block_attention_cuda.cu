@@ -46,12 +46,12 @@ std::string take_block_attention_cuda_error() { return take_length_error(); }
 
 at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                 at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
-                                const at::Tensor& n_valid, double scale) {
+                                const at::Tensor& n_valid, double scale, double softcap, int64_t window_left) {
   constexpr const char* op = "block_attention";
   // An error an earlier call's kernel found is raised here, at the next call at the latest (like CUDA's own
   // asynchronous errors); sbd_ext.ops.check_cuda_errors() raises it at once.
   raise_length_error();
-  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale);
+  check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap, window_left);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor here, got device ", q.device());
@@ -81,7 +81,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
   const at::Tensor lens = cache_lens.contiguous(), commit = n_commit.contiguous(), valid = n_valid.contiguous();
 
   sbd_cuda::BlockAttentionParams p{};
-  fill_block_attention_params(p, qa, ka, va, k_cache, v_cache, out, scale);
+  fill_block_attention_params(p, qa, ka, va, k_cache, v_cache, out, scale, softcap, window_left);
   p.cache_lens = lens.const_data_ptr();
   p.n_commit = commit.const_data_ptr();
   p.n_valid = valid.const_data_ptr();

@@ -152,3 +152,22 @@ def test_block_attention_merge_many_splits_emulated(so, case, dtype, kernel):
         len_dtype=torch.int32,
     )  # fmt: skip
     assert splits > 32, f"the case should give more partials than lanes, got {splits} splits"
+
+
+FEATURES = [  # (B, Hkv, g, T, D, S, lens, commit, valid, softcap, window_left)
+    (2, 1, 3, 5, 64, 70, [0, 65], [2, 5], [5, 3], 2.0, 3),  # both features, commit + block + padding rows
+    (2, 2, 4, 16, 128, 300, [257, 1], [0, 16], [16, 9], 0.0, 0),  # a window of one key: each row sees itself
+    # 33 cache splits (the capacity sets the count) over the rows the window leaves: [500, 700) of a 700-row cache.
+    (1, 1, 4, 16, 128, 8448, [700], [0], [16], 1.5, 200),
+]
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "mma"), (torch.float32, "simt"), (torch.float16, "simt")])
+@pytest.mark.parametrize("case", FEATURES, ids=lambda c: f"cap{c[9]}-w{c[10]}-S{c[5]}")
+def test_block_attention_features_emulated(so, case, dtype, kernel):
+    """Logit soft-capping and the sliding window (sbd/block_attention_params.h) in both CUDA attention kernels."""
+    B, Hkv, g, T, D, S, lens, commit, valid, softcap, window_left = case
+    emu.check_block_attention(
+        so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms=132, simt=kernel == "simt", seed=T,
+        len_dtype=torch.int32, strided_q=True, softcap=softcap, window_left=window_left,
+    )  # fmt: skip

@@ -209,7 +209,7 @@ def test_train_loop_checkpoint_loading_executes_no_code(tmp_path):
 
     class Evil:
         def __reduce__(self):
-            return (exec, ("import pathlib; pathlib.Path(%r).write_text('ran')" % str(tmp_path / "ran"),))
+            return (exec, (f"import pathlib; pathlib.Path({str(tmp_path / 'ran')!r}).write_text('ran')",))
 
     path = tmp_path / "ckpt.pt"
     torch.save({"step": 1, "model": Evil(), "optimizer": {}, "scheduler": {}, "history": [], "rngs": []}, path)

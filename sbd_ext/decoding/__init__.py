@@ -97,14 +97,14 @@ _MOVED = {
     "_COMPILED_RUN_LOCK": "compiled.COMPILED_RUN_LOCK",
     "_use_sbd_attention": "api._use_sbd_attention",
     "_check_runnable": "api._check_runnable",
-    "_dense_mask": "nocache._dense_mask",
+    "_dense_mask": "sbd_ext.families.reference_mask",
 }
 
 
 def __getattr__(name: str):
     if name in _MOVED:
+        target = _MOVED[name] if _MOVED[name].startswith("sbd_ext.") else f"sbd_ext.decoding.{_MOVED[name]}"
         raise ImportError(
-            f"sbd_ext.decoding.{name} is gone: decoding.py became the package sbd_ext.decoding; use "
-            f"sbd_ext.decoding.{_MOVED[name]}"
+            f"sbd_ext.decoding.{name} is gone: decoding.py became the package sbd_ext.decoding; use {target}"
         )
     raise AttributeError(f"module 'sbd_ext.decoding' has no attribute {name!r}")

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from .. import families
 from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, kernel_available
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
@@ -61,6 +62,7 @@ def generate(
     Returns:
         SBDGenerateOutput.
     """
+    families.check_model(model)  # an unsupported family or attention feature fails before any work
     job = make_job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)

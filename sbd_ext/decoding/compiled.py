@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from .. import ops
+from .. import families, ops
 from ..cache import SBDCache
 from .settings import Job
 from .state import SequenceState
@@ -57,7 +57,7 @@ def _static_forward(model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Te
         # A shortened last block (budget) or a finished sequence reads past its rows: clamped, never used.
         rows = rows.clamp(max=tokens.shape[2] - 1)
         hidden = torch.gather(hidden, 1, rows.unsqueeze(-1).expand(B, block_rows, hidden.shape[-1]))
-    return model.get_output_embeddings()(hidden)
+    return families.lm_logits(model, hidden)  # the head as the model's forward applies it (final soft-capping)
 
 
 _COMPILED: dict[str, object] = {}

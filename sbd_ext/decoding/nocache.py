@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
+from .. import families, reference
 from .sampling import position_key, sample_block, sample_positions
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, block_tensor, finish
 
 __all__ = ["generate_reference"]
-
-
-def _dense_mask(n_clean: int, n_block: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive [1, 1, n, n] mask (0 = attend, finfo.min = not): clean rows causal, block rows see the clean prefix
-    and the whole block. Additive so that it means the same to the eager, SDPA and sbd (fallback) attentions."""
-    n = n_clean + n_block
-    i = torch.arange(n, device=device).view(n, 1)
-    j = torch.arange(n, device=device).view(1, n)
-    allowed = (j <= i) | ((i >= n_clean) & (j >= n_clean))
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min).view(1, 1, n, n)
 
 
 @torch.no_grad()
@@ -39,9 +28,11 @@ def generate_reference(
     return_trace: bool = True,
     **overrides,
 ) -> SBDGenerateOutput:
-    """The no-cache reference decoder: every forward recomputes each sequence with a dense mask through the model's
-    own attention (SDPA/eager; the 'sbd' backend falls back to SDPA for a 4D mask), one sequence at a time, and uses
-    the pure-PyTorch reference samplers. Same arguments and outputs as :func:`generate` (no return_cache)."""
+    """The no-cache reference decoder: every forward recomputes each sequence with a dense mask (sliding layers' with
+    their window: :func:`sbd_ext.families.reference_mask`) through the model's own attention (SDPA/eager; the 'sbd'
+    backend falls back to SDPA, or eager when soft-capping, for a 4D mask), one sequence at a time, and uses the
+    pure-PyTorch reference samplers. Same arguments and outputs as :func:`generate` (no return_cache)."""
+    families.check_model(model)
     job = make_job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
     if job.verify:
         raise ValueError("generate_reference has no verify mode: compare sbd_ext.generate(verify=True) with mode='ntp'")
@@ -62,7 +53,9 @@ def generate_reference(
             out = (
                 model(
                     input_ids=toks,
-                    attention_mask=_dense_mask(len(clean), len(seq.block) if sbd else 0, dtype, device),
+                    attention_mask=families.reference_mask(
+                        model.config, len(clean), len(seq.block) if sbd else 0, dtype, device
+                    ),
                     position_ids=torch.arange(n, device=device).view(1, n),
                     use_cache=False,
                 )

@@ -147,8 +147,9 @@ void emu_gumbel_argmax(const float* x, int64_t N, int64_t V, double temperature,
 // ptrs: q, k, v, k_cache, v_cache, out, cache_lens, n_commit, n_valid.
 // ints: lens_i64, commit_i64, valid_i64, q strides (3), k (3), v (3), k_cache (3), v_cache (3), B, Hq, Hkv, T, S, D.
 // status: the kernel's record of the first invalid sequence (sbd::BlockAttentionStatus, zeroed by the caller).
-int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtype, int num_sms, int force_simt,
-                        int* splits_out, sbd::BlockAttentionStatus* status) {
+// softcap, window_left: the model features (0 and -1: off).
+int emu_block_attention(void** ptrs, const int64_t* ints, double scale, double softcap, int64_t window_left, int dtype,
+                        int num_sms, int force_simt, int* splits_out, sbd::BlockAttentionStatus* status) {
   sbd_cuda::BlockAttentionParams p{};
   p.q = ptrs[0];
   p.k = ptrs[1];
@@ -173,6 +174,8 @@ int emu_block_attention(void** ptrs, const int64_t* ints, double scale, int dtyp
   p.D = ints[23];
   p.status = status;
   p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.window_left = window_left;
   p.force_simt = force_simt != 0;
   sbd_cuda::block_attention_plan(p, num_sms);
   *splits_out = p.splits;

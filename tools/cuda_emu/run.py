@@ -85,7 +85,7 @@ def build(out: pathlib.Path) -> ctypes.CDLL:
     so.emu_set_skew.argtypes = [ctypes.c_uint64]
     so.emu_mask_replace.argtypes = [P, P, P, P, P, P, P, I64, I64, I64, INT, D]
     so.emu_entropy_sample.argtypes = [P, INT, I64, I64, I64, D, ctypes.c_uint64, ctypes.c_uint64, P, P, P, INT, P]
-    so.emu_block_attention.argtypes = [P, P, D, INT, INT, INT, P, P]
+    so.emu_block_attention.argtypes = [P, P, D, D, I64, INT, INT, INT, P, P]
     so.emu_gumbel_bounds.argtypes = [P]
     so.emu_gumbel_argmax.argtypes = [P, I64, I64, D, ctypes.c_uint64, ctypes.c_uint64, P]
     return so
@@ -258,8 +258,9 @@ def check_entropy_sample(so, N, V, dtype, temperature, num_sms, seed, pad=0, off
 
 # ---- block_attention ----------------------------------------------------------------------------------------
 def check_block_attention(
-    so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms, simt, seed, len_dtype, strided_q=False
-):
+    so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms, simt, seed, len_dtype, strided_q=False,
+    softcap=0.0, window_left=-1,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     Hq = Hkv * g
     q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
@@ -282,7 +283,7 @@ def check_block_attention(
         if errors[b] is None:
             sl = slice(b, b + 1)
             e_out[sl] = ref.block_attention(
-                q[sl], k[sl], v[sl], e_kc[sl], e_vc[sl], cl[sl], nc[sl], nv[sl].long(), scale
+                q[sl], k[sl], v[sl], e_kc[sl], e_vc[sl], cl[sl], nc[sl], nv[sl].long(), scale, softcap, window_left
             )
     # q as the transpose of a [B, T, Hq, D] tensor (what a model's projection gives), or contiguous.
     q_strides = (T * Hq * D, D, Hq * D, 1) if strided_q else None
@@ -315,11 +316,12 @@ def check_block_attention(
     splits = ctypes.c_int(0)
     status = BlockAttentionStatus()
     err = so.emu_block_attention(
-        ptrs, ints, scale, DTYPES[dtype], num_sms, int(simt), ctypes.byref(splits), ctypes.byref(status)
-    )
+        ptrs, ints, scale, softcap, window_left, DTYPES[dtype], num_sms, int(simt), ctypes.byref(splits),
+        ctypes.byref(status),
+    )  # fmt: skip
     what = (
         f"block_attention B={B} Hkv={Hkv} g={g} T={T} D={D} S={S} lens={lens} commit={commit} valid={valid} "
-        f"{dtype} sms={num_sms} simt={simt} splits={splits.value}"
+        f"{dtype} sms={num_sms} simt={simt} splits={splits.value} softcap={softcap} window_left={window_left}"
     )
     assert err == 0, f"{what}: error {err}"
     for name, gg in (("q", gq), ("k", gk), ("v", gv), ("k_cache", gkc), ("v_cache", gvc), ("out", out)):

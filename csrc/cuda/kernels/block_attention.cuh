@@ -24,6 +24,9 @@
 //   function the CPU binding runs on the host (block_work). An invalid sequence is given no keys and no append, so
 //   its output rows are zeros and no length whatsoever leads outside a tensor; the new-rows block of its first
 //   kv head and m-tile records it in p.status (the first one found wins) for the binding to raise.
+// - Model features (sbd/block_attention_params.h): soft-capping maps each scaled score before the mask (logit());
+//   a sliding window starts the cache splits at the first row the sequence's first new row sees and hides, per
+//   key, what lies before each row's window (visible()).
 //
 // Two attention kernels with one partial format:
 // - attn_mma_kernel (bf16 / fp16): tensor cores via mma.sync.m16n8k16 (fp32 accumulation), ldmatrix from an
@@ -117,8 +120,10 @@ __device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
     w.n = 0;
     w.key0 = 0;
   } else if (!w.is_new) {
-    const int per = ceil_div(ceil_div(w.L, p.splits), 64) * 64;  // whole 64-key tiles per split
-    w.key0 = min(w.split * per, w.L);
+    // The rows from the first one a sliding window shows (0 without one; < L, so it fits in int) to L.
+    const int start = static_cast<int>(p.first_cache_row(w.L));
+    const int per = ceil_div(ceil_div(w.L - start, p.splits), 64) * 64;  // whole 64-key tiles per split
+    w.key0 = start + min(w.split * per, w.L - start);
     w.n = min(w.L - w.key0, per);
   } else {
     w.key0 = 0;
@@ -130,11 +135,23 @@ __device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
   return w;
 }
 
-// Can packed row `i` (a new-row index) see key `key` (local index in the block's range)?
-__device__ __forceinline__ bool visible(const Work& w, int i, int key) {
+// Can packed row `i` (a new-row index) see key `key` (local index in the block's range)? The causal / set-block
+// rule, and the sliding window: the key's position (cache row key0 + key, or new row L + key) is at least the
+// window start of the row's position L + i.
+__device__ __forceinline__ bool visible(const BlockAttentionParams& p, const Work& w, int i, int key) {
   if (key >= w.n) return false;
+  if (p.window_left >= 0) {
+    const int64_t pos = w.is_new ? static_cast<int64_t>(w.L) + key : static_cast<int64_t>(w.key0) + key;
+    if (pos < sbd::window_first_key(static_cast<int64_t>(w.L) + i, p.window_left)) return false;
+  }
   if (!w.is_new) return true;
   return i < w.nv && (i >= w.c || key <= i);
+}
+
+// A visible raw score q.k as the kernels' base-2 logit: scaled, soft-capped when p.softcap > 0 (sbd::soft_cap, on
+// the scaled score as on the CPU), times log2(e).
+__device__ __forceinline__ float logit(const BlockAttentionParams& p, float dot, float scale_log2) {
+  return p.softcap > 0.f ? sbd::soft_cap(dot * p.scale, p.softcap) * kLog2e : dot * scale_log2;
 }
 
 // The committed rows' K/V into the cache at L: rows j < c (L + c <= S: block_work validated the lengths).
@@ -303,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
         for (int e = 0; e < 2; ++e) {
           const int key = t * kMmaBN + nt * 8 + 2 * tq + e;
           float& x = s[nt][2 * hr + e];
-          x = visible(w, i_row[hr], key) ? x * scale_log2 : -INFINITY;
+          x = visible(p, w, i_row[hr], key) ? logit(p, x, scale_log2) : -INFINITY;
           mx = fmaxf(mx, x);
         }
       }
@@ -470,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
         dot = fmaf(a.z, b.z, dot);
         dot = fmaf(a.w, b.w, dot);
       }
-      const float sc = visible(w, (row0 + rr) / g, key) ? dot * scale_log2 : -INFINITY;
+      const float sc = visible(p, w, (row0 + rr) / g, key) ? logit(p, dot, scale_log2) : -INFINITY;
       float mx = sc;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));

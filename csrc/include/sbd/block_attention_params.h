@@ -6,6 +6,7 @@
 // csrc/cpu/block_attention_kernel.h, sbd_cuda::BlockAttentionParams in csrc/cuda/kernels/block_attention.h).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "sbd/common.h"
@@ -38,6 +39,26 @@ SBD_HD LengthError block_attention_length_error(int64_t cache_len, int64_t n_com
   return LengthError::kNone;
 }
 
+// The attention features of a model (FlashInfer's logits_soft_cap and window_left), one definition for both devices.
+//
+// Logit soft-capping (Gemma-2): a scaled score s becomes cap * tanh(s / cap) before masking and softmax, as
+// transformers' eager attention does; cap = 0 means off.
+SBD_HD float soft_cap(float s, float cap) {
+#if defined(__CUDA_ARCH__)
+  return cap > 0.f ? cap * tanhf(s / cap) : s;
+#else
+  return cap > 0.f ? cap * std::tanh(s / cap) : s;
+#endif
+}
+
+// Sliding window (Mistral, Qwen2, Gemma-2/3): the query row at absolute position p -- cache row j is at position j,
+// new row i at cache_len + i, committed and set-block rows alike -- sees the keys at positions >= p - window_left
+// (transformers' `kv > q - sliding_window`, so window_left = sliding_window - 1), on top of the causal / set-block
+// rule; window_left = -1 means no window. The first visible key position of a row at position `pos`:
+SBD_HD int64_t window_first_key(int64_t pos, int64_t window_left) {
+  return window_left < 0 || pos <= window_left ? 0 : pos - window_left;
+}
+
 // One length of a [B] int32 / int64 array (host or device memory, contiguous).
 SBD_HD int64_t load_length(const void* p, bool is64, int64_t b) {
   return is64 ? static_cast<const int64_t*>(p)[b] : static_cast<const int32_t*>(p)[b];
@@ -59,6 +80,8 @@ struct BlockAttentionParams {
   int64_t kc_sb, kc_sh, kc_st;
   int64_t vc_sb, vc_sh, vc_st;
   float scale;  // softmax scale
+  float softcap;        // > 0: logits soft-capped at softcap (soft_cap above); 0: off
+  int64_t window_left;  // >= 0: sliding window (window_first_key above); -1: off
   // [B] lengths, contiguous, int32 or int64 each (the *_i64 flags): host memory on the CPU (validated by the
   // binding before the kernel runs), device memory on CUDA (validated by the kernel, see block_attention.cuh).
   const void* cache_lens;
@@ -69,6 +92,9 @@ struct BlockAttentionParams {
   SBD_HD int64_t cache_len(int64_t b) const { return load_length(cache_lens, cache_lens_i64, b); }
   SBD_HD int64_t commit(int64_t b) const { return load_length(n_commit, n_commit_i64, b); }
   SBD_HD int64_t valid(int64_t b) const { return load_length(n_valid, n_valid_i64, b); }
+  // The first cache row any new row of a sequence with `len` cached rows sees (its first row's window start): no
+  // key before it is read.
+  SBD_HD int64_t first_cache_row(int64_t len) const { return window_first_key(len, window_left); }
 };
 
 // The first invalid sequence a CUDA launch found (block_attention_status in csrc/cuda/kernels/block_attention.h):
