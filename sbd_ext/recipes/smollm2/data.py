@@ -13,7 +13,7 @@ import torch
 from ...demo import tasks
 from ...training import IGNORE_INDEX
 
-__all__ = ["task_problems", "encode", "make_batches", "prompt_ids", "extract_answer"]
+__all__ = ["task_problems", "encode", "collate", "make_batches", "prompt_ids", "extract_answer"]
 
 extract_answer = tasks.extract_answer
 
@@ -41,14 +41,15 @@ def make_batches(tokenizer, problems, batch_size: int, max_len: int, pad_id: int
         ids, lab = encode(tokenizer, prob)
         cur.append((ids[:max_len], lab[:max_len]))
         if len(cur) == batch_size:
-            out.append(_collate(cur, pad_id))
+            out.append(collate(cur, pad_id))
             cur = []
     if cur:
-        out.append(_collate(cur, pad_id))
+        out.append(collate(cur, pad_id))
     return out
 
 
-def _collate(items, pad_id: int) -> dict:
+def collate(items, pad_id: int) -> dict:
+    """Right-pad ``(input_ids, labels)`` pairs into a batch {input_ids, attention_mask, labels}."""
     L = max(len(i) for i, _ in items)
     ids = torch.full((len(items), L), pad_id, dtype=torch.long)
     lab = torch.full((len(items), L), IGNORE_INDEX, dtype=torch.long)

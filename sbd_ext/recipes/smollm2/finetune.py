@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import adapters
-from ...training import IGNORE_INDEX, sbd_loss, train_loop
+from ...training import IGNORE_INDEX, SBDTrainer, sbd_loss, train_loop
 from . import checkpoint, data
 
-__all__ = ["FinetuneConfig", "OBJECTIVES", "base_model", "train", "run_dir"]
+__all__ = ["FinetuneConfig", "OBJECTIVES", "base_model", "train", "train_with_trainer", "run_dir"]
 
 OBJECTIVES = ("sbd", "ntp")
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -198,6 +198,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     k_rng = random.Random(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     probe = batches[0]
+    before = fixed_batch_losses(model, probe, device)
     t0 = time.perf_counter()
     history = train_loop(
         model,
@@ -225,6 +226,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
         "config": asdict(cfg),
         "trainable_params": n_params,
         "seconds_this_process": round(secs, 1),
+        "fixed_batch_before": before,
         "fixed_batch_after": after,
         "machine": machine(),
         "history": history,
@@ -246,4 +248,65 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     info["artifact_bytes"] = size
     (folder / "train_log.json").write_text(json.dumps(info, indent=1) + "\n")
     log(f"[{cfg.objective}] done: fixed-batch {after}; artifact {size / 1e6:.1f} MB in {folder / 'artifact'}")
+    return info
+
+
+def train_with_trainer(cfg: FinetuneConfig, out: str | os.PathLike, log=print) -> dict:
+    """The SBD objective through :class:`sbd_ext.training.SBDTrainer` (transformers' ``Trainer``): the path that
+    scales past one machine, since ``accelerate launch`` (DDP, FSDP) distributes it with no code of ours; batch =
+    ``cfg.batch_size`` per process. Writes ``<out>/sbd-trainer/`` (artifact + log) from the main process."""
+    from transformers import TrainingArguments
+
+    if cfg.objective != "sbd":
+        raise ValueError("train_with_trainer trains the SBD objective")
+    model, tok, mask_id = base_model("cpu", cfg.block_size_range)
+    n_train = cfg.fixed_data if cfg.fixed_data > 0 else cfg.steps * cfg.batch_size
+    samples = [data.encode(tok, p) for p in data.task_problems("train", n_train, seed=cfg.seed)]
+    samples = [(ids[: cfg.max_len], lab[: cfg.max_len]) for ids, lab in samples]
+    mask_row, params = adapters.prepare(model, mask_id, cfg.method, cfg.lora_rank)
+    folder = Path(out) / "sbd-trainer"
+    args = TrainingArguments(
+        output_dir=str(folder / "trainer"),
+        max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.batch_size,
+        learning_rate=cfg.learning_rate,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_steps,
+        logging_steps=cfg.log_every,
+        report_to=[],
+        save_strategy="no",
+        seed=cfg.seed,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = SBDTrainer(
+        model=model,
+        args=args,
+        train_dataset=samples,
+        data_collator=lambda items: data.collate(items, tok.pad_token_id),
+        block_size_range=cfg.block_size_range,
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    info = {
+        "processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "config": asdict(cfg),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "history": trainer.state.log_history,
+    }
+    if trainer.is_world_process_zero():
+        adapters.save_artifact(
+            model,
+            mask_row,
+            cfg.method,
+            folder / "artifact",
+            {"objective": "sbd", "base_loader": BASE_LOADER, "sbd_block_size_range": list(cfg.block_size_range)},
+        )
+        (folder / "train_log.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+        log(f"[sbd-trainer] {info['processes']} process(es), {info['distributed_type']}: {folder}")
     return info
