@@ -8,6 +8,7 @@ Environment variables:
                       used if set. The build log says which list was used and where it came from.
   SBD_EXT_DEBUG       1 builds with -O0 -g and host-side asserts.
   SBD_EXT_NATIVE      1 adds -march=native to the (ISA-independent) C++ sources.
+  SBD_EXT_ISAS        a comma-separated subset of DEFAULT,AVX2,AVX512 (with DEFAULT): the CPU kernel variants to build.
   MAX_JOBS            parallel compile jobs (ninja), as for every torch extension.
 
 CPU kernels (csrc/cpu/*_kernel.cpp) are compiled once per instruction set (DEFAULT, and AVX2 / AVX512 on x86-64)
@@ -85,7 +86,16 @@ def _cuda_arch_list() -> str:
 
 
 def _isas():
-    return ["DEFAULT", "AVX2", "AVX512"] if platform.machine().lower() in ("x86_64", "amd64") else ["DEFAULT"]
+    """The CPU kernel variants to compile: all the machine family has, or the subset SBD_EXT_ISAS names
+    (comma-separated; DEFAULT, the fallback every CPU runs, must be among them)."""
+    available = ["DEFAULT", "AVX2", "AVX512"] if platform.machine().lower() in ("x86_64", "amd64") else ["DEFAULT"]
+    wanted = [x.strip().upper() for x in os.environ.get("SBD_EXT_ISAS", "").split(",") if x.strip()]
+    if not wanted:
+        return available
+    unknown = [x for x in wanted if x not in available]
+    if unknown or "DEFAULT" not in wanted:
+        sys.exit(f"SBD_EXT_ISAS={os.environ['SBD_EXT_ISAS']!r}: a comma-separated subset of {available} with DEFAULT")
+    return [x for x in available if x in wanted]
 
 
 class BuildExtWithISA(BuildExtension):

@@ -280,8 +280,10 @@ def load_artifact(
     attn_implementation: str = "sbd",
     device: str | torch.device | None = None,
 ):
-    """``(model, tokenizer)``: the base model the artifact names (its ``base`` loader), the artifact applied, the
-    SBD metadata set, in eval mode. The base loader may need packages the artifact's recipe needs (it says which)."""
+    """``(model, tokenizer)``: the base model the artifact names (its ``base_loader``), the artifact applied, the
+    SBD metadata set, its recommended decoding settings (``generation``: ``sbd_block_size``, ``sbd_sampler``,
+    ``sbd_threshold``, ...) on ``model.generation_config``, in eval mode. The base loader may need packages the
+    artifact's recipe needs (it says which)."""
     meta = read_artifact_config(folder)
     base = meta.get("base_loader")
     if not base or ":" not in base:
@@ -292,6 +294,8 @@ def load_artifact(
     model, tok = getattr(importlib.import_module(module), func)(attn_implementation=attn_implementation)
     apply_artifact(model, folder)
     set_sbd_metadata(model, int(meta["mask_token_id"]), tuple(meta["sbd_block_size_range"]))
+    for key, value in meta.get("generation", {}).items():  # the recommended SBD settings: sbd_block_size, ...
+        setattr(model.generation_config, key, value)
     model.to(dtype)
     if device is not None:
         model.to(device)

@@ -138,11 +138,13 @@ def run_eval(
     task: str = "arith",
     progress: bool = True,
     verify_block_sizes: Sequence[int] = DEFAULT_VERIFY_BLOCK_SIZES,
+    sbd_model_ntp_row: bool = True,
 ) -> dict:
     """Evaluate on the first ``n`` held-out problems of ``task``; returns {"rows": [...], "meta": {...}}.
 
     ``sbd_model`` / ``ntp_model``: embedded model names or folders (:func:`sbd_ext.demo.models.load`); either may be
-    None (only the other is decoded). NFE reductions are relative to the first row."""
+    None (only the other is decoded). NFE reductions are relative to the first row. ``sbd_model_ntp_row``: also
+    decode with the SBD model in NTP mode (its own baseline)."""
     probs = list(tasks.problems("test", n, task=task))
     rows = []
 
@@ -169,9 +171,10 @@ def run_eval(
     else:
         model, tok = models.load(sbd_model)
         prompts = prompts_for(sbd_model)
-        res = decode(model, tok, prompts, mode="ntp", **common)
-        rows.append(_row("SBD model, NTP decoding", str(sbd_model), "ntp", None, None, probs, res))
-        log(rows[-1])
+        if sbd_model_ntp_row:
+            res = decode(model, tok, prompts, mode="ntp", **common)
+            rows.append(_row("SBD model, NTP decoding", str(sbd_model), "ntp", None, None, probs, res))
+            log(rows[-1])
     for sampler in samplers:
         for k in block_sizes:
             for g in gammas:

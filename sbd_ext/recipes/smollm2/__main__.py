@@ -3,6 +3,7 @@
 train --objective sbd|ntp --out DIR [--resume]    fine-tune (resumable); DIR/<objective>/artifact
 eval  --out DIR --part control|sbd|table          Table 1 on held-out problems (each part can run alone;
                                                   "table" merges them into --results: JSON, Markdown, plot)
+ship  --out DIR --block-size K --threshold G      the SBD artifact -> sbd_ext/demo/models/smollm2-sbd
 ppl   --out DIR                                   perplexity of base / control / SBD model on the docstrings
                                                   of Python's standard library -> --results/perplexity.json
 """
@@ -58,12 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=_positive, default=500)
     e.add_argument("--batch-size", type=_positive, default=50)
     e.add_argument("--results", default="bench/results/smollm2_sbd", help="where `table` writes its files")
+    e.add_argument("--tag", default="", help="name of this SBD part (parts run in parallel processes)")
+    e.add_argument("--samplers", nargs="*", default=list(evaluate.SAMPLERS))
+    e.add_argument("--block-sizes", nargs="*", type=_positive, default=list(evaluate.BLOCK_SIZES))
+    e.add_argument("--gammas", nargs="*", type=float, default=list(evaluate.GAMMAS))
+    e.add_argument("--verify-block-sizes", nargs="*", type=_positive, default=list(evaluate.VERIFY_BLOCK_SIZES))
+    e.add_argument("--no-ntp-row", action="store_true", help="skip the SBD model's NTP-decoding row in this part")
     e.add_argument("--threads", type=_positive)
     p = sub.add_parser("ppl", help="perplexity on Python standard-library docstrings")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default="bench/results/smollm2_sbd")
     p.add_argument("--max-tokens", type=_positive, default=16384)
     p.add_argument("--threads", type=_positive)
+    s = sub.add_parser("ship", help="copy the SBD artifact into the package as the embedded model smollm2-sbd")
+    s.add_argument("--out", required=True)
+    s.add_argument("--block-size", type=_positive, required=True)
+    s.add_argument("--sampler", default="eb")
+    s.add_argument("--threshold", type=float, required=True)
+    s.add_argument("--check-n", type=_positive, default=100)
+    s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-sbd"))
+    s.add_argument("--threads", type=_positive)
     return ap
 
 
@@ -96,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, args.out, resume=args.resume, device=args.device)
     elif args.command == "eval":
         _eval(args)
+    elif args.command == "ship":
+        artifact = run_dir(args.out, "sbd") / "artifact"
+        check = evaluate.check_record(artifact, args.check_n, args.block_size, args.sampler, args.threshold)
+        print(json.dumps(check))
+        evaluate.ship(artifact, args.dest, args.block_size, args.sampler, args.threshold, check)
     elif args.command == "ppl":
         result = evaluate.perplexity_table(
             {
@@ -112,21 +132,32 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(args) -> None:
     from ...demo.evaluate import save_results
 
-    part_file = {part: Path(args.out) / f"eval_{part}.json" for part in ("control", "sbd")}
+    control_file = Path(args.out) / "eval_control.json"
     if args.part == "table":
-        missing = [str(f) for f in part_file.values() if not f.is_file()]
-        if missing:
-            raise SystemExit(f"run `eval --part control` and `eval --part sbd` first: missing {', '.join(missing)}")
-        parts = {k: json.loads(f.read_text()) for k, f in part_file.items()}
-        result = evaluate.merge_tables(parts["control"], parts["sbd"])
+        sbd_files = sorted(Path(args.out).glob("eval_sbd*.json"))
+        if not control_file.is_file() or not sbd_files:
+            raise SystemExit("run `eval --part control` and at least one `eval --part sbd` first")
+        parts = [json.loads(f.read_text()) for f in sbd_files]
+        result = evaluate.merge_tables(json.loads(control_file.read_text()), *parts)
         files = save_results(result, args.results, evaluate.GAMMAS[0], evaluate.GAMMAS[1], "eb")
         print(Path(files["table"]).read_text())
         return
-    folder = run_dir(args.out, "sbd" if args.part == "sbd" else "ntp") / "artifact"
+    if args.part == "control":
+        result = evaluate.table1(None, run_dir(args.out, "ntp") / "artifact", args.n, args.batch_size)
+        evaluate.save_json(result, control_file)
+        return
     result = evaluate.table1(
-        folder if args.part == "sbd" else None, folder if args.part == "control" else None, args.n, args.batch_size
+        run_dir(args.out, "sbd") / "artifact",
+        None,
+        args.n,
+        args.batch_size,
+        samplers=args.samplers,
+        block_sizes=args.block_sizes,
+        gammas=args.gammas,
+        verify_block_sizes=args.verify_block_sizes,
+        sbd_model_ntp_row=not args.no_ntp_row,
     )
-    evaluate.save_json(result, part_file[args.part])
+    evaluate.save_json(result, Path(args.out) / f"eval_sbd{'_' + args.tag if args.tag else ''}.json")
 
 
 if __name__ == "__main__":

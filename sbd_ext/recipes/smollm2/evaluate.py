@@ -58,30 +58,44 @@ STDLIB_MODULES = (
 )
 
 
-def table1(sbd: str | Path | None, control: str | Path | None, n: int = 500, batch_size: int = 50) -> dict:
-    """Table 1 rows for the SBD model folder ``sbd`` and the NTP control ``control`` (either may be None)."""
+def table1(
+    sbd: str | Path | None,
+    control: str | Path | None,
+    n: int = 500,
+    batch_size: int = 50,
+    samplers=SAMPLERS,
+    block_sizes=BLOCK_SIZES,
+    gammas=GAMMAS,
+    verify_block_sizes=VERIFY_BLOCK_SIZES,
+    sbd_model_ntp_row: bool = True,
+) -> dict:
+    """Table 1 rows for the SBD model folder ``sbd`` and the NTP control ``control`` (either may be None); the
+    sweep can be cut into parts (samplers x block sizes x gammas, verify block sizes) run by separate processes."""
     result = demo_eval.run_eval(
         sbd_model=None if sbd is None else str(sbd),
         ntp_model=None if control is None else str(control),
         n=n,
-        gammas=GAMMAS,
-        block_sizes=BLOCK_SIZES,
-        samplers=SAMPLERS,
+        gammas=gammas,
+        block_sizes=block_sizes,
+        samplers=samplers,
         batch_size=batch_size,
         max_new_tokens=MAX_NEW_TOKENS,
-        verify_block_sizes=VERIFY_BLOCK_SIZES,
+        verify_block_sizes=verify_block_sizes,
+        sbd_model_ntp_row=sbd_model_ntp_row,
     )
     result["meta"].update(title="SmolLM2-135M converted to SBD", model="SmolLM2-135M-Instruct", dtype="float32")
     return result
 
 
-def merge_tables(control: dict, sbd: dict) -> dict:
-    """One table from a control-only and an SBD-only :func:`table1` (NFE reductions relative to the control)."""
-    rows = list(control["rows"]) + list(sbd["rows"])
+def merge_tables(control: dict, *sbd: dict) -> dict:
+    """One table from a control-only and SBD-only :func:`table1` parts (NFE reductions relative to the control;
+    the SBD model's NTP row first)."""
+    sbd_rows = [r for part in sbd for r in part["rows"]]
+    rows = list(control["rows"]) + sorted(sbd_rows, key=lambda r: r["decoding"] != "ntp")
     base = rows[0]["mean_nfe"]
     for r in rows:
         r["nfe_reduction"] = base / r["mean_nfe"]
-    meta = {**sbd["meta"], "baseline": rows[0]["name"]}
+    meta = {**sbd[0]["meta"], "baseline": rows[0]["name"], "parts": len(sbd)}
     return {"rows": rows, "meta": meta}
 
 
@@ -155,3 +169,63 @@ def perplexity_table(models: dict, max_tokens: int = 16384, window: int = 512) -
 def save_json(obj: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def ship(artifact: str | Path, dest: str | Path, block_size: int, sampler: str, threshold: float, check: dict) -> Path:
+    """Copy a trained artifact into ``dest`` (the package's ``demo/models/smollm2-sbd``) with its recommended SBD
+    settings (in ``sbd_config.json``'s ``generation``, which :func:`sbd_ext.adapters.load_artifact` puts on the
+    model's generation config), the demo's ``sbd_demo.json`` (prompt template and settings for ``sbd-ext``) and
+    ``check`` (accuracy / NFE on the first held-out problems, which the shipped-model test re-measures)."""
+    import shutil
+
+    from ... import adapters
+
+    artifact, dest = Path(artifact), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE):
+        shutil.copyfile(artifact / name, dest / name)
+    meta = adapters.read_artifact_config(artifact)
+    meta["generation"] = {"sbd_block_size": block_size, "sbd_sampler": sampler, "sbd_threshold": threshold}
+    (dest / adapters.CONFIG_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    demo = {
+        "task": "arith",
+        "prompt_template": "Q: {prompt}\nA: ",
+        "block_size": block_size,
+        "sampler": sampler,
+        "gamma_low": threshold,
+        "gamma_high": GAMMAS[1],
+        "objective": "sbd",
+        "max_new_tokens": MAX_NEW_TOKENS,
+    }
+    (dest / "sbd_demo.json").write_text(json.dumps(demo, indent=1) + "\n")
+    (dest / "ship_check.json").write_text(json.dumps(check, indent=1) + "\n")
+    return dest
+
+
+def check_record(model_name: str | Path, n: int, block_size: int, sampler: str, threshold: float) -> dict:
+    """Accuracy and mean NFE of SBD decoding (the recommended settings) on the first ``n`` held-out problems."""
+    from ...demo import models as demo_models
+    from ...demo import tasks
+
+    model, tok = demo_models.load(model_name)
+    probs = list(tasks.problems("test", n))
+    res = demo_eval.decode(
+        model,
+        tok,
+        [p.prompt for p in probs],
+        batch_size=50,
+        mode="sbd",
+        block_size=block_size,
+        sampler=sampler,
+        threshold=threshold,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    return {
+        "n": n,
+        "block_size": block_size,
+        "sampler": sampler,
+        "threshold": threshold,
+        "accuracy": tasks.accuracy(res["completions"], probs),
+        "mean_nfe": sum(res["nfe"]) / n,
+        "mean_tokens": sum(res["num_generated"]) / n,
+    }
