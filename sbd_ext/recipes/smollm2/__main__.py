@@ -140,6 +140,7 @@ def _eval(args) -> None:
         parts = [json.loads(f.read_text()) for f in sbd_files]
         result = evaluate.merge_tables(json.loads(control_file.read_text()), *parts)
         files = save_results(result, args.results, evaluate.GAMMAS[0], evaluate.GAMMAS[1], "eb")
+        evaluate.plot_curves(args.out, Path(args.results) / "training_curves.png")
         print(Path(files["table"]).read_text())
         return
     if args.part == "control":

@@ -229,3 +229,36 @@ def check_record(model_name: str | Path, n: int, block_size: int, sampler: str, 
         "mean_nfe": sum(res["nfe"]) / n,
         "mean_tokens": sum(res["num_generated"]) / n,
     }
+
+
+def plot_curves(run: str | Path, path: str | Path) -> bool:
+    """The training curves of both objectives (NTP loss, masked loss, mask accuracy per logged step) from
+    ``<run>/{sbd,ntp}/train_log.json``; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=110)
+    for objective, style in (("sbd", "-"), ("ntp", "--")):
+        log_file = Path(run) / objective / "train_log.json"
+        if not log_file.is_file():
+            continue
+        hist = [h for h in json.loads(log_file.read_text())["history"] if "loss" in h]
+        steps = [h["step"] for h in hist]
+        for ax, key in zip(axes, ("ntp_loss", "mask_loss", "mask_accuracy"), strict=True):
+            if key in hist[0]:
+                ax.plot(steps, [h[key] for h in hist], style, label=f"{objective} run")
+    for ax, title in zip(axes, ("NTP loss (clean half)", "masked loss", "mask accuracy"), strict=True):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.suptitle("SmolLM2-135M SBD conversion (LoRA r=16 + mask row, batch 8) and its NTP control", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
