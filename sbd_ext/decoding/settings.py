@@ -274,5 +274,7 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
     mask_id, block_range = get_sbd_metadata(config)
     if settings.mode == "sbd":
         _check_sbd_model(settings, mask_id, block_range, vocab)
+    elif mask_id is not None and not 0 <= mask_id < vocab:  # NTP bans it too: it must be a token id
+        raise ValueError(f"config.{MASK_TOKEN_ATTR} = {mask_id} is not a token id in [0, vocab_size={vocab})")
     stop_ids = frozenset(settings.eos_token_id + settings.stop_token_ids)
     return Job(settings, prompts, stop_ids, mask_id, vocab)
