@@ -64,7 +64,8 @@ class GenerationSettings:
     disables. stop_token_ids: more ids that stop a sequence like EOS. pad_token_id: fills ``sequences``; None ->
     generation_config / config pad id, else the first EOS id, else 0. strict_block_size: refuse a k outside the
     model's trained ``sbd_block_size_range``. verify (SBD): lossless mode -- every revealed block is checked
-    against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly.
+    against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly,
+    in at most as many forwards.
     first_from_ntp (SBD): reveal a block's first position from the next-token choice of the forward's last
     committed row (always done in verify mode) instead of from the block's own mask prediction. compile: every
     forward after the prefill runs with static shapes under ``torch.compile(fullgraph=True)`` (a CUDA graph on
