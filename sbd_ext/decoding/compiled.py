@@ -19,10 +19,10 @@ from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
 __all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
 
 
-# Compiled generations run one at a time: the step skips dynamo's guard evaluation after a generation's first call
-# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)), and that stance is process-global, so a second thread's
-# first call -- a new model, batch size or k -- would run under it and could pick another generation's graph.
-# Eager generations are not affected and stay concurrent.
+# Compiled generations run one at a time (CUDA-graph trees and the pooled caches are per process). Eager generations
+# stay concurrent. The step evaluates dynamo's guards on every call: skipping them
+# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)) saves ~0.8 ms per call but the stance is process-wide, and
+# another thread's unrelated torch.compile function would skip its guards too and return stale results.
 COMPILED_RUN_LOCK = threading.Lock()
 
 
@@ -130,7 +130,6 @@ class StaticStep(DecodeStep):
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
         self.fn = _compiled_forward(device)
-        self.calls = 0
 
     def rows(self, needed: int) -> int:
         if not self.sbd:
@@ -147,11 +146,7 @@ class StaticStep(DecodeStep):
             torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
         if self.dynamic_rows:
             torch._dynamo.mark_dynamic(tokens, 2)
-        # The first call of a generation checks every guard (model, config, cache, shapes); later calls only change
-        # tensor contents and the (dynamic) row count, so they run only the guards that pick among compiled graphs.
-        # dynamo's full check costs ~0.8 ms per call here (the model's every module and parameter).
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.calls > 0):
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
-        self.calls += 1
+        # Every guard is checked on every call (see COMPILED_RUN_LOCK: no process-wide stance is changed).
+        logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)
