@@ -226,3 +226,31 @@ def test_compiled_generation_leaves_the_users_compiled_code_alone(sbd, monkeypat
     monkeypatch.setattr(compiled, "_compiled_forward", with_user_code)
     generate(model, ids, mask, _settings(tok, info), compile=True)
     assert len(seen) > 2 and set(seen) == {1.0}, seen  # x + K, never a stale K
+
+
+@pytest.mark.slow
+def test_more_variants_than_dynamos_limit_keep_working():
+    """20 variants (batch size, k, mode) in one process, past dynamo's recompile limit (8): every compiled
+    generation returns eager decoding's tokens (before: FailOnRecompileLimitHit from the 9th variant on); those past
+    the bound decode eagerly, with one warning."""
+    import warnings
+
+    from sbd_models import random_prompts, tiny_llama
+
+    model = tiny_llama(seed=7)
+    n = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in ("sbd", "ntp"):
+            for k in (2, 4) if mode == "sbd" else (1,):
+                for b in range(1, 11 if mode == "ntp" else 6):
+                    ids, mask = random_prompts([3 + i % 4 for i in range(b)], seed=b)
+                    kw = dict(mode=mode, max_new_tokens=5, eos_token_id=[], strict_block_size=False)
+                    if mode == "sbd":
+                        kw["block_size"] = k
+                    got = generate(model, ids, mask, compile=True, **kw)
+                    assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), (mode, k, b)
+                    n += 1
+    assert n == 20
+    fallback = [w for w in caught if "decode eagerly" in str(w.message)]
+    assert len(fallback) <= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 
 import torch
@@ -26,8 +27,38 @@ __all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
 COMPILED_RUN_LOCK = threading.Lock()
 
 
+# The variants (model, batch size, block, mode, dtype, device) compiled so far in this process. dynamo keeps at most
+# config.recompile_limit graphs per function and raises FailOnRecompileLimitHit beyond it: a new variant past that
+# bound decodes eagerly (same tokens), with one warning.
+_VARIANTS: set = set()
+_FALLBACK_WARNED = False
+
+
+def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
+    global _FALLBACK_WARNED
+    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
+    if key in _VARIANTS:
+        return True
+    if len(_VARIANTS) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU
+        _VARIANTS.add(key)
+        return True
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED = True
+        warnings.warn(
+            f"sbd_ext.generate(compile=True): {len(_VARIANTS)} variants (model, batch size, k, mode, dtype) are "
+            f"compiled in this process, torch._dynamo's limit; new variants decode eagerly (same tokens, no speed-up)."
+            f" Raise torch._dynamo.config.recompile_limit to compile more",
+            stacklevel=4,
+        )
+    return False
+
+
 def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device) -> None:
-    """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate)."""
+    """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate). Past dynamo's bound on
+    compiled variants, eagerly (see _VARIANTS)."""
+    if not _compiled_variant_ok(model, job, device, next(model.parameters()).dtype):
+        decode(seqs, job, EagerStep(model, cache, device))
+        return
     step = StaticStep(model, cache, job, device)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
