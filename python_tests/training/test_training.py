@@ -195,6 +195,15 @@ def test_sbd_loss_ids_beyond_the_vocabulary_are_a_clear_error():
         sbd_loss(model, x, mask_token_id=500, block_size=2)
 
 
+def test_huge_block_size_is_one_block():
+    """block_size past the sequence (up to past int64): the batch of k = L (before: OverflowError from the mask)."""
+    x = torch.randint(0, V, (2, 6))
+    want = sbd_batch(x, MASK, 6, generator=torch.Generator().manual_seed(0))
+    for k in (7, 2**40, 2**70):
+        got = sbd_batch(x, MASK, k, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(got.attention_mask, want.attention_mask) and torch.equal(got.labels, want.labels)
+
+
 def test_batch_bad_inputs():
     x = torch.randint(0, V, (2, 6))
     left = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
