@@ -64,7 +64,11 @@ def check_block_size_range(block_size_range) -> tuple[int, int]:
         lo, hi = block_size_range
     except (TypeError, ValueError):
         raise ValueError(f"block_size_range must be two ints (k_min, k_max), got {block_size_range!r}") from None
-    if isinstance(lo, bool) or isinstance(hi, bool) or int(lo) != lo or int(hi) != hi:
+    try:
+        ok = not isinstance(lo, bool) and not isinstance(hi, bool) and int(lo) == lo and int(hi) == hi
+    except (TypeError, ValueError, OverflowError):  # NaN, inf, strings, None
+        ok = False
+    if not ok:
         raise ValueError(f"block_size_range must be two ints (k_min, k_max), got {block_size_range!r}")
     lo, hi = int(lo), int(hi)
     if not 1 <= lo <= hi:
@@ -107,7 +111,15 @@ def get_sbd_metadata(config_or_model) -> tuple[int | None, tuple[int, int] | Non
     cfg = text_config(config_or_model)
     mask_id = getattr(cfg, MASK_TOKEN_ATTR, None)
     rng = getattr(cfg, BLOCK_RANGE_ATTR, None)
-    return (None if mask_id is None else int(mask_id)), (None if rng is None else (int(rng[0]), int(rng[1])))
+    if mask_id is not None:
+        if isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0:
+            raise ValueError(f"the model config's {MASK_TOKEN_ATTR} must be a token id (an int >= 0), got {mask_id!r}")
+    if rng is not None:
+        try:
+            rng = check_block_size_range(rng)
+        except ValueError as e:
+            raise ValueError(f"the model config's {BLOCK_RANGE_ATTR} is invalid: {e}") from None
+    return mask_id, rng
 
 
 def require_mask_token_id(config_or_model, mask_token_id: int | None, who: str) -> int:

@@ -48,6 +48,29 @@ def _as_int64(x: int, name: str) -> int:
     return x - _U64 if x >= _I64_END else x
 
 
+def _check_tensors(op: str, named: dict, differentiable: tuple[str, ...] = ()) -> None:
+    """Every argument a tensor on the first one's device (mixed devices would let the dispatcher pick the Meta
+    kernel -- the shapes-only fake -- for a mix of meta and CPU tensors, returning uninitialised memory), and no
+    ``differentiable`` input requiring grad while grad mode is on (the ops have no backward: a silent None grad)."""
+    ref_name, ref = next(iter(named.items()))
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != ref.device:
+            raise RuntimeError(
+                f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; all tensors must be on the same "
+                f"device"
+            )
+    if torch.is_grad_enabled():
+        grads = [name for name in differentiable if named[name].requires_grad]
+        if grads:
+            raise RuntimeError(
+                f"{op} has no backward, but {', '.join(grads)} require(s) grad: call it under torch.no_grad() / "
+                f"torch.inference_mode(), or detach the inputs (for training use an attention with a backward, e.g. "
+                f"SDPA)"
+            )
+
+
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,6 +115,9 @@ def block_attention(
     :func:`check_cuda_errors`. Every mutated tensor (k_cache, v_cache) must not share memory with itself or with
     any other argument (ValueError). On CUDA the head dim must be 64 or 128 and the caches' rows 16-byte aligned.
     """
+    lengths = {"cache_lens": cache_lens, "n_commit": n_commit, "n_valid": n_valid}
+    named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, **{n: t for n, t in lengths.items() if t is not None})
+    _check_tensors("block_attention", named, ("q", "k", "v", "k_cache", "v_cache"))
     B, T = q.shape[0], q.shape[2] if q.dim() == 4 else 0
     if n_commit is None:
         n_commit = torch.full((B,), T, dtype=torch.int32, device=q.device)
@@ -141,6 +167,7 @@ def entropy_sample(
         (entropy fp32 [N] in nats, max_prob fp32 [N], token int64 [N]), the first two of softmax(logits) at
         temperature 1. A row with a NaN or +inf logit, or with all logits -inf, is invalid: NaN, NaN, -1.
     """
+    _check_tensors("entropy_sample", dict(logits=logits), ("logits",))
     return torch.ops.sbd_ext.entropy_sample(
         logits,
         _as_float(temperature, "entropy_sample", "temperature"),
@@ -175,6 +202,7 @@ def mask_replace(
         A sequence with masked positions left but none revealed has only invalid (NaN-logit) proposals.
     ``tokens`` must not share memory with itself (an expanded view) or with the other inputs (ValueError).
     """
+    _check_tensors("mask_replace", dict(tokens=tokens, proposals=proposals, entropy=entropy, max_prob=max_prob))
     mask_id = _as_int(mask_id, "mask_replace", "mask_id")
     if not _I64_MIN <= mask_id < _I64_END:
         raise ValueError(f"mask_replace: mask_id must be a token id that fits in int64, got {mask_id}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .samplers import NAMES as RULES
+from .samplers import check_threshold
 
 # (atol, rtol) of an op's output against these references, per input dtype: the one table the op tests, the CUDA
 # emulator (tools/cuda_emu) and the model-level tests use. fp32: a 1e-5 relative bar. bf16 / fp16: about the
@@ -221,6 +222,7 @@ def mask_replace(
     """
     if rule not in RULES:
         raise ValueError(f"mask_replace: rule must be one of {RULES}, got {rule!r}")
+    threshold = check_threshold(rule, threshold, "mask_replace")  # a string threshold is refused, as by the op
     B, K = tokens.shape
     n_rev = torch.zeros(B, dtype=torch.int64)
     n_rem = torch.zeros(B, dtype=torch.int64)

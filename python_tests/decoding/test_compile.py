@@ -186,3 +186,71 @@ def test_cuda_graph_step_equals_eager():
         _compiled_and_eager(model, *_batch(tok, info, 3, device="cuda"), GenerationSettings.of(s, temperature=0.8))
     assert counters["stats"]["unique_graphs"] == graphs
     assert not counters["inductor"]["cudagraph_skips"]
+
+
+_USER_K = 1
+
+
+def test_compiled_generation_leaves_the_users_compiled_code_alone(sbd, monkeypatch):
+    """A user's torch.compile function called while a compiled generation runs (here: from inside its steps, as
+    another thread would) still checks its guards: after the global it reads changes, it recompiles instead of
+    returning a stale result (before: the step's process-wide skip_guard_eval_unsafe stance kept the old value)."""
+    global _USER_K
+    import sbd_ext.decoding.compiled as compiled
+
+    model, tok, info = sbd
+    ids, mask = _batch(tok, info, 40)
+
+    @torch.compile(backend="eager")
+    def user(x):
+        return x + _USER_K
+
+    _USER_K = 1
+    assert user(torch.ones(1)).item() == 2.0
+    assert user(torch.ones(2)).sum().item() == 4.0  # a second graph: the stance then runs only the diff guards
+    seen = []
+    real = compiled._compiled_forward
+
+    def with_user_code(device):
+        fn = real(device)
+
+        def run(*args):
+            global _USER_K
+            out = fn(*args)
+            _USER_K = len(seen) + 10  # changes while the generation runs, as another thread's state would
+            seen.append(user(torch.ones(1)).item() - _USER_K)  # between two compiled steps of the generation
+            return out
+
+        return run
+
+    monkeypatch.setattr(compiled, "_compiled_forward", with_user_code)
+    generate(model, ids, mask, _settings(tok, info), compile=True)
+    assert len(seen) > 2 and set(seen) == {1.0}, seen  # x + K, never a stale K
+
+
+@pytest.mark.slow
+def test_more_variants_than_dynamos_limit_keep_working():
+    """20 variants (batch size, k, mode) in one process, past dynamo's recompile limit (8): every compiled
+    generation returns eager decoding's tokens (before: FailOnRecompileLimitHit from the 9th variant on); those past
+    the bound decode eagerly, with one warning."""
+    import warnings
+
+    from sbd_models import random_prompts, tiny_llama
+
+    model = tiny_llama(seed=7)
+    n = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in ("sbd", "ntp"):
+            for k in (2, 4) if mode == "sbd" else (1,):
+                for b in range(1, 11 if mode == "ntp" else 6):
+                    ids, mask = random_prompts([3 + i % 4 for i in range(b)], seed=b)
+                    kw = dict(mode=mode, max_new_tokens=5, eos_token_id=[], strict_block_size=False)
+                    if mode == "sbd":
+                        kw["block_size"] = k
+                    got = generate(model, ids, mask, compile=True, **kw)
+                    assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), (mode, k, b)
+                    n += 1
+    assert n == 20
+    fallback = [w for w in caught if "decode eagerly" in str(w.message)]
+    assert len(fallback) <= 1

@@ -194,7 +194,14 @@ def test_ntp_equals_hf_generate(model):
     try:
         for b in range(2):
             row = ids[b : b + 1][mask[b : b + 1].bool()].view(1, -1)
-            hf = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            hf = model.generate(
+                row,
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+                suppress_tokens=[model.config.mask_token_id],  # the mask token is never generated
+            )
             hf_gen = hf[0, row.shape[1] :].tolist()
             if eos in hf_gen:
                 hf_gen = hf_gen[: hf_gen.index(eos) + 1]

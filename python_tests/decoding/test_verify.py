@@ -170,3 +170,56 @@ def test_cli_verify_marks_corrections_and_equals_ntp(capsys):
     marks = [line for line in out.splitlines() if line.startswith(" " * 17 + "|")]
     assert sum(line.count("!") for line in marks) == 1
     assert "verified (1 corrections)" in out
+
+
+def _frequent_ntp_token(m, ids, mask) -> int:
+    """The token a model's unbanned NTP decoding generates most often (the mask token of the contract test)."""
+    from sbd_ext.decoding import set_sbd_metadata
+
+    set_sbd_metadata(m.config, None, None)
+    out = generate(m, ids, mask, mode="ntp", max_new_tokens=24, eos_token_id=[])
+    gen = torch.cat([out.sequences[b, int(out.prompt_lengths[b]) :] for b in range(ids.shape[0])])
+    return int(torch.mode(gen).values)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mask_token_is_never_generated(temperature):
+    """The contract: the mask token is never generated, in NTP, SBD, verify and the reference decoder. With the
+    mask id set to the token NTP decoding would generate most often, verify still equals mode="ntp" (before, NTP
+    produced the mask token and verify's sampler filled that position with another token)."""
+    m = tiny_llama(seed=3, lm_scale=8.0)
+    ids, mask = random_prompts([3, 6, 5], seed=4)
+    mask_id = _frequent_ntp_token(m, ids, mask)
+    from sbd_ext.decoding import set_sbd_metadata
+
+    set_sbd_metadata(m.config, mask_id, None)
+    kw = dict(max_new_tokens=24, eos_token_id=[], temperature=temperature, seed=2)
+    outs = {
+        "ntp": generate(m, ids, mask, mode="ntp", **kw),
+        "ntp_ref": generate_reference(m, ids, mask, mode="ntp", **kw),
+        "sbd": generate(m, ids, mask, block_size=4, **kw),
+        "sbd_ref": generate_reference(m, ids, mask, block_size=4, **kw),
+        "verify": generate(m, ids, mask, block_size=4, threshold=1.0, verify=True, **kw),
+    }
+    for name, out in outs.items():
+        for b in range(ids.shape[0]):
+            assert mask_id not in out.sequences[b, int(out.prompt_lengths[b]) :].tolist(), name
+    assert torch.equal(outs["verify"].sequences, outs["ntp"].sequences)
+    assert torch.equal(outs["ntp_ref"].sequences, outs["ntp"].sequences)
+    assert torch.equal(outs["sbd_ref"].sequences, outs["sbd"].sequences)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_never_takes_more_forwards_than_ntp(seed):
+    """Random (untrained) models, whose block guesses are mostly wrong: verify returns NTP's tokens with, per
+    sequence, at most NTP's forwards, whatever k, sampler and threshold (before: up to ~7x more)."""
+    m = tiny_llama(seed=100 + seed, lm_scale=[2.0, 4.0, 8.0][seed % 3])
+    ids, mask = random_prompts([2, 7, 4, 5], seed=seed)
+    for k, sampler, gamma in [(4, "eb", 2.0), (16, "eb", 5.0), (8, "entropy", 1.5), (12, "confidence", 0.05)]:
+        for temperature in (0.0, 1.0):
+            kw = dict(max_new_tokens=40, eos_token_id=[3], seed=seed, temperature=temperature)
+            ntp = generate(m, ids, mask, mode="ntp", **kw)
+            ver = generate(m, ids, mask, block_size=k, sampler=sampler, threshold=gamma, verify=True, **kw)
+            case = (k, sampler, gamma, temperature)
+            assert torch.equal(ver.sequences, ntp.sequences), case
+            assert (ver.nfe <= ntp.nfe).all(), (case, ver.nfe, ntp.nfe)

@@ -54,7 +54,10 @@ def _usage_error(argv: list[str], capsys) -> str:
         (["generate", "--seed", str(2**63)], "--seed"),
         (["generate", "--threads", "-1"], "--threads"),
         (["generate", "--model", "no-such-model"], "--model: no model 'no-such-model'"),
-        (["eval", "--n", "0"], "--n: must be an integer >= 1, got 0"),  # was ZeroDivisionError
+        (["eval", "--n", "0"], "--n: must be an integer in [1, 100000], got 0"),  # was ZeroDivisionError
+        (["eval", "--n", "100000000"], "--n: must be an integer in [1, 100000]"),  # was: built them all, then hung
+        (["generate", "--threads", "100000"], f"--threads: must be an integer in [0, {cli.MAX_THREADS}]"),  # segfault
+        (["eval", "--threads", str(cli.MAX_THREADS + 1)], "--threads"),
         (["eval", "--n", "-5"], "--n"),
         (["eval", "--batch-size", "0"], "--batch-size"),  # was ZeroDivisionError
         (["eval", "--gammas", "0.1", "-1"], "--gammas"),

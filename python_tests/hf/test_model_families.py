@@ -137,7 +137,14 @@ def test_ntp_equals_hf_generate(single_thread, model):
     try:
         for b in range(2):
             row = ids[b : b + 1][mask[b : b + 1].bool()].view(1, -1)
-            hf = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf = model.generate(
+                row,
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                suppress_tokens=[model.config.mask_token_id],  # the mask token is never generated
+            )
             assert _generated(out, b) == hf[0, row.shape[1] :].tolist(), f"sequence {b}"
     finally:
         model.set_attn_implementation("sbd")

@@ -468,6 +468,30 @@ def test_device_mismatch():
         OP(**args)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v_cache", "cache_lens", "n_valid"])
+def test_meta_and_cpu_mixed_is_a_device_error(name):
+    """One tensor on meta, the rest on the CPU: the device error (before: the Meta dispatch key won and the fake
+    ran, returning uninitialised memory). All on meta still runs the fake (shapes only)."""
+    args = _good("cpu")
+    args[name] = args[name].to("meta")
+    with pytest.raises(RuntimeError, match=f"{name} is on meta but q is on cpu|q is on meta"):
+        sbd_ext.block_attention(**args)
+    meta = {n: t.to("meta") for n, t in _good("cpu").items() if isinstance(t, torch.Tensor)}
+    assert sbd_ext.block_attention(**meta).device.type == "meta"
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_inputs_requiring_grad_are_refused(name):
+    """No backward: an input that requires grad (grad mode on) raises instead of leaving ``.grad`` silently None;
+    under no_grad, or with detached inputs, the op runs."""
+    args = _good("cpu")
+    args[name] = args[name].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="has no backward"):
+        sbd_ext.block_attention(**args)
+    with torch.no_grad():
+        sbd_ext.block_attention(**_good("cpu"))
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -175,6 +175,35 @@ def test_batch_is_reproducible_from_generator():
     assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
 
 
+def test_sbd_loss_ids_beyond_the_vocabulary_are_a_clear_error():
+    """Ids >= vocab in input_ids or labels (or a mask id beyond it): a ValueError naming the argument and the
+    vocabulary (before: "index out of range in self" from the embedding, or a CE device assert on CUDA)."""
+    model = tiny_llama()
+    vocab = model.config.vocab_size
+    x = torch.randint(0, V, (2, 6))
+    bad = x.clone()
+    bad[1, 3] = vocab
+    with pytest.raises(ValueError, match=rf"input_ids holds ids outside \[0, vocab_size={vocab}\)"):
+        sbd_loss(model, bad, block_size=2)
+    labels = x.clone()
+    labels[0, 0] = -100  # ignore_index is fine
+    sbd_loss(model, x, labels=labels, block_size=2)
+    labels[1, 2] = vocab + 7
+    with pytest.raises(ValueError, match="labels holds ids outside"):
+        sbd_loss(model, x, labels=labels, block_size=2)
+    with pytest.raises(ValueError, match="mask_token_id = 500"):
+        sbd_loss(model, x, mask_token_id=500, block_size=2)
+
+
+def test_huge_block_size_is_one_block():
+    """block_size past the sequence (up to past int64): the batch of k = L (before: OverflowError from the mask)."""
+    x = torch.randint(0, V, (2, 6))
+    want = sbd_batch(x, MASK, 6, generator=torch.Generator().manual_seed(0))
+    for k in (7, 2**40, 2**70):
+        got = sbd_batch(x, MASK, k, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(got.attention_mask, want.attention_mask) and torch.equal(got.labels, want.labels)
+
+
 def test_batch_bad_inputs():
     x = torch.randint(0, V, (2, 6))
     left = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

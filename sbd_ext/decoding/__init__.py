@@ -37,7 +37,12 @@ Decoding (per sequence; sequences of a batch advance independently)
   and every position before the first such token is revealed; tokens after it are dropped (the stop token is
   kept, as HF ``generate`` keeps EOS). The last block is shortened to the remaining budget.
 * NTP mode (``mode="ntp"``) runs through the same cache and kernels: one token per forward from the model's
-  next-token head (output at t-1), argmax or a sample via ``entropy_sample``; the mask token is not banned there.
+  next-token head (output at t-1), argmax or a sample via ``entropy_sample``.
+* The mask token is never generated, in either mode: its logit is set to -inf at every position (SBD blocks, NTP
+  choices, verify checks, the reference decoder), so ``verify=True`` can equal ``mode="ntp"`` exactly.
+* Verify mode spends a forward that commits nothing (a later forward of a block) only while the sequence has more
+  verified tokens than forwards; otherwise it drafts the block's revealed prefix at once. Every other forward yields
+  at least one verified token, so verify never takes more forwards than NTP decoding.
 * The counts and block tokens are read back once per forward (one device-to-host copy) to decide block completion
   and stopping. A sequence that still has masked positions but revealed none (NaN logits) raises an error.
 * :func:`generate` needs the ``"sbd"`` attention; a model set to another implementation is switched with

@@ -52,12 +52,14 @@ def generate(
             - ``max_new_tokens``, ``eos_token_id``, ``stop_token_ids``, ``pad_token_id`` (None: the model's
               generation_config / config);
             - ``verify``: lossless SBD -- each revealed block is checked against the next-token choices of the
-              forward that commits it; the output equals ``mode="ntp"``'s exactly;
+              forward that commits it; the output equals ``mode="ntp"``'s exactly, in never more forwards;
             - ``first_from_ntp``: a block's first position is revealed from the next-token choice of the last
               committed row (always on with ``verify``);
             - ``compile``: the forwards after the prefill run with static shapes under
               ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA); same tokens as eager decoding. Compiled
               generations run one at a time in a process (eager ones stay concurrent).
+        The mask token (``config.mask_token_id``) is never generated, in any mode: its logit is excluded at every
+        position.
         return_trace: fill ``trace``. return_cache: also return the SBDCache (as ``past_key_values``).
     Returns:
         SBDGenerateOutput.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 
 import torch
@@ -19,15 +20,45 @@ from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
 __all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
 
 
-# Compiled generations run one at a time: the step skips dynamo's guard evaluation after a generation's first call
-# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)), and that stance is process-global, so a second thread's
-# first call -- a new model, batch size or k -- would run under it and could pick another generation's graph.
-# Eager generations are not affected and stay concurrent.
+# Compiled generations run one at a time (CUDA-graph trees and the pooled caches are per process). Eager generations
+# stay concurrent. The step evaluates dynamo's guards on every call: skipping them
+# (torch.compiler.set_stance(skip_guard_eval_unsafe=True)) saves ~0.8 ms per call but the stance is process-wide, and
+# another thread's unrelated torch.compile function would skip its guards too and return stale results.
 COMPILED_RUN_LOCK = threading.Lock()
 
 
+# The variants (model, batch size, block, mode, dtype, device) compiled so far in this process. dynamo keeps at most
+# config.recompile_limit graphs per function and raises FailOnRecompileLimitHit beyond it: a new variant past that
+# bound decodes eagerly (same tokens), with one warning.
+_VARIANTS: set = set()
+_FALLBACK_WARNED = False
+
+
+def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
+    global _FALLBACK_WARNED
+    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
+    if key in _VARIANTS:
+        return True
+    if len(_VARIANTS) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU
+        _VARIANTS.add(key)
+        return True
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED = True
+        warnings.warn(
+            f"sbd_ext.generate(compile=True): {len(_VARIANTS)} variants (model, batch size, k, mode, dtype) are "
+            f"compiled in this process, torch._dynamo's limit; new variants decode eagerly (same tokens, no speed-up)."
+            f" Raise torch._dynamo.config.recompile_limit to compile more",
+            stacklevel=4,
+        )
+    return False
+
+
 def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device) -> None:
-    """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate)."""
+    """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate). Past dynamo's bound on
+    compiled variants, eagerly (see _VARIANTS)."""
+    if not _compiled_variant_ok(model, job, device, next(model.parameters()).dtype):
+        decode(seqs, job, EagerStep(model, cache, device))
+        return
     step = StaticStep(model, cache, job, device)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
@@ -130,7 +161,6 @@ class StaticStep(DecodeStep):
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
         self.fn = _compiled_forward(device)
-        self.calls = 0
 
     def rows(self, needed: int) -> int:
         if not self.sbd:
@@ -147,11 +177,7 @@ class StaticStep(DecodeStep):
             torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
         if self.dynamic_rows:
             torch._dynamo.mark_dynamic(tokens, 2)
-        # The first call of a generation checks every guard (model, config, cache, shapes); later calls only change
-        # tensor contents and the (dynamic) row count, so they run only the guards that pick among compiled graphs.
-        # dynamo's full check costs ~0.8 ms per call here (the model's every module and parameter).
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.calls > 0):
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
-        self.calls += 1
+        # Every guard is checked on every call (see COMPILED_RUN_LOCK: no process-wide stance is changed).
+        logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import families, reference
-from .sampling import position_key, sample_block, sample_positions
+from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, block_tensor, finish
 
@@ -76,7 +76,8 @@ def generate_reference(
                     seq.after_sbd_forward(f, block[b].tolist(), int(n_rev[b]), int(n_rem[b]), b)
         else:
             keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)]
-            tok = sample_positions(x.view(B, V).cpu(), job.temperature, job.seed, keys, impl=reference)[2]
+            x = ban_mask(x.view(B, V).cpu(), job.mask_id)
+            tok = sample_positions(x, job.temperature, job.seed, keys, impl=reference)[2]
             for b, seq in enumerate(seqs):
                 if active[b]:
                     seq.after_ntp_forward(f, int(tok[b]), b)

@@ -10,7 +10,7 @@ import torch
 
 from .. import ops
 
-__all__ = ["position_key", "sample_positions", "sample_block"]
+__all__ = ["position_key", "ban_mask", "sample_positions", "sample_block"]
 
 
 def position_key(b: int, p: int) -> int:
@@ -19,6 +19,14 @@ def position_key(b: int, p: int) -> int:
     forward, the same (seed, b, p) gives the same noise in every mode, which is what makes verify mode with
     temperature > 0 return exactly NTP mode's sample."""
     return (b << 40) + p
+
+
+def ban_mask(logits: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    """Set the mask token's logit to -inf in place (last dim): the mask token is never generated, in SBD and NTP
+    decoding alike (so verify mode, which checks SBD's drafts against NTP choices, can equal ``mode="ntp"``)."""
+    if mask_id is not None:
+        logits[..., mask_id] = float("-inf")
+    return logits
 
 
 def sample_positions(
@@ -58,7 +66,7 @@ def sample_block(
         (n_revealed [B], n_remaining [B], entropy [B, K], max_prob [B, K], proposals [B, K]).
     """
     B, K, V = logits.shape
-    logits[..., mask_id] = float("-inf")
+    ban_mask(logits, mask_id)
     if keys is None:
         ent, pmax, tok = impl.entropy_sample(logits.reshape(B * K, V), temperature, seed, offset)
     else:

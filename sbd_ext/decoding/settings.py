@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -15,14 +16,17 @@ from ..samplers import check_threshold, get_sampler
 __all__ = ["GenerationSettings", "Job", "make_job", "check_prompts", "model_device_dtype"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_BLOCK_SIZE = 2**16  # far above any trained block (SBD trains k <= 64); 2**16 x a 128k vocabulary = 32 GiB fp32
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A Python or NumPy integer (not a bool): what the ops accept as an int."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A Python or NumPy real number (not a bool, a string or a tensor)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def _token_ids(value, name: str) -> tuple[int, ...] | None:
@@ -42,7 +46,7 @@ def _token_ids(value, name: str) -> tuple[int, ...] | None:
     for t in ids:
         if not _is_int(t) or not 0 <= t <= _INT64_MAX:
             raise ValueError(f"{name} must hold token ids (ints >= 0), got {t!r} in {value!r}")
-    return ids
+    return tuple(int(t) for t in ids)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ class GenerationSettings:
     disables. stop_token_ids: more ids that stop a sequence like EOS. pad_token_id: fills ``sequences``; None ->
     generation_config / config pad id, else the first EOS id, else 0. strict_block_size: refuse a k outside the
     model's trained ``sbd_block_size_range``. verify (SBD): lossless mode -- every revealed block is checked
-    against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly.
+    against the next-token choices its commit forward computes anyway; the output equals ``mode="ntp"``'s exactly,
+    in at most as many forwards.
     first_from_ntp (SBD): reveal a block's first position from the next-token choice of the forward's last
     committed row (always done in verify mode) instead of from the block's own mask prediction. compile: every
     forward after the prefill runs with static shapes under ``torch.compile(fullgraph=True)`` (a CUDA graph on
@@ -89,8 +94,11 @@ class GenerationSettings:
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
         if self.mode not in ("sbd", "ntp"):
             raise ValueError(f"mode must be 'sbd' or 'ntp', got {self.mode!r}")
-        if not _is_int(self.block_size) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (a block's logits are block_size x vocab floats "
+                f"per sequence), got {self.block_size!r}"
+            )
         sampler = get_sampler(self.sampler, "sampler")
         threshold = sampler.default_threshold if self.threshold is None else self.threshold
         if not _is_number(threshold):  # a NumPy scalar or a tensor is not a setting
@@ -103,6 +111,9 @@ class GenerationSettings:
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        for name in ("block_size", "seed", "max_new_tokens", "pad_token_id"):  # NumPy integers -> int
+            if _is_int(getattr(self, name)):
+                set_(name, int(getattr(self, name)))
         set_("eos_token_id", _token_ids(self.eos_token_id, "eos_token_id"))
         set_("stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids") or ())
         if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
@@ -115,6 +126,8 @@ class GenerationSettings:
             raise TypeError(f"first_from_ntp must be a bool, got {self.first_from_ntp!r}")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {self.compile!r}")
+        if self.first_from_ntp and self.mode != "sbd":
+            raise ValueError("first_from_ntp=True changes how SBD reveals a block; it needs mode='sbd'")
         if self.verify and self.mode != "sbd":
             raise ValueError(
                 "verify=True checks SBD's revealed blocks; it needs mode='sbd' (mode='ntp' is exact already)"
@@ -149,7 +162,11 @@ class Job:
     verify = property(lambda self: self.settings.verify)
     # The block's first position from the commit rows' NTP choice (always in verify mode, where it is verified).
     first_from_ntp = property(lambda self: self.settings.verify or self.settings.first_from_ntp)
-    block_size = property(lambda self: self.settings.block_size if self.settings.mode == "sbd" else 1)
+    # The effective block: k, capped by the token budget (the buffers and the block's [B, k, V] logits follow it,
+    # not a k far beyond what can be generated).
+    block_size = property(
+        lambda self: min(self.settings.block_size, self.settings.max_new_tokens) if self.settings.mode == "sbd" else 1
+    )
     sampler = property(lambda self: self.settings.sampler)
     threshold = property(lambda self: self.settings.threshold)
     temperature = property(lambda self: self.settings.temperature)
@@ -253,6 +270,17 @@ def _check_sbd_model(settings: GenerationSettings, mask_id, block_range, vocab: 
         )
 
 
+def _check_given_ids(settings: GenerationSettings, vocab: int) -> None:
+    """Stop and pad ids the caller gave must be token ids of this model (an EOS id the model cannot produce would
+    silently never stop). Ids taken from the model's own config are its business and are not checked."""
+    for name in ("eos_token_id", "stop_token_ids"):
+        ids = getattr(settings, name) or ()
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"{name} {list(ids)} holds ids outside [0, vocab_size={vocab}): they could never stop")
+    if settings.pad_token_id is not None and settings.pad_token_id >= vocab:
+        raise ValueError(f"pad_token_id = {settings.pad_token_id} is not a token id in [0, vocab_size={vocab})")
+
+
 def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> Job:
     """Resolve ``settings`` against ``model`` and the prompts (model defaults, SBD metadata, position limit)."""
     config = getattr(model, "config", None)
@@ -263,6 +291,7 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
     vocab = int(cfg.vocab_size)
     prompts = check_prompts(input_ids, attention_mask, device, vocab)
     longest = max(len(p) for p in prompts)
+    _check_given_ids(settings, vocab)
     settings = _fill_model_defaults(settings, model, cfg, longest)
     total = longest + settings.max_new_tokens
     max_pos = getattr(cfg, "max_position_embeddings", None)
@@ -274,5 +303,7 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
     mask_id, block_range = get_sbd_metadata(config)
     if settings.mode == "sbd":
         _check_sbd_model(settings, mask_id, block_range, vocab)
+    elif mask_id is not None and not 0 <= mask_id < vocab:  # NTP bans it too: it must be a token id
+        raise ValueError(f"config.{MASK_TOKEN_ATTR} = {mask_id} is not a token id in [0, vocab_size={vocab})")
     stop_ids = frozenset(settings.eos_token_id + settings.stop_token_ids)
     return Job(settings, prompts, stop_ids, mask_id, vocab)

@@ -87,6 +87,22 @@ class SequenceState:
             len(self.gen) >= self.job.max_new_tokens or (bool(self.gen) and self.gen[-1] in self.job.stop_ids)
         )
 
+    def _credit(self) -> int:
+        """Verify mode: verified tokens so far (the output, plus the block's first position when it came from the
+        verified NTP choice) minus forwards taken. A forward that commits drafts yields at least one new verified
+        token (the correction, or the next block's first position, or an accepted draft); a forward inside a block
+        yields none, so one is taken only with credit >= 1. Then forwards <= verified tokens at every step: verify
+        never takes more forwards than NTP decoding of the same output, whatever the model."""
+        return len(self.gen) + self.block_verified - self.nfe
+
+    def _revealed_prefix(self, block: list[int]) -> int:
+        """The number of leading revealed positions of ``block`` (>= 1 in verify mode: position 0 is revealed by the
+        first forward of every block, from the last committed row's NTP choice)."""
+        n = next((j for j, t in enumerate(block) if t == self.job.mask_id), len(block))
+        if n == 0:
+            raise RuntimeError("internal: verify mode drafted a block whose first position is masked")
+        return n
+
     def _cut_trace(self, end: int) -> None:
         """Drop trace entries at positions >= end (tokens that will not be in the output)."""
         self.trace = [
@@ -165,6 +181,8 @@ class SequenceState:
             keep = stop + 1
         elif n_rem == 0:
             keep = k
+        elif job.verify and self._credit() < 1:
+            keep = self._revealed_prefix(block)  # no credit for a forward that commits nothing: draft what we have
         else:
             keep = None
         start = self.block_start
@@ -172,7 +190,7 @@ class SequenceState:
         if keep is None:
             return None
         if keep < k:
-            self._cut_trace(start + keep)  # stopped at a stop token: the positions after it are dropped
+            self._cut_trace(start + keep)  # stopped at a stop token, or a verify draft cut short: the rest is dropped
         finished = block[:keep]
         self.block = []
         if job.verify and keep > self.block_verified:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SBDCache
-from .sampling import position_key, sample_block, sample_positions
+from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
 
@@ -131,7 +131,7 @@ def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
 def _reveal_ntp(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> None:
     """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
     B, V = len(seqs), out.logits.shape[2]
-    x = gather_rows(out, (torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V)
+    x = ban_mask(gather_rows(out, (torch.tensor(fw.n_commit) - 1).view(B, 1)).view(B, V), job.mask_id)
     keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)]
     tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
     for b, seq in enumerate(seqs):
@@ -150,7 +150,8 @@ def _commit_row_choices(
     R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
     rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
     keys = [position_key(b, seqs[b].n_cached + r + 1) for b in range(B) for r in rows[b].tolist()]
-    ntp = sample_positions(gather_rows(out, rows).reshape(B * R, V), job.temperature, job.seed, keys)[2]
+    x = ban_mask(gather_rows(out, rows).reshape(B * R, V), job.mask_id)
+    ntp = sample_positions(x, job.temperature, job.seed, keys)[2]
     ntp = ntp.view(B, R)
     last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
     first_tok = ntp.gather(1, last.view(B, 1)).view(B)

@@ -212,6 +212,11 @@ def cmd_models(args) -> int:
 # Held-out problems are generated in order (a test problem is found by filtering the seed stream, ~2 ms each), so
 # example i costs i generations: the range stops where that would take longer than decoding (~20 s).
 MAX_EXAMPLE = 9999
+# eval builds its problems before decoding and keeps every output: a bound keeps a typo (--n 100000000) from hanging
+# while memory grows; 100k problems is 100x the README's evaluation.
+MAX_EVAL_N = 100_000
+# torch.set_num_threads(100000) segfaults inside torch; more threads than 4x the cores only slows the tiny model.
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -260,7 +265,7 @@ def _check_models(parser: argparse.ArgumentParser, args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
 
-    positive, count = _int_in(1), _int_in(0)
+    positive = _int_in(1)
     nonneg = _finite_at_least(0.0)
 
     ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
@@ -293,13 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help=f"which held-out problem (0-{MAX_EXAMPLE}) when no prompt is given",
     )
-    g.add_argument("--threads", type=count, default=1, help="torch threads (0: torch's default); see below")
+    threads = _int_in(0, MAX_THREADS)
+    g.add_argument(
+        "--threads",
+        type=threads,
+        default=1,
+        help=f"torch threads (0: torch's default, at most {MAX_THREADS}); see below",
+    )
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="accuracy and NFE on held-out problems: Markdown table + PNG plot")
     e.add_argument("--sbd-model", default="sbd-arith")
     e.add_argument("--ntp-model", default="ntp-arith", help="the NTP control ('none' to skip)")
-    e.add_argument("--n", type=positive, default=500, help="held-out problems")
+    e.add_argument("--n", type=_int_in(1, MAX_EVAL_N), default=500, help=f"held-out problems (at most {MAX_EVAL_N})")
     e.add_argument("--gammas", type=nonneg, nargs="+", default=list(evaluate.DEFAULT_GAMMAS))
     e.add_argument("--block-sizes", type=positive, nargs="+", default=list(evaluate.DEFAULT_BLOCK_SIZES))
     e.add_argument("--samplers", nargs="+", default=list(evaluate.DEFAULT_SAMPLERS), choices=NAMES)
@@ -314,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=positive, default=160)
     e.add_argument("--task", default="arith", choices=("arith", "sort"))
     e.add_argument("--out", default="sbd_eval", help="folder for results.json, table.md, accuracy_vs_tpf.png")
-    e.add_argument("--threads", type=count, default=1, help="torch threads (0: torch's default)")
+    e.add_argument(
+        "--threads", type=threads, default=1, help=f"torch threads (0: torch's default, at most {MAX_THREADS})"
+    )
     e.set_defaults(func=cmd_eval)
 
     m = sub.add_parser("models", help="list the embedded models")

@@ -131,7 +131,7 @@ def sbd_batch(
 
     attn = sbd_attention_mask(
         L,
-        k,
+        min(k, L),  # one block holds the whole sequence either way; a k past int64 would overflow the mask's ops
         lengths if attention_mask is not None else None,
         batch_size=B,
         mask_format=mask_format,

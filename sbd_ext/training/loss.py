@@ -53,6 +53,7 @@ def sbd_loss(
         k = draw_block_size(block_size_range, generator)
     else:
         k = int(block_size)
+    _check_token_ids(hf, input_ids, labels, mask_token_id)
     if mask_format is None:
         mask_format = mask_format_for(getattr(config, "_attn_implementation", None))
     dtype = hf.get_input_embeddings().weight.dtype if hasattr(hf, "get_input_embeddings") else torch.float32
@@ -74,6 +75,26 @@ def sbd_loss(
     logits = model(**batch.model_inputs()).logits  # [B, 2L, V]
     loss, parts = sbd_loss_from_logits(logits, batch, reduce_counts)
     return (loss, parts) if return_parts else loss
+
+
+def _check_token_ids(hf, input_ids, labels, mask_token_id: int) -> None:
+    """input_ids, labels (ignore_index aside) and the mask id must be ids of the model's vocabulary: an id beyond it
+    would otherwise surface as an embedding IndexError or a device-side assert inside the forward or the CE."""
+    emb = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None) or getattr(getattr(hf, "config", None), "vocab_size", None)
+    if vocab is None:
+        return
+    if not 0 <= mask_token_id < vocab:
+        raise ValueError(f"sbd_loss: mask_token_id = {mask_token_id} is not a token id in [0, vocab_size={vocab})")
+    for name, ids in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            continue  # sbd_batch reports a wrong type or shape
+        real = ids[ids != IGNORE_INDEX] if name == "labels" else ids
+        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+            raise ValueError(
+                f"sbd_loss: {name} holds ids outside [0, vocab_size={vocab}) (min {int(real.min())}, max "
+                f"{int(real.max())})"
+            )
 
 
 def sbd_loss_from_logits(
