@@ -7,6 +7,8 @@ the SBD fields ``sbd_block_size``, ``sbd_sampler``, ``sbd_threshold``, ``sbd_ver
 sampled call reproducible, as in HF). HF's own fields keep HF's meaning: ``do_sample=False`` -> greedy,
 ``temperature``, ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``pad_token_id``. What SBD cannot honour
 (beams, logits processors, top-k / top-p, penalties, stop strings, ...) is refused with a ValueError naming it.
+Sampling draws from the full softmax(logits / temperature): HF's implicit top-k of 50 for an unset ``top_k`` does
+not apply (an explicit one is refused).
 """
 
 from __future__ import annotations
