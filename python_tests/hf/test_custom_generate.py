@@ -253,21 +253,24 @@ def test_streamer_gets_prompt_then_final_runs(demo, kwargs):
     assert streamed == out[0, enc["input_ids"].shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("block_size, threshold", [(8, 0.1), (16, 0.0), (16, 0.5)])
-def test_stream_is_each_forwards_contiguous_revealed_prefix(demo, batch, block_size, threshold):
-    """Plain SBD: after each forward a row's stream reaches exactly the end of its contiguous revealed prefix (a token
-    after a still-masked position waits), computed independently from the reveal trace."""
-    model, _ = demo
-    marks = {}
+def _generate_streaming(model, batch, **kw):
+    """sbd_ext.generate with on_final_tokens: (output, {row: [run of ids, ...]})."""
+    runs: dict = {}
     out = sbd_ext.generate(
         model,
         batch["input_ids"],
         batch["attention_mask"],
-        max_new_tokens=64,
-        block_size=block_size,
-        threshold=threshold,
-        on_final_tokens=lambda b, ids: marks.setdefault(b, []).append(len(ids)),
+        on_final_tokens=lambda b, ids: runs.setdefault(b, []).append(list(ids)),
+        **kw,
     )
+    return out, runs
+
+
+@pytest.mark.parametrize("block_size, threshold", [(8, 0.1), (16, 0.0), (16, 0.5)])
+def test_stream_is_each_forwards_contiguous_revealed_prefix(demo, batch, block_size, threshold):
+    """Plain SBD: after each forward a row's stream reaches exactly the end of its contiguous revealed prefix (a token
+    after a still-masked position waits), computed independently from the reveal trace."""
+    out, runs = _generate_streaming(demo[0], batch, max_new_tokens=64, block_size=block_size, threshold=threshold)
     waited = False
     for b in range(3):
         p = int(out.prompt_lengths[b])
@@ -280,7 +283,7 @@ def test_stream_is_each_forwards_contiguous_revealed_prefix(demo, batch, block_s
             if n > (expected[-1] if expected else 0):
                 expected.append(n)
             waited |= any(q >= p + n for q in revealed)  # something revealed beyond a masked position
-        cumulative = [sum(marks[b][: i + 1]) for i in range(len(marks[b]))]
+        cumulative = [sum(map(len, runs[b][: i + 1])) for i in range(len(runs[b]))]
         assert cumulative == expected
     if block_size == 16 and threshold == 0.0:
         assert waited  # the out-of-order case is exercised
@@ -296,24 +299,12 @@ def test_streamer_batch_gets_hf_error(demo, batch):
 
 def test_on_final_tokens_verify_streams_verified_only(demo, batch):
     """sbd_ext.generate's hook: per row, the runs concatenate to the row's output, verify mode included."""
-    model, _ = demo
     for kw in ({}, {"verify": True, "block_size": 8}, {"temperature": 1.0, "seed": 1}):
-        runs: dict = {}
-
-        def collect(b, ids, runs=runs):
-            runs.setdefault(b, []).extend(ids)
-
-        out = sbd_ext.generate(
-            model,
-            batch["input_ids"],
-            batch["attention_mask"],
-            max_new_tokens=48,
-            on_final_tokens=collect,
-            **kw,
-        )
+        out, runs = _generate_streaming(demo[0], batch, max_new_tokens=48, **kw)
         for b in range(3):
             p, n = int(out.prompt_lengths[b]), int(out.num_generated[b])
-            assert runs[b] == out.sequences[b, p : p + n].tolist()
+            # A streamed token cannot be taken back: a rejected draft streamed would break this equality.
+            assert sum(runs[b], []) == out.sequences[b, p : p + n].tolist()
 
 
 def test_pipeline_text_generation(demo, batch, checkpoint):

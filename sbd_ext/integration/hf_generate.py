@@ -91,8 +91,15 @@ class SBDGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     tokens_per_forward: torch.Tensor | None = None
 
 
-def _off(value, off) -> bool:
-    return value is None or value == off or (isinstance(value, (list, tuple, dict)) and not value)
+_HF_DEFAULTS = (
+    GenerationConfig()
+)  # a field at its class default was not set by the user (versions where it is not None)
+
+
+def _off(name: str, value, off) -> bool:
+    if value is None or value == off or (isinstance(value, (list, tuple, dict)) and not value):
+        return True
+    return value == getattr(_HF_DEFAULTS, name, None)
 
 
 def _call_config(model, generation_config, kwargs: dict) -> GenerationConfig:
@@ -115,13 +122,13 @@ def _refuse_unsupported(gc: GenerationConfig, args: dict, kwargs: dict) -> None:
         if value is not None and not (isinstance(value, list) and not value):
             raise ValueError(f"SBD generate does not support `{name}` (got {type(value).__name__}); leave it unset")
     for name, off in _REFUSED.items():
-        if not _off(getattr(gc, name, None), off):
+        if not _off(name, getattr(gc, name, None), off):
             raise ValueError(
                 f"SBD generate does not support generation_config.{name}={getattr(gc, name)!r}; leave it unset"
             )
     if gc.do_sample:
         for name, off in _SAMPLING_FILTERS.items():
-            if not _off(getattr(gc, name, None), off):
+            if not _off(name, getattr(gc, name, None), off):
                 raise ValueError(
                     f"SBD sampling draws from softmax(logits / temperature) only; generation_config.{name}="
                     f"{getattr(gc, name)!r} is not supported (leave it unset, or use do_sample=False)"
