@@ -197,6 +197,14 @@ def test_checkpoint_generate_is_sbd(demo, batch, checkpoint):
         got, want = _generated(out.sequences, ref, b, width)
         assert got == want
     assert torch.equal(out.nfe, ref.nfe)
+    ids = demo[1](_prompts(demo[1], 1), return_tensors="pt")["input_ids"]
+    positional = loaded.generate(ids, max_new_tokens=8)  # generate(ids), as HF allows
+    assert (
+        positional[0, ids.shape[1] :].tolist()
+        == sbd_ext.generate(model, ids, max_new_tokens=8, block_size=8, threshold=0.1)
+        .sequences[0, ids.shape[1] :]
+        .tolist()
+    )
     plain = AutoModelForCausalLM.from_pretrained(checkpoint)  # without trust_remote_code: HF's own generate
     assert not isinstance(
         plain.generate(**batch, max_new_tokens=2, return_dict_in_generate=True), SBDGenerateDecoderOnlyOutput
