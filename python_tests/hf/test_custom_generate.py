@@ -123,6 +123,7 @@ def test_settings_flow(demo, batch):
     try:
         assert nfe() == ref_nfe(mode="ntp")  # the model's generation config
         assert int(sbd_ext.generate(model, ids, am, max_new_tokens=40).nfe[0]) == ref_nfe(mode="ntp")
+        assert int(sbd_ext.generate_reference(model, ids, am, max_new_tokens=40).nfe[0]) == ref_nfe(mode="ntp")
         assert nfe(generation_config=GenerationConfig(sbd_mode="sbd")) == ref_nfe(mode="sbd")
         # an explicit settings object wins over the generation config entirely
         settings = sbd_ext.GenerationSettings(max_new_tokens=40)

@@ -13,7 +13,7 @@ from .. import families
 from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, kernel_available
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
-from .gen_config import layered_settings, sbd_fields
+from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, finish
 from .step import EagerStep, decode
@@ -71,7 +71,7 @@ def generate(
         SBDGenerateOutput.
     """
     families.check_model(model)  # an unsupported family or attention feature fails before any work
-    job = make_job(model, input_ids, attention_mask, _settings(model, settings, overrides))
+    job = make_job(model, input_ids, attention_mask, resolve_settings(model, settings, overrides))
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)
     if on_final_tokens is None:
@@ -89,15 +89,6 @@ def generate(
             cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
             decode_compiled(model, cache, seqs, job, device)
     return finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
-
-
-def _settings(model, settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
-    """``settings`` + ``overrides``; without ``settings``, the model's generation config fills what is not given."""
-    if settings is not None:
-        return GenerationSettings.of(settings, **overrides)
-    GenerationSettings.of(None, **{k: v for k, v in overrides.items() if k != "threshold"})  # names checked first
-    gen_cfg = getattr(model, "generation_config", None)
-    return layered_settings(overrides, sbd_fields(gen_cfg, "model.generation_config"))
 
 
 def _check_runnable(model) -> tuple[torch.device, torch.dtype]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .settings import GenerationSettings
 
-__all__ = ["SBD_FIELDS", "sbd_fields", "layered_settings"]
+__all__ = ["SBD_FIELDS", "sbd_fields", "layered_settings", "resolve_settings"]
 
 # generation-config attribute -> GenerationSettings field
 SBD_FIELDS = {
@@ -55,3 +55,14 @@ def layered_settings(explicit: dict, *layers: dict) -> GenerationSettings:
                 continue  # this layer's threshold is for its own sampler, not the one chosen above it
             merged[name] = value
     return GenerationSettings(**merged)
+
+
+def resolve_settings(model, settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
+    """What :func:`sbd_ext.generate` / :func:`sbd_ext.generate_reference` decode with: ``settings`` (taken whole)
+    + ``overrides``; without ``settings``, ``overrides`` over the ``sbd_*`` fields of ``model.generation_config``
+    over the defaults."""
+    if settings is not None:
+        return GenerationSettings.of(settings, **overrides)
+    GenerationSettings.of(None, **{k: v for k, v in overrides.items() if k != "threshold"})  # names, values alone
+    gen_cfg = getattr(model, "generation_config", None)
+    return layered_settings(overrides, sbd_fields(gen_cfg, "model.generation_config"))

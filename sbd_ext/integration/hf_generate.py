@@ -110,7 +110,7 @@ def _call_config(model, generation_config, kwargs: dict) -> GenerationConfig:
     if generation_config is not None:
         for key, value in generation_config.to_diff_dict().items():
             setattr(gc, key, value)
-    hf_keys = {k for k in kwargs if hasattr(GenerationConfig(), k) or k in _REFUSED or k in _SAMPLING_FILTERS}
+    hf_keys = {k for k in kwargs if hasattr(_HF_DEFAULTS, k) or k in _REFUSED or k in _SAMPLING_FILTERS}
     for key in hf_keys:
         setattr(gc, key, kwargs.pop(key))
     return gc
