@@ -251,7 +251,7 @@ stage_smollm2() {
     printf 'gguf_assemble\t%s\t0\n' "$?" >>"$RES/steps.tsv"
   fi
   # shellcheck disable=SC2086
-  step test_smollm2 240 $py python_tests/test_smollm2.py -q -rs
+  step test_smollm2 240 $py python_tests/recipes -q -rs
   # shellcheck disable=SC2086
   step bench_smollm2 300 $py bench/bench_smollm2.py --benchmark-only -q -s --benchmark-json="$RES/bench_smollm2.json"
 }

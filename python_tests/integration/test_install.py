@@ -51,6 +51,8 @@ def test_uv_pip_install_builds_against_the_installed_torch(tmp_path):
     check = (
         "import torch, sbd_ext; t = torch.tensor([[5, 1, 5]]); p = torch.tensor([[7, 8, 9]]); e = torch.zeros(1, 3);"
         "sbd_ext.mask_replace(t, p, e, e, 5, 'eb', 0.1); assert t.tolist() == [[7, 1, 9]];"
+        "from sbd_ext.integration import CUSTOM_GENERATE_DIR as d;"  # package data: transformers' custom_generate
+        "assert all((d / 'custom_generate' / f).is_file() for f in ('generate.py', 'requirements.txt'));"
         "print(torch.__version__, sbd_ext.build_info()['torch_version'], sbd_ext.__file__)"
     )
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package, not a checkout

@@ -13,9 +13,11 @@ from .. import families
 from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, kernel_available
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
+from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, finish
 from .step import EagerStep, decode
+from .streaming import FinalTokensCallback, StreamingState
 
 __all__ = ["generate"]
 
@@ -29,6 +31,7 @@ def generate(
     *,
     return_trace: bool = True,
     return_cache: bool = False,
+    on_final_tokens: FinalTokensCallback | None = None,
     **overrides,
 ) -> SBDGenerateOutput:
     """Generate with Set Block Decoding over the exact KV cache of the paper's Alg. 3 (``mode="ntp"``: next-token
@@ -42,7 +45,9 @@ def generate(
         input_ids: [B, P] int token ids on the model's device.
         attention_mask: [B, P] 0/1 (or bool), one contiguous run of 1s per row (left or right padding); ragged
             prompts are re-packed per sequence. None: no padding.
-        settings: a :class:`GenerationSettings` (default: all defaults); ``**overrides`` are its fields by keyword,
+        settings: a :class:`GenerationSettings`; None: the ``sbd_*`` fields of ``model.generation_config``
+            (``sbd_block_size``, ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``:
+            :mod:`sbd_ext.decoding.gen_config`) over the defaults. ``**overrides`` are its fields by keyword,
             applied on top of it:
 
             - ``mode``: "sbd" or "ntp";
@@ -61,14 +66,20 @@ def generate(
         The mask token (``config.mask_token_id``) is never generated, in any mode: its logit is excluded at every
         position.
         return_trace: fill ``trace``. return_cache: also return the SBDCache (as ``past_key_values``).
+        on_final_tokens: ``f(batch_row, token_ids)``, called after each forward with each sequence's newly final
+            generated tokens, in order (streaming; :mod:`sbd_ext.decoding.streaming`). Their concatenation per row
+            is that row's generated tokens.
     Returns:
         SBDGenerateOutput.
     """
     families.check_model(model)  # an unsupported family or attention feature fails before any work
-    job = make_job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
+    job = make_job(model, input_ids, attention_mask, resolve_settings(model, settings, overrides))
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)
-    seqs = [SequenceState(prompt, job) for prompt in job.prompts]
+    if on_final_tokens is None:
+        seqs = [SequenceState(prompt, job) for prompt in job.prompts]
+    else:
+        seqs = [StreamingState(prompt, job, b, on_final_tokens) for b, prompt in enumerate(job.prompts)]
     rows = max(map(len, job.prompts)) + job.max_new_tokens
     if not job.settings.compile:
         cache = SBDCache(model.config, len(seqs), rows, dtype, device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import families, reference
+from .gen_config import resolve_settings
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, block_tensor, finish
@@ -33,7 +34,7 @@ def generate_reference(
     backend falls back to SDPA, or eager when soft-capping, for a 4D mask), one sequence at a time, and uses the
     pure-PyTorch reference samplers. Same arguments and outputs as :func:`generate` (no return_cache)."""
     families.check_model(model)
-    job = make_job(model, input_ids, attention_mask, GenerationSettings.of(settings, **overrides))
+    job = make_job(model, input_ids, attention_mask, resolve_settings(model, settings, overrides))
     if job.verify:
         raise ValueError("generate_reference has no verify mode: compare sbd_ext.generate(verify=True) with mode='ntp'")
     device, dtype = model_device_dtype(model)

@@ -125,6 +125,8 @@ def cmd_generate(args) -> int:
         else:
             threshold = DEFAULT_THRESHOLDS[sampler]
     block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    stream = None if args.show_steps else _stream_printer(tok, prompt, colour)  # the completion as it becomes final
     res = evaluate.decode(
         model,
         tok,
@@ -139,12 +141,15 @@ def cmd_generate(args) -> int:
         batch_size=1,
         return_trace=args.show_steps,
         verify=args.verify,
+        on_final_tokens=stream and (lambda b, ids: stream.put(torch.tensor(ids))),
     )
-    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     completion = res["completions"][0]
     nfe, ntok, secs = res["nfe"][0], res["num_generated"][0], res["seconds"]
-    print(_paint(prompt, 2, enabled=colour), end="")
-    print(_paint(completion, 1, enabled=colour))
+    if stream is None:
+        print(_paint(prompt, 2, enabled=colour), end="")
+        print(_paint(completion, 1, enabled=colour))
+    else:
+        stream.end()
     print()
     if args.show_steps:
         print(
@@ -168,6 +173,19 @@ def cmd_generate(args) -> int:
             + _paint("correct" if ok else "WRONG", 32 if ok else 31, True, colour)
         )
     return 0
+
+
+def _stream_printer(tok, prompt: str, colour: bool):
+    """Print the prompt now, and return a streamer that prints the completion's text as its tokens become final."""
+    from transformers import TextStreamer
+
+    print(_paint(prompt, 2, enabled=colour) + ("\033[1m" if colour else ""), end="", flush=True)
+
+    class _Printer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            print(text + ("\033[0m" if stream_end and colour else ""), end="\n" if stream_end else "", flush=True)
+
+    return _Printer(tok, skip_special_tokens=True)
 
 
 def cmd_eval(args) -> int:

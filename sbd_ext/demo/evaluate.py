@@ -59,6 +59,7 @@ def decode(
     *,
     batch_size: int = 32,
     return_trace: bool = False,
+    on_final_tokens=None,
     **overrides,
 ) -> dict:
     """Decode ``prompts`` with :func:`sbd_ext.decoding.generate` in batches.
@@ -68,7 +69,7 @@ def decode(
     Returns a dict: completions (text, special tokens and everything after the first EOS removed), nfe and
     num_generated (lists of ints, one per prompt), seconds (total wall-clock), traces (with ``return_trace``),
     prompt_lengths, token_ids (the generated ids), corrections (verify mode: indices into token_ids of the tokens
-    verification corrected).
+    verification corrected). ``on_final_tokens(row, ids)``: streaming, as for ``generate`` (row: within a batch).
     """
 
     demo_defaults = dict(max_new_tokens=160, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -90,7 +91,14 @@ def decode(
     for i in range(0, len(prompts), batch_size):
         chunk = list(prompts[i : i + batch_size])
         enc = tok(chunk, return_tensors="pt", padding=True, padding_side="left")
-        res = generate(model, enc.input_ids.to(dev), enc.attention_mask.to(dev), settings, return_trace=return_trace)
+        res = generate(
+            model,
+            enc.input_ids.to(dev),
+            enc.attention_mask.to(dev),
+            settings,
+            return_trace=return_trace,
+            on_final_tokens=on_final_tokens,
+        )
         for b in range(len(chunk)):
             p = int(res.prompt_lengths[b])
             ids = res.sequences[b, p : p + int(res.num_generated[b])].tolist()

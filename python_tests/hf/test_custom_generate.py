@@ -1,0 +1,337 @@
+"""transformers' own entry points decode with SBD (issue 25, items 1-3): ``model.generate`` through the
+``custom_generate`` folder shipped in the package and through a checkpoint saved with it, the ``sbd_*`` fields of
+the generation config, streamers, ``pipeline("text-generation")``; all equal to :func:`sbd_ext.generate`."""
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, TextIteratorStreamer, TextStreamer, pipeline
+
+import sbd_ext
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import format_prompt
+from sbd_ext.integration import CUSTOM_GENERATE_DIR, SBDGenerateDecoderOnlyOutput, save_pretrained
+
+CG = str(CUSTOM_GENERATE_DIR)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tok = models.load_default()
+    tok.padding_side = "left"
+    yield model, tok
+    torch.set_num_threads(prev)
+
+
+def _prompts(tok, n):
+    info = models.demo_info()
+    return [format_prompt(p.prompt, info.get("prompt_template")) for p in tasks.problems("test", n=n)]
+
+
+@pytest.fixture(scope="module")
+def batch(demo):
+    model, tok = demo
+    return tok(_prompts(tok, 3), return_tensors="pt", padding=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(demo, tmp_path_factory):
+    model, tok = demo
+    folder = tmp_path_factory.mktemp("sbd_ckpt")
+    model.generation_config.sbd_block_size = 8
+    model.generation_config.sbd_threshold = 0.1
+    try:
+        save_pretrained(model, folder)
+    finally:
+        del model.generation_config.sbd_block_size, model.generation_config.sbd_threshold
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _generated(ids, out_ref, b, prompt_width):
+    """Row b's generated tokens in an HF output (the inputs' width first) and in sbd_ext.generate's output."""
+    p, n = int(out_ref.prompt_lengths[b]), int(out_ref.num_generated[b])
+    return ids[b, prompt_width : prompt_width + n].tolist(), out_ref.sequences[b, p : p + n].tolist()
+
+
+@pytest.mark.parametrize(
+    "hf_kwargs, sbd_kwargs",
+    [
+        ({}, {}),  # greedy, the defaults
+        ({"sbd_block_size": 8, "sbd_threshold": 0.1}, {"block_size": 8, "threshold": 0.1}),
+        ({"sbd_verify": True, "sbd_block_size": 8}, {"verify": True, "block_size": 8}),
+        ({"sbd_sampler": "entropy", "sbd_block_size": 4}, {"sampler": "entropy", "block_size": 4}),
+        ({"do_sample": True, "temperature": 0.8, "sbd_seed": 7}, {"temperature": 0.8, "seed": 7}),
+        ({"sbd_mode": "ntp"}, {"mode": "ntp"}),
+    ],
+)
+def test_model_generate_equals_sbd_generate(demo, batch, hf_kwargs, sbd_kwargs):
+    model, tok = demo
+    out = model.generate(**batch, custom_generate=CG, trust_remote_code=True, max_new_tokens=48, **hf_kwargs)
+    ref = sbd_ext.generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=48, **sbd_kwargs)
+    width = batch["input_ids"].shape[1]
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.long
+    assert torch.equal(out[:, :width], batch["input_ids"])  # the prompt as given, padding included
+    for b in range(out.shape[0]):
+        got, want = _generated(out, ref, b, width)
+        assert got == want
+        assert (out[b, width + len(got) :] == tok.pad_token_id).all()
+    assert out.shape[1] == width + int(ref.num_generated.max())
+
+
+def test_return_dict_carries_nfe(demo, batch):
+    model, _ = demo
+    out = model.generate(
+        **batch, custom_generate=CG, trust_remote_code=True, max_new_tokens=32, return_dict_in_generate=True
+    )
+    ref = sbd_ext.generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=32)
+    assert isinstance(out, SBDGenerateDecoderOnlyOutput)
+    assert torch.equal(out.nfe, ref.nfe) and torch.equal(out.num_generated, ref.num_generated)
+    assert (out.nfe < out.num_generated).any()  # SBD: fewer forwards than tokens
+
+
+def test_settings_flow(demo, batch):
+    """explicit keywords > per-call generation_config > model.generation_config > defaults."""
+    model, _ = demo
+    ids, am = batch["input_ids"][:1], batch["attention_mask"][:1]
+
+    def nfe(**kw):
+        return int(
+            model.generate(
+                ids,
+                attention_mask=am,
+                custom_generate=CG,
+                trust_remote_code=True,
+                max_new_tokens=40,
+                return_dict_in_generate=True,
+                **kw,
+            ).nfe[0]
+        )
+
+    def ref_nfe(**kw):
+        return int(sbd_ext.generate(model, ids, am, max_new_tokens=40, **kw).nfe[0])
+
+    assert nfe(sbd_mode="ntp") == ref_nfe(mode="ntp")
+    per_call = GenerationConfig(sbd_mode="ntp")
+    assert nfe(generation_config=per_call) == ref_nfe(mode="ntp")
+    assert nfe(generation_config=per_call, sbd_mode="sbd") == ref_nfe()
+    model.generation_config.sbd_mode = "ntp"
+    try:
+        assert nfe() == ref_nfe(mode="ntp")  # the model's generation config
+        assert int(sbd_ext.generate(model, ids, am, max_new_tokens=40).nfe[0]) == ref_nfe(mode="ntp")
+        assert int(sbd_ext.generate_reference(model, ids, am, max_new_tokens=40).nfe[0]) == ref_nfe(mode="ntp")
+        assert nfe(generation_config=GenerationConfig(sbd_mode="sbd")) == ref_nfe(mode="sbd")
+        # an explicit settings object wins over the generation config entirely
+        settings = sbd_ext.GenerationSettings(max_new_tokens=40)
+        assert int(sbd_ext.generate(model, ids, am, settings).nfe[0]) == ref_nfe(mode="sbd")
+    finally:
+        del model.generation_config.sbd_mode
+    # A threshold set for one sampler is not carried over to another chosen above it.
+    model.generation_config.sbd_sampler, model.generation_config.sbd_threshold = "eb", 5.0
+    try:
+        assert nfe(sbd_sampler="confidence") == ref_nfe(sampler="confidence")
+        assert nfe() == ref_nfe(sampler="eb", threshold=5.0)
+    finally:
+        del model.generation_config.sbd_sampler, model.generation_config.sbd_threshold
+
+
+def test_bad_sbd_fields_are_clear_errors(demo, batch):
+    model, _ = demo
+    model.generation_config.sbd_block_size = "eight"
+    try:
+        with pytest.raises(ValueError, match=r"model.generation_config \(sbd_block_size='eight'\).*block_size"):
+            sbd_ext.generate(model, batch["input_ids"][:1], max_new_tokens=4)
+    finally:
+        del model.generation_config.sbd_block_size
+    with pytest.raises(ValueError, match=r"generation_config \(sbd_sampler='nope'\)"):
+        model.generate(
+            batch["input_ids"][:1],
+            custom_generate=CG,
+            trust_remote_code=True,
+            generation_config=GenerationConfig(sbd_sampler="nope"),
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_beams": 2}, "num_beams"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"do_sample": True, "top_k": 5}, "top_k"),
+        ({"do_sample": True, "top_p": 0.9}, "top_p"),
+        ({"num_return_sequences": 2}, "num_return_sequences"),
+        ({"stop_strings": ["####"]}, "stop_strings"),
+        ({"output_scores": True}, "output_scores"),
+        ({"logits_processor": [object()]}, "logits_processor"),
+        ({"no_such_argument": 1}, "no_such_argument"),
+    ],
+)
+def test_unsupported_is_refused(demo, batch, kwargs, match):
+    model, _ = demo
+    with pytest.raises(ValueError, match=match):
+        model.generate(**batch, custom_generate=CG, trust_remote_code=True, max_new_tokens=4, **kwargs)
+
+
+def test_greedy_ignores_sampling_filters(demo, batch):
+    model, _ = demo
+    out = model.generate(**batch, custom_generate=CG, trust_remote_code=True, max_new_tokens=8, top_k=5)
+    assert out.shape[0] == 3
+
+
+def test_checkpoint_generate_is_sbd(demo, batch, checkpoint):
+    """A checkpoint saved with save_pretrained decodes with SBD from model.generate, with its own sbd_* settings."""
+    model, _ = demo
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, attn_implementation="sbd")
+    assert (checkpoint / "custom_generate" / "generate.py").is_file()
+    assert (checkpoint / "custom_generate" / "requirements.txt").read_text().split() == ["sbd_ext"]
+    assert loaded.generation_config.sbd_block_size == 8
+    out = loaded.generate(**batch, max_new_tokens=48, return_dict_in_generate=True)
+    ref = sbd_ext.generate(
+        model, batch["input_ids"], batch["attention_mask"], max_new_tokens=48, block_size=8, threshold=0.1
+    )
+    width = batch["input_ids"].shape[1]
+    for b in range(3):
+        got, want = _generated(out.sequences, ref, b, width)
+        assert got == want
+    assert torch.equal(out.nfe, ref.nfe)
+    ids = demo[1](_prompts(demo[1], 1), return_tensors="pt")["input_ids"]
+    positional = loaded.generate(ids, max_new_tokens=8)  # generate(ids), as HF allows
+    assert (
+        positional[0, ids.shape[1] :].tolist()
+        == sbd_ext.generate(model, ids, max_new_tokens=8, block_size=8, threshold=0.1)
+        .sequences[0, ids.shape[1] :]
+        .tolist()
+    )
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint)  # without trust_remote_code: HF's own generate
+    assert not isinstance(
+        plain.generate(**batch, max_new_tokens=2, return_dict_in_generate=True), SBDGenerateDecoderOnlyOutput
+    )
+
+
+def test_streamer_iterator(demo, checkpoint):
+    """TextIteratorStreamer in a thread: the stream is the decoded output, and text arrives before the end."""
+    model, tok = demo
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, attn_implementation="sbd")
+    enc = tok(_prompts(tok, 1), return_tensors="pt")
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    result, done_at = {}, []
+
+    def run():
+        result["out"] = loaded.generate(**enc, streamer=streamer, max_new_tokens=64)
+        done_at.append(time.perf_counter())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pieces, first_at = [], None
+    for text in streamer:
+        if text and first_at is None:
+            first_at = time.perf_counter()
+        pieces.append(text)
+    thread.join()
+    new = result["out"][0, enc["input_ids"].shape[1] :]
+    assert "".join(pieces) == tok.decode(new)
+    assert first_at is not None and first_at < done_at[0]
+
+
+class _Recorder:
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sbd_verify": True}, {"sbd_mode": "ntp"}, {"do_sample": True, "sbd_seed": 3}])
+def test_streamer_gets_prompt_then_final_runs(demo, kwargs):
+    model, tok = demo
+    enc = tok(_prompts(tok, 1), return_tensors="pt")
+    rec = _Recorder()
+    out = model.generate(
+        **enc, custom_generate=CG, trust_remote_code=True, streamer=rec, max_new_tokens=64, sbd_block_size=8, **kwargs
+    )
+    assert rec.puts[0] == enc["input_ids"].tolist() and rec.ended == 1
+    streamed = [t for put in rec.puts[1:] for t in put[0]]
+    assert all(len(put) == 1 for put in rec.puts[1:])  # shape (1, n), as assisted decoding puts them
+    assert streamed == out[0, enc["input_ids"].shape[1] :].tolist()
+
+
+def _generate_streaming(model, batch, **kw):
+    """sbd_ext.generate with on_final_tokens: (output, {row: [run of ids, ...]})."""
+    runs: dict = {}
+    out = sbd_ext.generate(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        on_final_tokens=lambda b, ids: runs.setdefault(b, []).append(list(ids)),
+        **kw,
+    )
+    return out, runs
+
+
+@pytest.mark.parametrize("block_size, threshold", [(8, 0.1), (16, 0.0), (16, 0.5)])
+def test_stream_is_each_forwards_contiguous_revealed_prefix(demo, batch, block_size, threshold):
+    """Plain SBD: after each forward a row's stream reaches exactly the end of its contiguous revealed prefix (a token
+    after a still-masked position waits), computed independently from the reveal trace."""
+    out, runs = _generate_streaming(demo[0], batch, max_new_tokens=64, block_size=block_size, threshold=threshold)
+    waited = False
+    for b in range(3):
+        p = int(out.prompt_lengths[b])
+        revealed, expected = set(), []
+        for _, positions, _ in out.trace[b]:
+            revealed.update(positions)
+            n = 0
+            while p + n in revealed:
+                n += 1
+            if n > (expected[-1] if expected else 0):
+                expected.append(n)
+            waited |= any(q >= p + n for q in revealed)  # something revealed beyond a masked position
+        cumulative = [sum(map(len, runs[b][: i + 1])) for i in range(len(runs[b]))]
+        assert cumulative == expected
+    if block_size == 16 and threshold == 0.0:
+        assert waited  # the out-of-order case is exercised
+
+
+def test_streamer_batch_gets_hf_error(demo, batch):
+    model, tok = demo
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(
+            **batch, custom_generate=CG, trust_remote_code=True, streamer=TextStreamer(tok), max_new_tokens=4
+        )
+
+
+def test_on_final_tokens_verify_streams_verified_only(demo, batch):
+    """sbd_ext.generate's hook: per row, the runs concatenate to the row's output, verify mode included."""
+    for kw in ({}, {"verify": True, "block_size": 8}, {"temperature": 1.0, "seed": 1}):
+        out, runs = _generate_streaming(demo[0], batch, max_new_tokens=48, **kw)
+        for b in range(3):
+            p, n = int(out.prompt_lengths[b]), int(out.num_generated[b])
+            # A streamed token cannot be taken back: a rejected draft streamed would break this equality.
+            assert sum(runs[b], []) == out.sequences[b, p : p + n].tolist()
+
+
+def test_pipeline_text_generation(demo, batch, checkpoint):
+    model, tok = demo
+    pipe = pipeline("text-generation", model=str(checkpoint), trust_remote_code=True)
+    prompt = _prompts(tok, 1)[0]
+    text = pipe(prompt, max_new_tokens=48, return_full_text=False)[0]["generated_text"]
+    enc = tok([prompt], return_tensors="pt")
+    ref = sbd_ext.generate(model, enc["input_ids"], max_new_tokens=48, block_size=8, threshold=0.1)
+    assert text == tok.decode(ref.sequences[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_custom_generate_folder_is_package_data():
+    from pathlib import Path
+
+    import tomllib
+
+    assert (CUSTOM_GENERATE_DIR / "custom_generate" / "generate.py").is_file()
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "custom_generate/*" in data["sbd_ext.integration"]

@@ -1,0 +1,68 @@
+"""SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
+``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``), saved in ``generation_config.json`` so that a
+checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and to ``model.generate``.
+
+Precedence, highest first: explicit settings (keywords / a :class:`GenerationSettings`), then each generation
+config given (a per-call one, then the model's), then the :class:`GenerationSettings` defaults. A threshold only
+means something for its sampler: a layer's ``sbd_threshold`` is dropped when that layer names its ``sbd_sampler``
+and a higher layer picks another one (the sampler's registry default, or a threshold from above, applies).
+"""
+
+from __future__ import annotations
+
+from .settings import GenerationSettings
+
+__all__ = ["SBD_FIELDS", "sbd_fields", "layered_settings", "resolve_settings"]
+
+# generation-config attribute -> GenerationSettings field
+SBD_FIELDS = {
+    "sbd_block_size": "block_size",
+    "sbd_sampler": "sampler",
+    "sbd_threshold": "threshold",
+    "sbd_verify": "verify",
+    "sbd_mode": "mode",
+}
+
+
+def sbd_fields(generation_config, where: str = "generation_config") -> dict:
+    """The ``sbd_*`` fields set (not None) on ``generation_config`` (None: {}), as GenerationSettings field names,
+    validated alone so that a bad value is reported with the attribute that holds it."""
+    if generation_config is None:
+        return {}
+    found = {}
+    for attr, name in SBD_FIELDS.items():
+        value = getattr(generation_config, attr, None)
+        if value is not None:
+            found[name] = value
+    if found:
+        try:
+            GenerationSettings(**found)
+        except (TypeError, ValueError) as e:
+            attrs = ", ".join(f"{a}={getattr(generation_config, a)!r}" for a, n in SBD_FIELDS.items() if n in found)
+            raise type(e)(f"{where} ({attrs}): {e}") from e
+    return found
+
+
+def layered_settings(explicit: dict, *layers: dict) -> GenerationSettings:
+    """GenerationSettings from ``explicit`` fields over ``layers`` (highest first; each a dict of fields)."""
+    merged = dict(explicit)
+    for layer in layers:
+        for name, value in layer.items():
+            if name in merged:
+                continue
+            own = layer.get("sampler")
+            if name == "threshold" and own is not None and merged.get("sampler", own) != own:
+                continue  # this layer's threshold is for its own sampler, not the one chosen above it
+            merged[name] = value
+    return GenerationSettings(**merged)
+
+
+def resolve_settings(model, settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
+    """What :func:`sbd_ext.generate` / :func:`sbd_ext.generate_reference` decode with: ``settings`` (taken whole)
+    + ``overrides``; without ``settings``, ``overrides`` over the ``sbd_*`` fields of ``model.generation_config``
+    over the defaults."""
+    if settings is not None:
+        return GenerationSettings.of(settings, **overrides)
+    GenerationSettings.of(None, **{k: v for k, v in overrides.items() if k != "threshold"})  # names, values alone
+    gen_cfg = getattr(model, "generation_config", None)
+    return layered_settings(overrides, sbd_fields(gen_cfg, "model.generation_config"))

@@ -1,0 +1,11 @@
+"""transformers' ``custom_generate`` entry point for Set Block Decoding (loaded as remote code with
+``trust_remote_code=True``): everything is in the installed ``sbd_ext`` package."""
+
+from sbd_ext.integration import hf_generate
+
+
+def generate(*args, model=None, **kwargs):
+    """``model.generate(...)`` with SBD: see :func:`sbd_ext.integration.hf_generate.generate`."""
+    if model is None:  # called directly as generate(model, ...)
+        model, *args = args
+    return hf_generate.generate(model, *args, **kwargs)
