@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+import sbd_ext
+
 from sbd_ext.demo import cli, models
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import evaluate
@@ -57,6 +59,18 @@ def test_shipped_model_reproduces_its_record(check):
         check["threshold"],
     )
     assert model.config.mask_token_id == tok.mask_token_id
+    # Decoding with no SBD argument uses the recommended settings the artifact put on the generation config.
+    ids = tok(["Q: Tom has 31 coins. He finds 4 more. How many coins does Tom have now?\nA: "], return_tensors="pt")
+    plain = sbd_ext.generate(model, ids.input_ids, max_new_tokens=32)
+    explicit = sbd_ext.generate(
+        model,
+        ids.input_ids,
+        max_new_tokens=32,
+        block_size=check["block_size"],
+        sampler=check["sampler"],
+        threshold=check["threshold"],
+    )
+    assert torch.equal(plain.sequences, explicit.sequences) and plain.nfe.tolist() == explicit.nfe.tolist()
     got = evaluate.check_record(NAME, check["n"], check["block_size"], check["sampler"], check["threshold"])
     assert abs(got["accuracy"] - check["accuracy"]) <= 0.03, (got, check)
     assert got["mean_nfe"] == pytest.approx(check["mean_nfe"], rel=0.05), (got, check)
