@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import sbd_ext
-
 from sbd_ext.demo import cli, models
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import evaluate
