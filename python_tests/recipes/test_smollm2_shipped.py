@@ -52,10 +52,11 @@ def test_shipped_model_reproduces_its_record(check):
     of the committed run (a different CPU may round a few logits differently)."""
     model, tok = models.load(NAME)
     gen = model.generation_config
-    assert (gen.sbd_block_size, gen.sbd_sampler, gen.sbd_threshold) == (
+    assert (gen.sbd_block_size, gen.sbd_sampler, gen.sbd_threshold, gen.sbd_verify) == (
         check["block_size"],
         check["sampler"],
         check["threshold"],
+        check["verify"],
     )
     assert model.config.mask_token_id == tok.mask_token_id
     # Decoding with no SBD argument uses the recommended settings the artifact put on the generation config.
@@ -68,9 +69,12 @@ def test_shipped_model_reproduces_its_record(check):
         block_size=check["block_size"],
         sampler=check["sampler"],
         threshold=check["threshold"],
+        verify=check["verify"],
     )
     assert torch.equal(plain.sequences, explicit.sequences) and plain.nfe.tolist() == explicit.nfe.tolist()
-    got = evaluate.check_record(NAME, check["n"], check["block_size"], check["sampler"], check["threshold"])
+    got = evaluate.check_record(
+        NAME, check["n"], check["block_size"], check["sampler"], check["threshold"], check["verify"]
+    )
     assert abs(got["accuracy"] - check["accuracy"]) <= 0.03, (got, check)
     assert got["mean_nfe"] == pytest.approx(check["mean_nfe"], rel=0.05), (got, check)
 

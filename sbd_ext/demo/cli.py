@@ -127,6 +127,8 @@ def cmd_generate(args) -> int:
     block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     stream = None if args.show_steps else _stream_printer(tok, prompt, colour)  # the completion as it becomes final
+    # The model's recommendation (sbd_demo.json) turns verify mode on for SBD decoding unless --mode ntp.
+    verify = args.mode == "sbd" and (args.verify or bool(info.get("verify", False)))
     res = evaluate.decode(
         model,
         tok,
@@ -140,7 +142,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=1,
         return_trace=args.show_steps,
-        verify=args.verify,
+        verify=verify,
         on_final_tokens=stream and (lambda b, ids: stream.put(torch.tensor(ids))),
     )
     completion = res["completions"][0]
@@ -159,7 +161,7 @@ def cmd_generate(args) -> int:
         )
         print()
     how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {sampler} sampler {threshold:g}"
-    if args.verify and args.mode == "sbd":
+    if verify:
         how += f", verified ({len(res['corrections'][0])} corrections)"
     print(
         f"[{how}] NFE {nfe} | {ntok} tokens | {ntok / max(nfe, 1):.2f} tokens/forward | "

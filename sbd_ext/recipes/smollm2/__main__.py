@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, required=True)
     s.add_argument("--check-n", type=_positive, default=100)
+    s.add_argument("--verify", action="store_true", help="recommend lossless verify mode")
     s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-sbd"))
     s.add_argument("--threads", type=_positive)
     return ap
@@ -113,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         _eval(args)
     elif args.command == "ship":
         artifact = run_dir(args.out, "sbd") / "artifact"
-        check = evaluate.check_record(artifact, args.check_n, args.block_size, args.sampler, args.threshold)
+        check = evaluate.check_record(
+            artifact, args.check_n, args.block_size, args.sampler, args.threshold, args.verify
+        )
         print(json.dumps(check))
-        evaluate.ship(artifact, args.dest, args.block_size, args.sampler, args.threshold, check)
+        evaluate.ship(artifact, args.dest, args.block_size, args.sampler, args.threshold, check, args.verify)
     elif args.command == "ppl":
         result = evaluate.perplexity_table(
             {

@@ -171,7 +171,9 @@ def save_json(obj: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def ship(artifact: str | Path, dest: str | Path, block_size: int, sampler: str, threshold: float, check: dict) -> Path:
+def ship(
+    artifact: str | Path, dest: str | Path, block_size: int, sampler: str, threshold: float, check: dict, verify: bool
+) -> Path:
     """Copy a trained artifact into ``dest`` (the package's ``demo/models/smollm2-sbd``) with its recommended SBD
     settings (in ``sbd_config.json``'s ``generation``, which :func:`sbd_ext.adapters.load_artifact` puts on the
     model's generation config), the demo's ``sbd_demo.json`` (prompt template and settings for ``sbd-ext``) and
@@ -185,7 +187,12 @@ def ship(artifact: str | Path, dest: str | Path, block_size: int, sampler: str, 
     for name in (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE):
         shutil.copyfile(artifact / name, dest / name)
     meta = adapters.read_artifact_config(artifact)
-    meta["generation"] = {"sbd_block_size": block_size, "sbd_sampler": sampler, "sbd_threshold": threshold}
+    meta["generation"] = {
+        "sbd_block_size": block_size,
+        "sbd_sampler": sampler,
+        "sbd_threshold": threshold,
+        "sbd_verify": verify,
+    }
     (dest / adapters.CONFIG_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     demo = {
         "task": "arith",
@@ -195,6 +202,7 @@ def ship(artifact: str | Path, dest: str | Path, block_size: int, sampler: str, 
         "gamma_low": threshold,
         "gamma_high": GAMMAS[1],
         "objective": "sbd",
+        "verify": verify,
         "max_new_tokens": MAX_NEW_TOKENS,
     }
     (dest / "sbd_demo.json").write_text(json.dumps(demo, indent=1) + "\n")
@@ -202,7 +210,9 @@ def ship(artifact: str | Path, dest: str | Path, block_size: int, sampler: str, 
     return dest
 
 
-def check_record(model_name: str | Path, n: int, block_size: int, sampler: str, threshold: float) -> dict:
+def check_record(
+    model_name: str | Path, n: int, block_size: int, sampler: str, threshold: float, verify: bool = False
+) -> dict:
     """Accuracy and mean NFE of SBD decoding (the recommended settings) on the first ``n`` held-out problems."""
     from ...demo import models as demo_models
     from ...demo import tasks
@@ -218,9 +228,11 @@ def check_record(model_name: str | Path, n: int, block_size: int, sampler: str, 
         block_size=block_size,
         sampler=sampler,
         threshold=threshold,
+        verify=verify,
         max_new_tokens=MAX_NEW_TOKENS,
     )
     return {
+        "verify": verify,
         "n": n,
         "block_size": block_size,
         "sampler": sampler,
