@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sbd_ext
+from sbd_ext import adapters
 from sbd_ext.demo import cli, models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
 from sbd_ext.metadata import get_sbd_metadata
@@ -33,7 +34,11 @@ def test_embedded_models_present_and_small():
     assert models.DEFAULT_MODEL in names and models.CONTROL_MODEL in names
     for name in names:
         folder = models.path(name)
-        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sbd_demo.json"):
+        if adapters.is_artifact(folder):  # an adapter over a base model from a package (smollm2-sbd)
+            files = (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE, adapters.CONFIG_FILE, "sbd_demo.json")
+        else:
+            files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sbd_demo.json")
+        for f in files:
             assert (folder / f).is_file(), f"{name}: {f} missing"
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         assert size < 10e6, f"{name} is {size / 1e6:.1f} MB"
