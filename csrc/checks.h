@@ -26,8 +26,14 @@ inline std::string dtype_list(std::initializer_list<at::ScalarType> ok) {
   return s;
 }
 
+// An undefined tensor is what a None reaches the op as (through torch.ops, past the Python wrappers).
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), op, ": ", name, " must be a tensor, got None");
+}
+
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
                         std::initializer_list<at::ScalarType> ok) {
+  check_defined(op, name, t);
   for (auto d : ok)
     if (t.scalar_type() == d) return;
   TORCH_CHECK_TYPE(false, op, ": ", name, " must have dtype ", dtype_list(ok), ", got ", t.scalar_type());
@@ -51,6 +57,7 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 
 inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
                              const char* ref_name) {
+  check_defined(op, name, t);
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the same dtype as ", ref_name,
                    " (", ref.scalar_type(), "), got ", t.scalar_type());
 }

@@ -468,6 +468,16 @@ def test_device_mismatch():
         OP(**args)
 
 
+@pytest.mark.parametrize("index,name", [(0, "q"), (2, "v"), (3, "k_cache"), (5, "cache_lens"), (6, "n_commit")])
+def test_none_to_the_raw_op_names_the_argument(index, name):
+    """torch.ops passes None as an undefined tensor: the binding's checks name it instead of reading a dtype."""
+    q, k, v, kc, vc = make_inputs(1, 2, 2, 3, 16, 8)
+    args = [q, k, v, kc, vc, lengths([2], "cpu"), lengths([1], "cpu"), lengths([3], "cpu"), 0.25]
+    args[index] = None
+    with pytest.raises(TypeError, match=f"block_attention: {name} must be a tensor, got None"):
+        OP(*args)
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v_cache", "cache_lens", "n_valid"])
 def test_meta_and_cpu_mixed_is_a_device_error(name):
     """One tensor on meta, the rest on the CPU: the device error (before: the Meta dispatch key won and the fake
