@@ -1,35 +1,9 @@
 """The Set Block Decoding training objective (Gat et al. 2025, Alg. 1) for HuggingFace causal LMs.
 
-For a batch of sequences x [B, L] and a block size k, SBD trains ONE forward over the 2L-token input
-``cat(x, x_hat)``, where x_hat replaces each token of x by the mask token with probability eta,
-eta ~ U(0, 1) drawn once per sequence. Both halves use position ids 0..L-1. Indices q, kv below run over
-the 2L input; blocks have size k; three parts of the attention mask are OR-ed:
-
-- clean -> clean, causal:                      q < L, kv < L, kv <= q
-- noisy -> noisy, same block, bidirectional:   q >= L, kv >= L, (q-L)//k == (kv-L)//k
-- noisy -> clean, strictly earlier blocks:     q >= L, kv < L, (q-L)//k > kv//k
-
-so a noisy block never sees the clean copy of its own block, and the clean half never sees the noisy half
-(its outputs are exactly those of a plain causal forward of x). The loss is the next-token cross-entropy on the
-clean half (the output at t predicts x[t+1]) plus the cross-entropy on the masked positions of the noisy half
-(the output at L+t predicts x[t]; unmasked noisy positions are ignored): a plain sum of the two token-level means.
-
-Right-padded batches are supported through a 2D ``attention_mask`` [B, L] (1 = token, 0 = padding): padding
-positions of either half are never attended to, never masked and never in the loss.
-
-How the custom mask reaches the attention function (transformers 5.x): ``create_causal_mask`` in
-``transformers.masking_utils`` returns any 4D ``attention_mask`` (a tensor or a FlexAttention ``BlockMask``) as
-is, whatever ``config._attn_implementation`` is, and the model hands it unchanged to every layer's attention
-function. Each implementation wants a different kind of mask, which :func:`mask_format_for` picks:
-
-- ``"sdpa"``: boolean [B, 1, 2L, 2L], True = may attend (``F.scaled_dot_product_attention(attn_mask=...)``);
-- ``"eager"``: additive float [B, 1, 2L, 2L] in the model dtype, 0 or dtype-min (added to the scores; a boolean
-  mask would be added as 0/1, silently wrong);
-- ``"flex_attention"``: a ``BlockMask`` from ``create_block_mask`` with :func:`sbd_mask_mod` (its ``shape`` is 4D,
-  so it passes the same early exit); on the CPU torch 2.13 has no FlexAttention backward (forward only);
-- ``"sbd"`` (sbd_ext's backend) and any other registered implementation: boolean, as for SDPA (the sbd backend
-  falls back to SDPA for a custom 4D mask);
-- ``flash_attention_*``: refused, FlashAttention takes no arbitrary mask.
+One forward over the 2L-token input ``cat(x, x_hat)`` (x_hat: each token masked with probability eta ~ U(0, 1) per
+sequence) with a three-part attention mask; the loss is the next-token cross-entropy on the clean half plus the
+cross-entropy on the masked positions of the noisy half. The mask's definition, and which mask format each
+attention implementation gets, are in :mod:`sbd_ext.training.mask`.
 
 SBD metadata (:mod:`sbd_ext.metadata`, on the model's text config): :func:`add_mask_token` records
 ``mask_token_id`` and the intended ``sbd_block_size_range``; :class:`SBDTrainer` and :func:`train_sbd` overwrite

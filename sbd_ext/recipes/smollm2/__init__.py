@@ -9,6 +9,7 @@
 * ``python -m sbd_ext.recipes.smollm2 {train,eval,ppl,ship}`` -- the command (:mod:`.__main__`).
 """
 
+from . import checkpoint
 from .checkpoint import (  # noqa: F401  (the loader's names, as before the split)
     CONTEXT_LENGTH,
     ENV_DIR,
@@ -24,20 +25,8 @@ from .checkpoint import (  # noqa: F401  (the loader's names, as before the spli
     ensure_checkpoint,
     gguf_path,
     is_available,
+    load_base,
     load_smollm2,
 )
 
-__all__ = [
-    "PACKAGE",
-    "PACKAGE_VERSION",
-    "GGUF_NAME",
-    "INSTALL_HINT",
-    "ENV_DIR",
-    "SmolLM2Unavailable",
-    "gguf_path",
-    "is_available",
-    "default_dir",
-    "ensure_checkpoint",
-    "load_smollm2",
-    "chat_prompt",
-]
+__all__ = list(checkpoint.__all__)

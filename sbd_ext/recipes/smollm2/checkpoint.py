@@ -51,6 +51,7 @@ __all__ = [
     "default_dir",
     "ensure_checkpoint",
     "load_smollm2",
+    "load_base",
     "chat_prompt",
 ]
 
