@@ -257,8 +257,9 @@ def test_streamer_gets_prompt_then_final_runs(demo, kwargs):
         **enc, custom_generate=CG, trust_remote_code=True, streamer=rec, max_new_tokens=64, sbd_block_size=8, **kwargs
     )
     assert rec.puts[0] == enc["input_ids"].tolist() and rec.ended == 1
-    streamed = [t for put in rec.puts[1:] for t in put[0]]
-    assert all(len(put) == 1 for put in rec.puts[1:])  # shape (1, n), as assisted decoding puts them
+    streamed = [t for put in rec.puts[1:] for t in put]
+    # shape (n,), as HF's decoding loop puts each step's tokens: transformers serve's streamer iterates the ids
+    assert all(put and all(isinstance(t, int) for t in put) for put in rec.puts[1:])
     assert streamed == out[0, enc["input_ids"].shape[1] :].tolist()
 
 

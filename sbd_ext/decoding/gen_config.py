@@ -1,5 +1,5 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
-``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``), saved in ``generation_config.json`` so that a
+``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``), saved in ``generation_config.json`` so that a
 checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and to ``model.generate``.
 
 Precedence, highest first: explicit settings (keywords / a :class:`GenerationSettings`), then each generation
@@ -21,6 +21,7 @@ SBD_FIELDS = {
     "sbd_threshold": "threshold",
     "sbd_verify": "verify",
     "sbd_mode": "mode",
+    "sbd_compile": "compile",
 }
 
 

@@ -7,6 +7,7 @@
     sbd-ext generate --model PATH "..."        # any SBD-trained HF Llama folder (config.mask_token_id set)
     sbd-ext eval --out eval/                   # accuracy / NFE table (Markdown) and plot (PNG) on held-out problems
     sbd-ext models                             # the embedded models
+    sbd-ext export DIR                         # a transformers checkpoint (model.generate, pipeline, serve: SBD)
 
 Both commands run torch on ONE thread by default (``--threads``): the embedded model is so small (0.8 M
 parameters) that intra-op parallelism costs more than it saves, and on a busy machine an OpenMP barrier waiting for
@@ -30,7 +31,7 @@ import time
 import torch
 
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
-from . import evaluate, models, tasks
+from . import evaluate, export, models, tasks
 from .tokenizer import unknown_characters
 
 __all__ = ["main"]
@@ -221,6 +222,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    dest = export.export(args.model, args.dest, plain=args.plain)
+    how = "plain next-token checkpoint" if args.plain else "SBD checkpoint (custom_generate/, sbd_* settings)"
+    print(f"{args.model} -> {dest}: {how}")
+    print(f"  serve it: transformers serve {dest}{'' if args.plain else ' --trust-remote-code'} --host 127.0.0.1")
+    return 0
+
+
 def cmd_models(args) -> int:
     for name in models.available():
         p = models.path(name)
@@ -352,6 +361,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the embedded models")
     m.set_defaults(func=cmd_models)
+
+    x = sub.add_parser(
+        "export",
+        help="save a model as a transformers checkpoint whose generate() decodes with SBD (model.generate, "
+        "pipeline, transformers serve --trust-remote-code)",
+    )
+    x.add_argument("dest", help="an empty folder for the checkpoint")
+    x.add_argument("--model", default=models.DEFAULT_MODEL, help="embedded model name or folder (default: %(default)s)")
+    x.add_argument(
+        "--plain", action="store_true", help="no custom_generate/ and no SBD settings: served as any NTP model"
+    )
+    x.set_defaults(func=cmd_export)
     return ap
 
 

@@ -14,6 +14,8 @@ not apply (an explicit one is refused).
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..decoding.api import generate as sbd_generate
 from ..decoding.gen_config import SBD_FIELDS, layered_settings, sbd_fields
 
-__all__ = ["CUSTOM_GENERATE_DIR", "SBDGenerateDecoderOnlyOutput", "generate", "save_pretrained"]
+__all__ = [
+    "CUSTOM_GENERATE_DIR",
+    "SBDGenerateDecoderOnlyOutput",
+    "generate",
+    "refuse_continuous_batching",
+    "save_pretrained",
+]
+
+logger = logging.getLogger(__name__)
 
 # The folder that holds custom_generate/generate.py (package data): pass it as custom_generate=str(...).
 CUSTOM_GENERATE_DIR = Path(__file__).resolve().parent
@@ -146,6 +156,7 @@ def _settings_fields(gc: GenerationConfig, explicit: dict, per_call, model, prom
         fields["max_new_tokens"] = gc.max_new_tokens
     elif gc.max_length is not None:
         fields["max_new_tokens"] = max(gc.max_length - prompt_len, 1)
+    _fit_positions(fields, model, prompt_len)
     if gc.eos_token_id is not None:
         fields["eos_token_id"] = gc.eos_token_id
     if gc.pad_token_id is not None:
@@ -160,6 +171,28 @@ def _settings_fields(gc: GenerationConfig, explicit: dict, per_call, model, prom
     settings = layered_settings(explicit, *layers)
     fields.update({name: getattr(settings, name) for name in SBD_FIELDS.values()})
     return fields
+
+
+def _fit_positions(fields: dict, model, prompt_len: int) -> None:
+    """HF's ``max_new_tokens`` is a bound, and callers set it past a small model's positions (``transformers serve``
+    asks for 1024 new tokens unless the request says otherwise): cut it to what the model's
+    ``max_position_embeddings`` leaves after the prompt, with a warning. sbd_ext.generate itself refuses such a
+    request; a prompt that alone fills the positions is still refused there."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config(decoder=True) if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    want = fields.get("max_new_tokens")
+    if max_pos is None or want is None or prompt_len + want <= max_pos or prompt_len >= max_pos:
+        return
+    fields["max_new_tokens"] = max_pos - prompt_len
+    logger.warning(
+        "max_new_tokens=%d: prompt (%d tokens) + max_new_tokens exceeds the model's max_position_embeddings (%d); "
+        "generating at most %d tokens",
+        want,
+        prompt_len,
+        max_pos,
+        max_pos - prompt_len,
+    )
 
 
 def _hf_sequences(input_ids: torch.Tensor, out, pad_id: int) -> torch.Tensor:
@@ -193,7 +226,7 @@ def generate(
 
     Returns a LongTensor [B, P + N] (the inputs as given, then the generated tokens, right-padded with the pad id),
     or with ``return_dict_in_generate=True`` an :class:`SBDGenerateDecoderOnlyOutput` that also carries the NFE.
-    A ``streamer`` gets the prompt once (``put``), then each newly final run of tokens (shape (1, n)) as soon as a
+    A ``streamer`` gets the prompt once (``put``), then each newly final run of tokens (shape (n,)) as soon as a
     forward makes it final, then ``end()``; like HF's streamers, batch 1 only (TextStreamer raises for more).
     """
     args = {name: kwargs.pop(name, None) for name in _REFUSED_ARGS}
@@ -209,7 +242,9 @@ def generate(
     on_final = None
     if streamer is not None:
         streamer.put(input_ids.cpu())  # HF's streamers raise here for batch > 1 (TextStreamer)
-        on_final = lambda b, ids: streamer.put(torch.tensor([ids], dtype=torch.long))  # noqa: E731
+        # 1-D, as HF's generate puts each step's tokens: streamers that iterate value.tolist() (transformers
+        # serve's) then get token ids; TextStreamer takes either shape.
+        on_final = lambda b, ids: streamer.put(torch.tensor(ids, dtype=torch.long))  # noqa: E731
     try:
         out = sbd_generate(model, input_ids, attention_mask, return_trace=False, on_final_tokens=on_final, **fields)
     finally:
@@ -233,3 +268,37 @@ def save_pretrained(model, save_directory: str | Path, **kwargs) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("generate.py", "requirements.txt"):
         shutil.copyfile(CUSTOM_GENERATE_DIR / "custom_generate" / name, dest / name)
+
+
+def _is_sbd_generate(model) -> bool:
+    """Whether ``model.generate`` is ours: loaded from a checkpoint's ``custom_generate/`` (transformers sets a
+    ``functools.partial`` of the folder's function on the instance)."""
+    gen = vars(model).get("generate")
+    func = gen.func if isinstance(gen, functools.partial) else gen
+    return bool(getattr(func, "sbd_ext_generate", False))
+
+
+def refuse_continuous_batching() -> None:
+    """Make transformers' continuous batching refuse a model whose ``generate`` decodes with SBD. Continuous
+    batching (``transformers serve --continuous-batching``, ``model.generate_batch``, ``init_continuous_batching``)
+    runs transformers' own paged next-token decoder and never calls ``model.generate``, so on an SBD checkpoint it
+    would decode without SBD, silently. ``custom_generate/generate.py`` calls this when transformers loads it;
+    idempotent; models whose generate is not SBD's are untouched."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    original = ContinuousMixin.init_continuous_batching
+    if getattr(original, "sbd_ext_guard", False):
+        return
+
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        if _is_sbd_generate(self):
+            raise ValueError(
+                "this model decodes with Set Block Decoding (sbd_ext's custom_generate), which transformers' "
+                "continuous batching cannot run: it bypasses model.generate. Serve it without "
+                "--continuous-batching (requests then run one at a time through model.generate)"
+            )
+        return original(self, *args, **kwargs)
+
+    init_continuous_batching.sbd_ext_guard = True
+    ContinuousMixin.init_continuous_batching = init_continuous_batching

@@ -3,9 +3,15 @@
 
 from sbd_ext.integration import hf_generate
 
+# Continuous batching would bypass this generate (and SBD) silently: make it refuse SBD models instead.
+hf_generate.refuse_continuous_batching()
+
 
 def generate(*args, model=None, **kwargs):
     """``model.generate(...)`` with SBD: see :func:`sbd_ext.integration.hf_generate.generate`."""
     if model is None:  # called directly as generate(model, ...)
         model, *args = args
     return hf_generate.generate(model, *args, **kwargs)
+
+
+generate.sbd_ext_generate = True  # how refuse_continuous_batching recognises a model whose generate is this one

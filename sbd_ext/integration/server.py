@@ -1,0 +1,133 @@
+"""``transformers serve`` for a local checkpoint as a subprocess on the loopback interface: a free port, a bounded
+wait for readiness, always stopped (a context manager). Used by the serving tests and benchmark; handy for trying
+an SBD checkpoint (``sbd-ext export DIR``) with any OpenAI client.
+
+    with TransformersServer("my-sbd-model", trust_remote_code=True) as server:
+        client = server.client()      # an openai.OpenAI for it; requests name model=server.model
+
+Nothing is fetched: the server runs with ``HF_HUB_OFFLINE=1`` and no update check.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["TransformersServer", "free_port"]
+
+HOST = "127.0.0.1"
+_LAUNCH = "from transformers.cli.transformers import main; main()"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class TransformersServer:
+    """``transformers serve MODEL --host 127.0.0.1 --port <free>`` in a subprocess (see the module docstring).
+
+    Args:
+        model: the checkpoint folder, preloaded for every request (``force_model``).
+        trust_remote_code: pass ``--trust-remote-code`` (needed for ``custom_generate/``, i.e. SBD).
+        extra_args: more ``transformers serve`` options (e.g. ``["--continuous-batching"]``).
+        threads: ``OMP_NUM_THREADS`` of the server (None: inherited).
+        ready_timeout: seconds to wait for ``/health`` (then the server is stopped and RuntimeError raised).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        trust_remote_code: bool = False,
+        extra_args: list[str] | tuple[str, ...] = (),
+        threads: int | None = 1,
+        ready_timeout: float = 180.0,
+    ):
+        self.model = str(model)
+        self.port = free_port()
+        self.base_url = f"http://{HOST}:{self.port}/v1"
+        args = [self.model, "--host", HOST, "--port", str(self.port), "--device", "cpu", *extra_args]
+        if trust_remote_code:
+            args.append("--trust-remote-code")
+        self.command = [sys.executable, "-c", _LAUNCH, "serve", *args]
+        self.threads = threads
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def client(self, timeout: float = 300.0):
+        """An ``openai.OpenAI`` client of this server (no retries: a failed request is reported, not repeated)."""
+        import openai  # the serving extra
+
+        return openai.OpenAI(base_url=self.base_url, api_key="none", timeout=timeout, max_retries=0)
+
+    @property
+    def log_text(self) -> str:
+        """Everything the server wrote so far (stdout and stderr)."""
+        if self._log is None:
+            return ""
+        return Path(self._log.name).read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> bool:
+        """Whether ``text`` appears in the server's output within ``timeout`` seconds (tracebacks are written
+        after the response is sent)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log_text:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def start(self) -> TransformersServer:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self._log = tempfile.NamedTemporaryFile("w+b", prefix="transformers-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}:\n{self.log_text[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"transformers serve not ready after {self.ready_timeout:.0f} s:\n{self.log_text[-4000:]}")
+
+    def stop(self) -> None:
+        """Terminate the server (kill it after 10 s); idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """Stop the server and delete its log."""
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+            Path(self._log.name).unlink(missing_ok=True)
+            self._log = None
+
+    def __enter__(self) -> TransformersServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
