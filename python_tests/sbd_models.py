@@ -22,23 +22,30 @@ def tiny_llama(
     lm_scale: float = 8.0,
     mask_id: int | None = MASK_ID,
     max_positions: int = 256,
+    vocab: int = VOCAB,
+    init_range: float = 0.1,
+    tie: bool = False,
     **config_kwargs,
 ) -> LlamaForCausalLM:
-    """A random LlamaForCausalLM (hidden 64, head dim 16, vocab 100) in eval mode.
+    """A random LlamaForCausalLM (hidden 64, head dim 16, vocab ``vocab``, default 100) in eval mode.
 
     ``lm_scale`` multiplies the output head so that next-token entropies spread over roughly [0, 2] nats, like a
-    trained model's, instead of all sitting near ln(100): the samplers then reveal varying numbers of positions.
+    trained model's, instead of all sitting near ln(100): the samplers then reveal varying numbers of positions
+    (1.0 leaves the head as initialised, as the training tests want). ``mask_id`` is recorded as the SBD mask token
+    (None: no SBD metadata); ``init_range`` is the config's initializer_range; ``tie`` ties the output head to the
+    input embeddings.
     """
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
         max_position_embeddings=max_positions,
-        initializer_range=0.1,
+        initializer_range=init_range,
+        tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
@@ -46,8 +53,9 @@ def tiny_llama(
     )
     cfg._attn_implementation = attn
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(lm_scale)
+    if lm_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_scale)
     if mask_id is not None:
         set_sbd_metadata(model.config, mask_id, None)
     return model.to(dtype)
