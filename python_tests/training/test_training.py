@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from sbd_ext.training import (
     SBDTrainer,
     add_mask_token,
     mask_format_for,
+    ntp_loss,
+    objective_loss_fn,
     sbd_attention_mask,
     sbd_batch,
     sbd_loss,
@@ -719,3 +722,25 @@ def test_sbd_metadata_lives_on_the_text_config():
     assert get_sbd_metadata(model) == (None, None) and not hasattr(text, "mask_token_id")
     with pytest.raises(ValueError, match="not trained for SBD|mask"):
         sbd_ext.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+def test_objective_loss_fn_is_ntp_loss_or_sbd_loss():
+    """The one objective driver: "ntp" is the model's causal-LM loss, "sbd" is sbd_loss with k from k_rng."""
+    model = tiny(attn="sdpa")
+    x = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(2))
+    labels = x.clone()
+    labels[:, :3] = IGNORE_INDEX
+    batch = {"input_ids": x, "labels": labels, "attention_mask": torch.ones_like(x)}
+    loss, parts = objective_loss_fn("ntp", generator=torch.Generator(), k_rng=random.Random(0))(model, batch)
+    assert torch.equal(loss, model(input_ids=x, labels=labels).loss) and torch.equal(parts["ntp_loss"], loss)
+    assert torch.equal(ntp_loss(model, batch)[0], loss)
+    fn = objective_loss_fn(
+        "sbd", generator=torch.Generator().manual_seed(5), k_rng=random.Random(1), block_size_range=(2, 5)
+    )
+    loss, parts = fn(model, batch)
+    k = random.Random(1).randint(2, 5)
+    want = sbd_loss(model, x, labels=labels, attention_mask=batch["attention_mask"], block_size=k,
+                    generator=torch.Generator().manual_seed(5), return_parts=True)  # fmt: skip
+    assert parts["block_size"] == k and torch.equal(loss, want[0])
+    with pytest.raises(ValueError, match="objective must be one of"):
+        objective_loss_fn("mlm", generator=torch.Generator(), k_rng=random.Random(0))
