@@ -9,16 +9,16 @@
 # Stages (each with its step time limits; a failing step is recorded, the next one still runs):
 #   build     the CUDA extension in place, for this GPU's architecture only (9.0a on Hopper), ~2-4 min
 #   test      the CUDA tests (-k cuda, not slow, --timeout=120, junit), then the rest of the suite (not slow)
-#   bench     bench/bench_cuda_ops.py (ops vs reference vs PyTorch built-ins, attention + merge separately,
-#             the split sweep, 32 layers captured in a CUDA graph) -> cuda_ops.csv, bench_cuda_ops.json
+#   bench     the CUDA cases of bench/ops/bench_<op>.py (-m cuda: ops vs reference vs PyTorch built-ins, attention +
+#             merge separately, the split sweep, 32 layers captured in a CUDA graph) -> cuda_ops.csv, bench_cuda_ops.json
 #   ncu       Nsight Compute on attention at 4k and 32k and entropy_sample: time, DRAM % of peak, occupancy
 #   sanitize  compute-sanitizer memcheck, then racecheck, on small cases of every kernel
 #   smollm2   SmolLM2-135M tests + bench_smollm2 (needs the GGUF: see "SmolLM2" below)
 #   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models)
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
-#             (block_attention on both matrix paths, entropy_sample), then bench_block_attention and
-#             bench_entropy_sample on one thread -> cpu_ops.csv
+#             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
+#             bench/ops/bench_block_attention.py and bench_entropy_sample.py on one thread -> cpu_ops.csv
 # --dry-run (or SBD_RUNBOOK_CPU=1): on a CPU machine, run every stage's steps in a checking form -- pytest
 # collects the selected tests instead of running them, the profiler/sanitizer target runs its cases on the CPU,
 # the build evaluates setup.py without compiling -- and pack the results the same way. CI runs it for every
@@ -190,7 +190,8 @@ stage_bench() {
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=300}
   # shellcheck disable=SC2086
-  step bench 480 env SBD_BENCH_OUT="$RES" $py bench/bench_cuda_ops.py -q --benchmark-json="$RES/bench_cuda_ops.json"
+  step bench 480 env SBD_BENCH_OUT="$RES" $py bench/ops -m cuda -q \
+    --benchmark-json="$RES/bench_cuda_ops.json"
 }
 
 stage_ncu() {
@@ -274,8 +275,9 @@ stage_cpu() {
     python_tests/ops/test_entropy_sample.py -q -rfE --junitxml="$RES/tests_cpu.xml"
   py=${py/--timeout=120/--timeout=300}
   # shellcheck disable=SC2086
-  step cpu_bench 420 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py bench/bench_block_attention.py \
-    bench/bench_entropy_sample.py --benchmark-only -q -s --sbd-csv="$RES/cpu_ops.csv" \
+  step cpu_bench 420 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py \
+    bench/ops/bench_block_attention.py bench/ops/bench_entropy_sample.py -m "not cuda" --benchmark-only -q -s \
+    --sbd-csv="$RES/cpu_ops.csv" \
     --benchmark-json="$RES/bench_cpu_ops.json"
 }
 

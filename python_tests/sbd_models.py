@@ -22,23 +22,34 @@ def tiny_llama(
     lm_scale: float = 8.0,
     mask_id: int | None = MASK_ID,
     max_positions: int = 256,
+    vocab: int = VOCAB,
+    init_range: float = 0.1,
+    tie: bool = False,
+    hidden: int = 64,
+    intermediate: int | None = None,
+    block_size_range: tuple[int, int] | None = None,
     **config_kwargs,
 ) -> LlamaForCausalLM:
-    """A random LlamaForCausalLM (hidden 64, head dim 16, vocab 100) in eval mode.
+    """A random LlamaForCausalLM (hidden ``hidden``, default 64, MLP ``intermediate``, default 2 x hidden, vocab
+    ``vocab``, default 100) in eval mode.
 
     ``lm_scale`` multiplies the output head so that next-token entropies spread over roughly [0, 2] nats, like a
-    trained model's, instead of all sitting near ln(100): the samplers then reveal varying numbers of positions.
+    trained model's, instead of all sitting near ln(100): the samplers then reveal varying numbers of positions
+    (1.0 leaves the head as initialised, as the training tests want). ``mask_id`` is recorded as the SBD mask token
+    (None: no SBD metadata), with ``block_size_range`` when given; ``init_range`` is the config's initializer_range;
+    ``tie`` ties the output head to the input embeddings.
     """
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden if intermediate is None else intermediate,
         num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
         max_position_embeddings=max_positions,
-        initializer_range=0.1,
+        initializer_range=init_range,
+        tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
@@ -46,10 +57,11 @@ def tiny_llama(
     )
     cfg._attn_implementation = attn
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(lm_scale)
+    if lm_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_scale)
     if mask_id is not None:
-        set_sbd_metadata(model.config, mask_id, None)
+        set_sbd_metadata(model.config, mask_id, block_size_range)
     return model.to(dtype)
 
 

@@ -20,7 +20,8 @@
 //
 // A unit with fewer lanes than a vector (NTP decode: T = 1, g = 4 is 4 of 16 lanes) takes the rows path instead
 // (row_block): vectors run along the keys and the head dimension, at the price of transposing each K block.
-// At NTP decode shapes it is the faster of the two paths (bench/bench_block_attention.py; bench/results/cpu_ops.csv).
+// At NTP decode shapes it is the faster of the two paths (bench/ops/bench_block_attention.py;
+// bench/results/cpu_ops.csv).
 //
 // With p.gemm (bf16 / fp16 on CPUs with bf16 / fp16 matrix units, see block_attention_use_gemm) the two products
 // go to ATen's cpublas GEMM on the input type instead (GemmUnitRunner): oneDNN's matmul on AMX tiles or
@@ -65,7 +66,7 @@ constexpr int kRM = 2;
 constexpr int64_t kTileLanes = int64_t{kRM} * W;
 // Keys per block: the scores tile kBlock x kTileLanes (AVX-512: 96 x 64 fp32 = 24 KB) is reread from L1/L2 by the
 // second product, and the rescale of O^T is paid once per block. 48, 96 and 192 time the same within noise at
-// Llama shapes (bench/bench_block_attention.py); a multiple of kRI so only a range's end is ragged.
+// Llama shapes (bench/ops/bench_block_attention.py); a multiple of kRI so only a range's end is ragged.
 constexpr int64_t kBlock = 16 * kRI;
 
 // C[i][0 : RM*W) = (cscale ? C[i] * cscale : 0) + sum_k A[i * a_i + k * a_k] * Bt[k * ldb + (0 : RM*W)], i < RI.

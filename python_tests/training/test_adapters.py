@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from sbd_models import tiny_llama
+from transformers import LlamaForCausalLM
 
 from sbd_ext import adapters
 from sbd_ext.training import sbd_loss, train_loop
@@ -17,23 +18,11 @@ V, MASK = 64, 63
 
 
 def tiny(tie: bool, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    cfg._attn_implementation = "sdpa"
-    cfg.mask_token_id = MASK
-    cfg.sbd_block_size_range = [2, 8]
-    return LlamaForCausalLM(cfg).eval()
+    """The shared tiny Llama at hidden 32, vocabulary 64 (mask id 63, block sizes 2..8), the head as initialised."""
+    return tiny_llama(
+        attn="sdpa", seed=seed, tie=tie, vocab=V, mask_id=MASK, block_size_range=(2, 8), hidden=32,
+        init_range=0.02, lm_scale=1.0, max_positions=2048,
+    )  # fmt: skip
 
 
 def _perturb(params, seed=1):
@@ -132,16 +121,7 @@ def test_bad_arguments_and_artifacts(tmp_path):
     adapters.save_artifact(model, mask_row, "lora", tmp_path / "a", {"base_loader": "os:system"})
     with pytest.raises(ValueError, match="not part of sbd_ext"):
         adapters.load_artifact(tmp_path / "a")
-    other = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    other = tiny_llama(vocab=V, hidden=48, intermediate=64, mask_id=None, init_range=0.02, lm_scale=1.0)
     with pytest.raises(ValueError, match="adapter"):
         adapters.apply_artifact(other, tmp_path / "a")
 

@@ -5,13 +5,16 @@ Everything runs on small random LlamaConfig models on the CPU; nothing is downlo
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from sbd_models import tiny_llama
+from transformers import LlamaConfig, TrainingArguments
 
 import sbd_ext
 from sbd_ext.training import (
@@ -20,6 +23,8 @@ from sbd_ext.training import (
     SBDTrainer,
     add_mask_token,
     mask_format_for,
+    ntp_loss,
+    objective_loss_fn,
     sbd_attention_mask,
     sbd_batch,
     sbd_loss,
@@ -42,24 +47,11 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_llama(attn="sdpa", vocab=V + 1, seed=0, init_range=0.02, tie=False, layers=2):
-    """hidden 64, 2 layers, GQA 4 query / 2 KV heads."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=init_range,
-        tie_word_embeddings=tie,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    model.config.mask_token_id = MASK
-    return model
+# The training tests' model: the shared tiny Llama with a 17-token vocabulary (mask id 16), small initial weights
+# and the output head as initialised; a call overrides any of these keywords.
+tiny = functools.partial(
+    tiny_llama, attn="sdpa", vocab=V + 1, mask_id=MASK, init_range=0.02, lm_scale=1.0, max_positions=128
+)
 
 
 def brute_force_mask(L: int, k: int, length: int | None = None) -> torch.Tensor:
@@ -178,7 +170,7 @@ def test_batch_is_reproducible_from_generator():
 def test_sbd_loss_ids_beyond_the_vocabulary_are_a_clear_error():
     """Ids >= vocab in input_ids or labels (or a mask id beyond it): a ValueError naming the argument and the
     vocabulary (before: "index out of range in self" from the embedding, or a CE device assert on CUDA)."""
-    model = tiny_llama()
+    model = tiny()
     vocab = model.config.vocab_size
     x = torch.randint(0, V, (2, 6))
     bad = x.clone()
@@ -220,8 +212,8 @@ def test_batch_bad_inputs():
     with pytest.raises(ValueError, match="labels"):
         sbd_batch(x, MASK, 2, labels=x[:, :3])
     with pytest.raises(ValueError, match="block_size_range"):
-        sbd_loss(tiny_llama(), x, block_size_range=(4, 2))
-    model = tiny_llama()
+        sbd_loss(tiny(), x, block_size_range=(4, 2))
+    model = tiny()
     del model.config.mask_token_id
     with pytest.raises(ValueError, match="mask_token_id"):
         sbd_loss(model, x)
@@ -237,7 +229,7 @@ def _logits(model, batch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_clean_half_equals_causal_forward(attn):
-    model = tiny_llama(attn)
+    model = tiny(attn=attn)
     x = torch.randint(0, V, (3, 13), generator=torch.Generator().manual_seed(0))
     am = torch.ones_like(x)
     am[1, 9:] = 0
@@ -271,7 +263,7 @@ def test_perturbation_reaches_only_allowed_outputs(attn, L, k):
     The three leaks this rules out: a noisy block seeing its own block's clean copy, seeing later blocks (clean or
     noisy), and the clean half seeing the noisy half.
     """
-    model = tiny_llama(attn, init_range=0.2)  # larger weights: every allowed influence is far above fp32 noise
+    model = tiny(attn=attn, init_range=0.2)  # larger weights: every allowed influence is far above fp32 noise
     x = torch.randint(0, V, (1, L), generator=torch.Generator().manual_seed(L))
     b = sbd_batch(x, MASK, k, eta=0.5, generator=torch.Generator().manual_seed(k), mask_format=mask_format_for(attn))
     base = _logits(model, b)
@@ -292,7 +284,7 @@ def test_perturbation_reaches_only_allowed_outputs(attn, L, k):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_padding_is_never_seen(attn):
-    model = tiny_llama(attn, init_range=0.2)
+    model = tiny(attn=attn, init_range=0.2)
     L = 9
     x = torch.randint(0, V, (2, L), generator=torch.Generator().manual_seed(5))
     am = torch.ones_like(x)
@@ -320,7 +312,7 @@ def test_padding_is_never_seen(attn):
 def test_flex_attention_block_mask_matches_sdpa():
     """The BlockMask path through transformers' flex_attention backend (forward only: torch has no FlexAttention
     backward on the CPU; on CUDA it trains)."""
-    model = tiny_llama("sdpa")
+    model = tiny(attn="sdpa")
     x = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(0))
     am = torch.ones_like(x)
     am[1, 7:] = 0
@@ -407,7 +399,7 @@ def test_labels_select_the_loss_tokens():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_sbd_loss_matches_manual_forward(attn):
     """sbd_loss = forward over sbd_batch's input + the hand loss; k drawn in range when not given."""
-    model = tiny_llama(attn)
+    model = tiny(attn=attn)
     x = torch.randint(0, V, (3, 12), generator=torch.Generator().manual_seed(0))
     loss, parts = sbd_loss(model, x, block_size=5, generator=torch.Generator().manual_seed(9), return_parts=True)
     b = sbd_batch(x, MASK, 5, generator=torch.Generator().manual_seed(9), mask_format=mask_format_for(attn))
@@ -453,7 +445,7 @@ def test_training_learns_to_fill_masks():
     """A tiny Llama trained with the SBD loss on period-3 sequences learns to fill masks (held-out set, fixed k,
     fixed eta = 0.5): the mask loss falls below half its start and masked accuracy goes far above chance (1/16)."""
     L, B, steps = 24, 16, 150
-    model = tiny_llama("sdpa", seed=0)
+    model = tiny(attn="sdpa", seed=0)
     g = torch.Generator().manual_seed(1)
     data = [_periodic(B, L, 3, g) for _ in range(steps)]
     held_out = _periodic(64, L, 3, torch.Generator().manual_seed(99))
@@ -492,7 +484,7 @@ def test_train_sbd_dict_batches_and_plain_progress(capsys, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tqdm)
-    model = tiny_llama("eager")
+    model = tiny(attn="eager")
     x = torch.randint(0, V, (4, 10))
     am = torch.ones_like(x)
     am[0, 6:] = 0
@@ -523,7 +515,7 @@ class _ToyDataset(torch.utils.data.Dataset):
 
 
 def test_sbd_trainer_runs_and_logs_parts(tmp_path):
-    model = tiny_llama("sdpa")
+    model = tiny(attn="sdpa")
     model.train()
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -576,8 +568,7 @@ def _word_tokenizer(n_words):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_add_mask_token_without_tokenizer(tie, tmp_path):
-    model = tiny_llama(vocab=V, tie=tie)
-    del model.config.mask_token_id
+    model = tiny(vocab=V, tie=tie, mask_id=None)
     before = model.get_input_embeddings().weight.detach().clone()
     out_before = model.get_output_embeddings().weight.detach().clone()
     mid = add_mask_token(model, block_size_range=(2, 8))
@@ -602,8 +593,7 @@ def test_add_mask_token_without_tokenizer(tie, tmp_path):
 
 def test_add_mask_token_with_tokenizer():
     tok = _word_tokenizer(V)
-    model = tiny_llama(vocab=V)
-    del model.config.mask_token_id
+    model = tiny(vocab=V, mask_id=None)
     assert tok.mask_token is None
     mid = add_mask_token(model, tok)
     assert len(tok) == V + 1 and tok.mask_token == "<|mask|>" and mid == tok.mask_token_id == V
@@ -618,8 +608,7 @@ def test_add_mask_token_with_tokenizer():
 def test_add_mask_token_reuses_tokenizers_mask():
     tok = _word_tokenizer(V)
     tok.add_special_tokens({"mask_token": "[MASK]"})
-    model = tiny_llama(vocab=V + 1)
-    del model.config.mask_token_id
+    model = tiny(mask_id=None)
     before = model.get_input_embeddings().weight.detach().clone()
     assert add_mask_token(model, tok) == tok.mask_token_id == V
     assert tok.mask_token == "[MASK]" and len(tok) == V + 1
@@ -629,7 +618,7 @@ def test_add_mask_token_reuses_tokenizers_mask():
 def test_add_mask_token_into_padded_vocab():
     """Embedding tables are often larger than the tokenizer: the new id fits, no resize, its row is initialised."""
     tok = _word_tokenizer(V - 4)
-    model = tiny_llama(vocab=V)
+    model = tiny(vocab=V, mask_id=None)
     before = model.get_input_embeddings().weight.detach().clone()
     mid = add_mask_token(model, tok)
     assert mid == V - 4 and model.get_input_embeddings().weight.shape[0] == V
@@ -642,7 +631,7 @@ class _Interrupt(Exception):
 
 def _resume_run(tmp_path, interrupt_at=None):
     """6 SBD steps with a checkpoint every 3; ``interrupt_at`` raises from the callback after that step."""
-    model = tiny_llama("sdpa", seed=0)
+    model = tiny(attn="sdpa", seed=0)
     data = [torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     gen = torch.Generator().manual_seed(3)
 
@@ -711,7 +700,7 @@ def test_sbd_metadata_lives_on_the_text_config():
     reads it back, also through a wrapper (torch.compile keeps the model as _orig_mod)."""
     from sbd_ext.metadata import get_sbd_metadata, set_sbd_metadata
 
-    model = tiny_llama("sdpa")
+    model = tiny(attn="sdpa")
     assert add_mask_token(model, block_size_range=(3, 5)) == MASK
     text = model.config.get_text_config(decoder=True)
     assert text.mask_token_id == MASK and text.sbd_block_size_range == [3, 5]
@@ -733,3 +722,25 @@ def test_sbd_metadata_lives_on_the_text_config():
     assert get_sbd_metadata(model) == (None, None) and not hasattr(text, "mask_token_id")
     with pytest.raises(ValueError, match="not trained for SBD|mask"):
         sbd_ext.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+def test_objective_loss_fn_is_ntp_loss_or_sbd_loss():
+    """The one objective driver: "ntp" is the model's causal-LM loss, "sbd" is sbd_loss with k from k_rng."""
+    model = tiny(attn="sdpa")
+    x = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(2))
+    labels = x.clone()
+    labels[:, :3] = IGNORE_INDEX
+    batch = {"input_ids": x, "labels": labels, "attention_mask": torch.ones_like(x)}
+    loss, parts = objective_loss_fn("ntp", generator=torch.Generator(), k_rng=random.Random(0))(model, batch)
+    assert torch.equal(loss, model(input_ids=x, labels=labels).loss) and torch.equal(parts["ntp_loss"], loss)
+    assert torch.equal(ntp_loss(model, batch)[0], loss)
+    fn = objective_loss_fn(
+        "sbd", generator=torch.Generator().manual_seed(5), k_rng=random.Random(1), block_size_range=(2, 5)
+    )
+    loss, parts = fn(model, batch)
+    k = random.Random(1).randint(2, 5)
+    want = sbd_loss(model, x, labels=labels, attention_mask=batch["attention_mask"], block_size=k,
+                    generator=torch.Generator().manual_seed(5), return_parts=True)  # fmt: skip
+    assert parts["block_size"] == k and torch.equal(loss, want[0])
+    with pytest.raises(ValueError, match="objective must be one of"):
+        objective_loss_fn("mlm", generator=torch.Generator(), k_rng=random.Random(0))

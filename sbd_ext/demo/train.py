@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from ..training import IGNORE_INDEX, add_mask_token, sbd_loss, train_loop
+from ..training import IGNORE_INDEX, add_mask_token, objective_loss_fn, train_loop
 from . import tasks
 from .evaluate import decode
 from .tokenizer import build_bpe_tokenizer, build_char_tokenizer
@@ -197,25 +197,18 @@ def train_phase(
     """One phase through :func:`sbd_ext.training.train_loop`: AdamW (betas 0.9/0.95, wd 0.1), linear warm-up
     (default steps // 20) + cosine decay to 10% of ``lr``, grad clip 1.0.
 
-    objective: "ntp" (HF causal-LM loss) or "sbd" (:func:`sbd_ext.training.sbd_loss`, k drawn per step uniformly
-    in ``block_sizes`` from ``random.Random(seed)`` and the masks from a generator seeded by ``seed``).
+    objective: "ntp" (:func:`sbd_ext.training.ntp_loss`, the HF causal-LM loss) or "sbd"
+    (:func:`sbd_ext.training.sbd_loss`, k drawn per step uniformly in ``block_sizes`` from ``random.Random(seed)`` and
+    the masks from a generator seeded by ``seed``); the closure is :func:`sbd_ext.training.objective_loss_fn`'s.
     ``check(model)`` every ``check_every`` steps records the held-out accuracy in the history.
     """
 
     gen = torch.Generator().manual_seed(seed)
     krng = random.Random(seed)
-
-    def loss_fn(model, b):
-        if objective == "sbd":
-            k = krng.randint(*block_sizes)
-            return sbd_loss(model, b["input_ids"], labels=b["labels"], block_size=k, generator=gen, return_parts=True)
-        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
-        return loss, {"ntp_loss": loss.detach()}
-
     return train_loop(
         model,
         data,
-        loss_fn,
+        objective_loss_fn(objective, generator=gen, k_rng=krng, block_size_range=block_sizes),
         steps,
         lr=lr,
         betas=(0.9, 0.95),

@@ -11,12 +11,14 @@ the range with the one they actually train on.
 
 Entry points: :func:`add_mask_token`, :func:`sbd_batch` (the 2L input, labels and mask), :func:`sbd_loss`
 (one forward + the loss), :class:`SBDTrainer` (HF ``Trainer``; multi-GPU through accelerate/FSDP),
-:func:`train_loop` (the package's one plain loop: AdamW, warm-up + cosine, clipping, progress, resume) and
-:func:`train_sbd` (:func:`train_loop` on the SBD objective).
+:func:`train_loop` (the package's one plain loop: AdamW, warm-up + cosine, clipping, progress, resume),
+:func:`train_sbd` (:func:`train_loop` on the SBD objective) and :func:`objective_loss_fn` (the loss closure for the
+SBD objective or its NTP control, :func:`ntp_loss`, as the demo trainer and the recipes pick it).
 
-Rooms: ``mask`` (the three-part mask), ``batch`` (the 2L batch), ``loss`` (the objective), ``mask_token``
-(:func:`add_mask_token`), ``trainer`` (:class:`SBDTrainer`), ``loop`` (the generic :func:`train_loop`, nothing
-SBD-specific), ``sbd`` (:func:`train_sbd`), ``common`` (``IGNORE_INDEX``, the block-size draw).
+Rooms: ``mask`` (the three-part mask), ``batch`` (the 2L batch), ``loss`` (the SBD loss), ``objective`` (the loss
+closure of an objective, SBD or NTP), ``mask_token`` (:func:`add_mask_token`), ``trainer`` (:class:`SBDTrainer`),
+``loop`` (the generic :func:`train_loop`, nothing SBD-specific), ``sbd`` (:func:`train_sbd`), ``common``
+(``IGNORE_INDEX``, the block-size draw).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .loop import lr_factor, train_loop
 from .loss import sbd_loss, sbd_loss_from_logits
 from .mask import HAS_FLEX_ATTENTION, MASK_FORMATS, mask_format_for, sbd_attention_mask, sbd_mask_mod
 from .mask_token import add_mask_token
+from .objective import OBJECTIVES, ntp_loss, objective_loss_fn
 from .sbd import train_sbd
 from .trainer import SBDTrainer
 
@@ -36,11 +39,14 @@ __all__ = [
     "HAS_FLEX_ATTENTION",
     "IGNORE_INDEX",
     "MASK_FORMATS",
+    "OBJECTIVES",
     "SBDBatch",
     "SBDTrainer",
     "add_mask_token",
     "draw_block_size",
     "mask_format_for",
+    "ntp_loss",
+    "objective_loss_fn",
     "sbd_attention_mask",
     "sbd_batch",
     "sbd_loss",

@@ -34,15 +34,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ... import adapters
-from ...training import IGNORE_INDEX, SBDTrainer, sbd_loss, train_loop
+from ...training import OBJECTIVES, SBDTrainer, ntp_loss, objective_loss_fn, sbd_loss, train_loop
 from . import checkpoint, data
 
 __all__ = ["FinetuneConfig", "OBJECTIVES", "base_model", "train", "train_with_trainer", "run_dir"]
 
-OBJECTIVES = ("sbd", "ntp")
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -95,34 +93,6 @@ def base_model(device: torch.device | str = "cpu", block_size_range=(2, 16)):
     return model.to(device), tok, int(tok.mask_token_id)
 
 
-def _ntp_loss(model, batch) -> tuple[torch.Tensor, dict]:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
-    )
-    return loss, {"ntp_loss": loss.detach()}
-
-
-def _loss_fn(cfg: FinetuneConfig, device, k_rng: random.Random, gen: torch.Generator):
-    def loss_fn(model, batch):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        if cfg.objective == "ntp":
-            return _ntp_loss(model, batch)
-        return sbd_loss(
-            model,
-            batch["input_ids"],
-            block_size=k_rng.randint(*cfg.block_size_range),
-            generator=gen,
-            attention_mask=batch["attention_mask"],
-            labels=batch["labels"],
-            mask_format="bool",
-            return_parts=True,
-        )
-
-    return loss_fn
-
-
 @torch.no_grad()
 def fixed_batch_losses(model, batch, device, seed: int = 1234) -> dict:
     """Both objectives on a fixed batch with fixed randomness (k = 8, eta = 0.5): comparable across runs."""
@@ -140,7 +110,7 @@ def fixed_batch_losses(model, batch, device, seed: int = 1234) -> dict:
         return_parts=True,
     )[1]
     return {
-        "ntp_loss": float(_ntp_loss(model, batch)[0]),
+        "ntp_loss": float(ntp_loss(model, batch)[0]),
         "mask_loss": float(sbd["mask_loss"]),
         "mask_accuracy": float(sbd["mask_accuracy"]),
     }
@@ -203,7 +173,14 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     history = train_loop(
         model,
         batches,
-        _loss_fn(cfg, device, k_rng, gen),
+        objective_loss_fn(
+            cfg.objective,
+            generator=gen,
+            k_rng=k_rng,
+            block_size_range=cfg.block_size_range,
+            device=device,
+            mask_format="bool",
+        ),
         cfg.steps,
         lr=cfg.learning_rate,
         betas=(0.9, 0.95),

@@ -1,6 +1,6 @@
-"""Benchmark of block_attention: sbd_ext's op vs its reference vs torch SDPA on the same work.
+"""Benchmark of block_attention: sbd_ext's op vs its reference vs torch SDPA on the same work, per device.
 
-Work (one attention layer of Llama-3.1-8B during SBD decoding, batch 1): Hq = 32, Hkv = 8, D = 128, a cache of
+CPU work (one attention layer of Llama-3.1-8B during SBD decoding, batch 1): Hq = 32, Hkv = 8, D = 128, a cache of
 2048 rows, 32 new rows, either the 2k layout (16 committed causal rows + a 16-row set block) or a 32-row set block.
 SDPA gets the same keys (cache rows + new rows, concatenated beforehand) and the equivalent boolean mask
 (sbd_ext.reference.block_attention_mask); for the all-block layout, whose mask is all-true, also no mask at all.
@@ -13,11 +13,19 @@ per kv head the work is compute-bound (~130 flop per byte), so the table also gi
 4 * Hq * T * (cache + T) * D flop (QK^T and PV over every key, masked or not) / time.
 
 Reproduce (2-core AVX-512 CPU, torch's default thread count):
-    python -m pytest bench/bench_block_attention.py --benchmark-columns=min,median,rounds --benchmark-sort=fullname
+    python -m pytest bench/ops/bench_block_attention.py --benchmark-columns=min,median,rounds --benchmark-sort=fullname
 A summary table with GB/s and the ratios is printed after the last benchmark, before pytest-benchmark's tables.
 On a machine shared with other jobs, wall-clock times of multi-threaded runs mostly measure the scheduler; the
 per-thread CPU time of a one-thread run is a steadier comparison of the kernels themselves:
-    OMP_NUM_THREADS=1 python -m pytest bench/bench_block_attention.py --benchmark-timer=time.thread_time
+    OMP_NUM_THREADS=1 python -m pytest bench/ops/bench_block_attention.py --benchmark-timer=time.thread_time
+
+CUDA cases (pytest bench/ops/bench_block_attention.py -m cuda; timing: bench/ops/cuda_timing.py): Llama-3.1-8B
+(32 q / 8 KV heads, D 128) at caches of 1k-32k rows with 16 query rows (a set block) and 32 (16 committed + 16 block),
+SmolLM2-135M (9 q / 3 KV heads, D 64) at 1k and 4k, bf16, batch 1, vs the reference and SDPA (GQA inside SDPA, the
+new rows appended beforehand); sbd_ext's attention and split-KV merge kernels also timed one by one (torch.profiler).
+Two CUDA-only measurements of this op: 32 layers (distinct caches) captured in one CUDA graph, the cost of a whole
+model's attention without launch gaps; and the sweep over forced cache splits (tuning data for block_attention_plan).
+Target: <= 1.3x the time of reading the K/V cache once at peak bandwidth for caches >= 4k.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_timing import CUDA, REF_ROUNDS, ROUNDS, kernel_times, measure
 
 import sbd_ext
 from sbd_ext import reference
@@ -111,6 +120,8 @@ def test_block_attention(benchmark, dtype_name, layout, impl):
     before = sbd_ext._C.block_attention_cpu_paths()
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=2)
     after = sbd_ext._C.block_attention_cpu_paths()
+    if benchmark.stats is None:  # --benchmark-disable: the work ran once, as a check; nothing was timed
+        return
     path = "gemm" if after[1] > before[1] else "vector" if after[0] > before[0] else "-"
     t_min, t_median = benchmark.stats.stats.min, benchmark.stats.stats.median
     benchmark.extra_info.update(
@@ -164,3 +175,133 @@ def _print_summary(tr):
                 vs_ref = f"{ref[1] / t_med:.2f}x" if ref else "-"
                 tr.write_line(f"{row} {vs_med:>11} {vs_min:>11} {vs_ref:>10}")
     tr.write_line("(vs columns: speed-up of the row over the best SDPA variant / the reference; >1 = faster)")
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------
+ATTN_SHAPES = [  # (model, Hq, Hkv, D, cache length, T rows, committed rows)
+    *[("llama3.1-8b", 32, 8, 128, L, T, T - 16) for L in (1024, 4096, 16384, 32768) for T in (16, 32)],
+    *[("smollm2-135m", 9, 3, 64, L, 16, 0) for L in (1024, 4096)],
+]
+
+
+def attn_inputs(Hq, Hkv, D, L, T, c):
+    B, dt = 1, torch.bfloat16
+    S = L + T
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=dt)
+    k, v = torch.randn(2, B, Hkv, T, D, device="cuda", dtype=dt)
+    kc, vc = torch.randn(2, B, Hkv, S, D, device="cuda", dtype=dt)
+    lens = torch.tensor([L], device="cuda", dtype=torch.int32)
+    commit = torch.tensor([c], device="cuda", dtype=torch.int32)
+    valid = torch.tensor([T], device="cuda", dtype=torch.int32)
+    return q, k, v, kc, vc, lens, commit, valid
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("impl", ["sbd_ext", "reference", "sdpa_gqa"])
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=[f"{m}-L{L}-T{T}" for m, _, _, _, L, T, _ in ATTN_SHAPES])
+def test_block_attention_gpu(benchmark, device, shape, impl):
+    """The GPU cases, CUDA-event timed with the L2 flushed (cuda_timing.measure); the CPU cases are above."""
+    model, Hq, Hkv, D, L, T, c = shape
+    q, k, v, kc, vc, lens, commit, valid = attn_inputs(Hq, Hkv, D, L, T, c)
+    scale = D**-0.5
+    # Bytes that must move: the K/V cache once (the roofline), plus the new rows' q / k / v and the output.
+    kv_bytes = 2 * Hkv * L * D * 2
+    nbytes = kv_bytes + (Hq * T * D * 2) * 2 + 2 * Hkv * T * D * 2 * 2
+    extra = None
+    if impl == "sbd_ext":
+        fn = lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)  # noqa: E731
+        extra = split_attention_merge(kernel_times(fn))
+    elif impl == "reference":
+        if L > 16384:
+            pytest.skip("the dense fp32 reference at 32k is minutes of memory traffic per call; not informative")
+        fn = lambda: reference.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)  # noqa: E731
+    else:
+        # SDPA over a cache that already holds the new rows (they were appended outside the timed region), with
+        # the equivalent boolean mask and GQA done inside SDPA: a lower bound for the built-in path.
+        kc[:, :, L : L + T] = k
+        vc[:, :, L : L + T] = v
+        mask = reference.block_attention_mask(lens, commit, valid, T, L)[:, None]  # [1, 1, T, L + T]
+        keys, vals = kc[:, :, : L + T], vc[:, :, : L + T]
+        fn = lambda: F.scaled_dot_product_attention(
+            q,
+            keys,
+            vals,
+            attn_mask=mask,
+            scale=scale,  # noqa: E731
+            enable_gqa=True,
+        )
+    measure(
+        benchmark,
+        "block_attention",
+        impl,
+        f"{model} L={L} T={T} (commit {c}) bf16",
+        fn,
+        nbytes,
+        rounds=ROUNDS if impl != "reference" else REF_ROUNDS,
+        roofline_bytes=kv_bytes,
+        extra=extra,
+    )
+
+
+def split_attention_merge(per_kernel: dict[str, float]) -> dict[str, float]:
+    """attn_us (the attention kernel) and merge_us (the split-KV merge) from kernel_times' per-call times."""
+    attn = sum(t for name, t in per_kernel.items() if "attn_mma_kernel" in name or "attn_simt_kernel" in name)
+    merge = sum(t for name, t in per_kernel.items() if "attn_merge_kernel" in name)
+    return {"attn_us": round(attn, 2), "merge_us": round(merge, 2)}
+
+
+LAYERS = 32
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("L", [4096, 32768])
+def test_block_attention_32_layers_graph(benchmark, device, L):
+    """A Llama-3.1-8B forward's attention: 32 calls on 32 distinct caches (as a model's layers), captured in one
+    CUDA graph and replayed, so the time is the kernels' alone; x_roofline against reading all 32 caches once."""
+    Hq, Hkv, D, T = 32, 8, 128, 16
+    layers = [attn_inputs(Hq, Hkv, D, L, T, 0) for _ in range(LAYERS)]  # n_commit 0: replays write nothing
+
+    def forward():
+        for q, k, v, kc, vc, lens, commit, valid in layers:
+            sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, D**-0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    kv_bytes = LAYERS * 2 * Hkv * L * D * 2
+    measure(
+        benchmark,
+        "block_attention_32_layers",
+        "sbd_ext graph",
+        f"llama3.1-8b x{LAYERS} layers L={L} T={T} bf16",
+        graph.replay,
+        kv_bytes,
+        roofline_bytes=kv_bytes,
+        extra=split_attention_merge(kernel_times(forward, rounds=3)),
+    )
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("L", [4096, 32768])
+def test_block_attention_split_sweep(benchmark, device, L, splits, monkeypatch):
+    """Tuning data for block_attention_plan: the same Llama-3.1-8B shape under a forced number of cache splits."""
+    monkeypatch.setenv("SBD_EXT_ATTN_SPLITS", str(splits))
+    Hq, Hkv, D, T = 32, 8, 128, 16
+    q, k, v, kc, vc, lens, commit, valid = attn_inputs(Hq, Hkv, D, L, T, 0)
+    kv_bytes = 2 * Hkv * L * D * 2
+    fn = lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid)  # noqa: E731
+    measure(
+        benchmark,
+        "block_attention_splits",
+        f"splits={splits}",
+        f"llama3.1-8b L={L} T={T} bf16",
+        fn,
+        kv_bytes,
+        roofline_bytes=kv_bytes,
+    )
