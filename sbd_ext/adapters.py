@@ -230,6 +230,45 @@ def save_artifact(model: nn.Module, mask_row: MaskRow, method: str, folder: str 
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
+@torch.no_grad()
+def load_trainable(model: nn.Module, mask_row: MaskRow, folder: str | Path) -> dict:
+    """Start a prepared model (:func:`prepare`, not merged) from an artifact of the same method and shape, to
+    continue a conversion: the LoRA factors (or the changed tensors) and the mask row(s) copied into the trainable
+    parameters. Returns the artifact's config."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta = read_artifact_config(folder)
+    tensors = load_file(folder / ADAPTER_FILE)
+    if meta["method"] == "lora":
+        loras = dict(_lora_modules(model))
+        if not loras:
+            raise ValueError(f"{folder}: a LoRA artifact, but the model has no LoRA adapters (prepare it with 'lora')")
+        names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+        if set(names) != set(loras):
+            raise ValueError(f"{folder}: the artifact adapts {len(names)} layers, the model {len(loras)}")
+        for name in names:
+            lora = loras[name]
+            if float(meta["alpha"]) / int(meta["rank"]) != lora.scale:
+                raise ValueError(f"{folder}: LoRA scale {meta['alpha']}/{meta['rank']} differs from the model's")
+            for part in ("lora_A", "lora_B"):
+                dst, src = getattr(lora, part), tensors[f"{name}.{part}"]
+                if dst.shape != src.shape:
+                    raise ValueError(f"{folder}: {name}.{part} is {tuple(src.shape)}, the model's {tuple(dst.shape)}")
+                dst.copy_(src.to(dst.dtype))
+    else:
+        params = dict(model.named_parameters())
+        for name, value in tensors.items():
+            if name not in params or params[name].shape != value.shape or not params[name].requires_grad:
+                raise ValueError(f"{folder}: tensor {name} {tuple(value.shape)} is not a trainable tensor of the model")
+            params[name].copy_(value.to(params[name].dtype))
+    rows = load_file(folder / MASK_ROW_FILE)
+    mask_row.row.copy_(rows["mask_row"].to(mask_row.row.dtype))
+    if mask_row.out_row is not None:
+        mask_row.out_row.copy_(rows.get("mask_out_row", rows["mask_row"]).to(mask_row.out_row.dtype))
+    return meta
+
+
 def read_artifact_config(folder: str | Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     try:

@@ -93,6 +93,29 @@ def test_artifact_roundtrip(tmp_path, method):
     torch.testing.assert_close(fresh(_ids()).logits, expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("method", adapters.METHODS)
+def test_load_trainable_continues_from_an_artifact(tmp_path, tie, method):
+    """A prepared fresh model started from an artifact computes what the artifact applied to the base computes."""
+    model = tiny(tie)
+    mask_row, params = adapters.prepare(model, MASK, method, rank=4)
+    _perturb(params)
+    adapters.save_artifact(model, mask_row, method, tmp_path / "a", {"objective": "sbd"})
+    applied = tiny(tie)
+    adapters.apply_artifact(applied, tmp_path / "a")
+    fresh = tiny(tie)
+    fresh_row, fresh_params = adapters.prepare(fresh, MASK, method, rank=4)
+    meta = adapters.load_trainable(fresh, fresh_row, tmp_path / "a")
+    assert meta["method"] == method
+    torch.testing.assert_close(fresh(_ids()).logits, applied(_ids()).logits, rtol=1e-4, atol=1e-4)
+    assert all(p.requires_grad for p in fresh_params)
+    other = tiny(tie)
+    other_row, _ = adapters.prepare(other, MASK, method, rank=2)
+    if method == "lora":  # another rank does not fit
+        with pytest.raises(ValueError, match="lora_A"):
+            adapters.load_trainable(other, other_row, tmp_path / "a")
+
+
 def test_lora_artifact_holds_only_the_factors(tmp_path):
     from safetensors.torch import load_file
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ...demo import models as demo_models
 from . import evaluate
 from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train, train_with_trainer
 
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=_positive)
     t.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     t.add_argument("--device", default="cpu")
+    t.add_argument(
+        "--init-from",
+        help="continue a conversion: start the trainable tensors from this artifact (a folder, or 'smollm2-sbd')",
+    )
     t.add_argument(
         "--hf-trainer",
         action="store_true",
@@ -94,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) is not None
         }
         fields.update({k: getattr(args, k) for k in ("log_every", "checkpoint_every") if getattr(args, k)})
+        if args.init_from:
+            fields["init_from"] = str(demo_models.path(args.init_from))
         if args.smoke:
             fields = {
                 "steps": 8,

@@ -59,6 +59,7 @@ class FinetuneConfig:
     fixed_data: int = 0  # > 0: cycle over this many training problems (the smoke run memorises them)
     log_every: int = 5
     checkpoint_every: int = 10
+    init_from: str = ""  # an artifact folder of the same method: continue that conversion (fresh optimizer)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -149,6 +150,9 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
         tok, data.task_problems("train", n_train, seed=cfg.seed), cfg.batch_size, cfg.max_len, tok.pad_token_id
     )
     mask_row, params = adapters.prepare(model, mask_id, cfg.method, cfg.lora_rank)
+    if cfg.init_from:  # a resumed run's checkpoint then replaces these tensors
+        adapters.load_trainable(model, mask_row, cfg.init_from)
+        log(f"[{cfg.objective}] starting from the artifact {cfg.init_from}")
     n_params = sum(p.numel() for p in params)
     log(
         f"[{cfg.objective}] {cfg.method}: {n_params / 1e6:.2f} M trainable parameters, {len(batches)} batches of "
