@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ...demo import models as demo_models
+from ...demo.evaluate import save_results
 from . import evaluate
 from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train, train_with_trainer
 
@@ -140,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(args) -> None:
-    from ...demo.evaluate import save_results
-
     control_file = Path(args.out) / "eval_control.json"
     if args.part == "table":
         sbd_files = sorted(Path(args.out).glob("eval_sbd*.json"))

@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+from ... import hf  # noqa: F401  (registers attn_implementation="sbd")
+from ...training import add_mask_token
+
 __all__ = [
     "PACKAGE",
     "PACKAGE_VERSION",
@@ -298,8 +301,6 @@ def load_smollm2(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if attn_implementation == "sbd":
-        from ... import hf  # noqa: F401  (registers "sbd")
     folder = ensure_checkpoint(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -325,8 +326,6 @@ def chat_prompt(tokenizer, user: str | list[dict], system: str | None = None) ->
 def load_base(attn_implementation: str = "sbd", block_size_range=(2, 16), path: str | os.PathLike | None = None):
     """``(model, tokenizer)``: SmolLM2 in float32 with the mask token ``<|mask|>`` added (id 49152, the mean row),
     the base every SBD artifact of this recipe applies to (their ``base_loader``)."""
-    from ...training import add_mask_token
-
     model, tok = load_smollm2(dtype=torch.float32, attn_implementation=attn_implementation, path=path)
     add_mask_token(model, tok, block_size_range=block_size_range)
     return model, tok

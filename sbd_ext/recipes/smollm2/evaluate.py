@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import platform
+import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -22,7 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ... import adapters
 from ...demo import evaluate as demo_eval
+from ...demo import models as demo_models
+from ...demo import tasks
 from . import checkpoint
 
 __all__ = ["GAMMAS", "BLOCK_SIZES", "SAMPLERS", "STDLIB_MODULES", "table1", "stdlib_text", "perplexity"]
@@ -146,8 +150,6 @@ def perplexity(model, token_ids: list[int], window: int = 512, exclude_ids=()) -
 def perplexity_table(models: dict, max_tokens: int = 16384, window: int = 512) -> dict:
     """Perplexity of each ``{name: folder or None}`` (None = the base SmolLM2) on :func:`stdlib_text`, cut at
     ``max_tokens`` tokens of SmolLM2's tokenizer."""
-    from ...demo import models as demo_models
-
     text, meta = stdlib_text()
     rows = {}
     ids = None
@@ -178,10 +180,6 @@ def ship(
     settings (in ``sbd_config.json``'s ``generation``, which :func:`sbd_ext.adapters.load_artifact` puts on the
     model's generation config), the demo's ``sbd_demo.json`` (prompt template and settings for ``sbd-ext``) and
     ``check`` (accuracy / NFE on the first held-out problems, which the shipped-model test re-measures)."""
-    import shutil
-
-    from ... import adapters
-
     artifact, dest = Path(artifact), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name in (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE):
@@ -214,9 +212,6 @@ def check_record(
     model_name: str | Path, n: int, block_size: int, sampler: str, threshold: float, verify: bool = False
 ) -> dict:
     """Accuracy and mean NFE of SBD decoding (the recommended settings) on the first ``n`` held-out problems."""
-    from ...demo import models as demo_models
-    from ...demo import tasks
-
     model, tok = demo_models.load(model_name)
     probs = list(tasks.problems("test", n))
     res = demo_eval.decode(
