@@ -11,6 +11,7 @@ Nothing is fetched: the server runs with ``HF_HUB_OFFLINE=1`` and no update chec
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,7 +53,8 @@ class TransformersServer:
         threads: int | None = 1,
         ready_timeout: float = 180.0,
     ):
-        self.model = str(model)
+        # A local folder is passed as an absolute path (the server runs in another working folder).
+        self.model = str(Path(model).resolve()) if Path(model).exists() else str(model)
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}/v1"
         args = [self.model, "--host", HOST, "--port", str(self.port), "--device", "cpu", *extra_args]
@@ -63,6 +65,7 @@ class TransformersServer:
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._cwd: str | None = None
 
     def client(self, timeout: float = 300.0):
         """An ``openai.OpenAI`` client of this server (no retries: a failed request is reported, not repeated)."""
@@ -92,7 +95,10 @@ class TransformersServer:
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self._log = tempfile.NamedTemporaryFile("w+b", prefix="transformers-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # An empty working folder: ``python -c`` puts the working folder on sys.path, and a source checkout there
+        # (its un-built sbd_ext) would shadow the installed package in the server.
+        self._cwd = tempfile.mkdtemp(prefix="transformers-serve-")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self._cwd)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -125,6 +131,9 @@ class TransformersServer:
             self._log.close()
             Path(self._log.name).unlink(missing_ok=True)
             self._log = None
+        if self._cwd is not None:
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            self._cwd = None
 
     def __enter__(self) -> TransformersServer:
         return self.start()
