@@ -222,6 +222,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
             "mask_token": tok.mask_token,
             "sbd_block_size_range": list(cfg.block_size_range),
             "steps": cfg.steps,
+            **({"init_from": cfg.init_from} if cfg.init_from else {}),
             "base_loader": BASE_LOADER,
             "base": f"{checkpoint.PACKAGE}=={checkpoint.PACKAGE_VERSION} ({checkpoint.GGUF_NAME})",
         },
