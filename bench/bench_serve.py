@@ -62,10 +62,6 @@ def plain_server(tmp_path_factory):
         yield srv
 
 
-def _question(problem) -> str:
-    return problem.prompt.removeprefix("Q: ").removesuffix("\nA: ")
-
-
 def _ask_streamed(client, model, question, extra_body):
     """(answer text, seconds to the first content token, seconds to the end of the stream)."""
     t0 = time.perf_counter()
@@ -89,7 +85,7 @@ def _ask_streamed(client, model, question, extra_body):
 def _row(benchmark, name, role, server, problems, config=None, warm_up=False):
     client = server.client()
     extra = {"generation_config": json.dumps(config)} if config else None
-    questions = [_question(p) for p in problems]
+    questions = [p.message for p in problems]
     first_call = None
     if warm_up:
         t0 = time.perf_counter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,6 +81,18 @@ def random_prompts(lengths: list[int], seed: int = 1, padding_side: str = "left"
     return ids, mask
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one intra-op thread inside the block, the previous setting restored after it (for fixtures of any
+    scope)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def single_thread():
     """Run a test with one intra-op thread, restoring the setting afterwards.
@@ -86,7 +100,5 @@ def single_thread():
     These models are tiny (hidden 64): threads only add synchronisation, and on a loaded 2-core machine OpenMP's
     spin-waiting made the HF/decoding tests ~10x slower (255 s vs 9 s for the three files, measured here).
     """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield

@@ -118,6 +118,14 @@ class MaskRow(nn.Module):
             out["mask_out_row"] = self.out_row.detach().float().cpu().contiguous()
         return out
 
+    @torch.no_grad()
+    def load(self, rows: dict[str, torch.Tensor]) -> None:
+        """Set the row(s) from a :meth:`state` (an untied model without ``mask_out_row`` takes ``mask_row``, as
+        :func:`_write_mask_row` does)."""
+        self.row.copy_(rows["mask_row"].to(self.row.dtype))
+        if self.out_row is not None:
+            self.out_row.copy_(rows.get("mask_out_row", rows["mask_row"]).to(self.out_row.dtype))
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -262,10 +270,7 @@ def load_trainable(model: nn.Module, mask_row: MaskRow, folder: str | Path) -> d
             if name not in params or params[name].shape != value.shape or not params[name].requires_grad:
                 raise ValueError(f"{folder}: tensor {name} {tuple(value.shape)} is not a trainable tensor of the model")
             params[name].copy_(value.to(params[name].dtype))
-    rows = load_file(folder / MASK_ROW_FILE)
-    mask_row.row.copy_(rows["mask_row"].to(mask_row.row.dtype))
-    if mask_row.out_row is not None:
-        mask_row.out_row.copy_(rows.get("mask_out_row", rows["mask_row"]).to(mask_row.out_row.dtype))
+    mask_row.load(load_file(folder / MASK_ROW_FILE))
     return meta
 
 

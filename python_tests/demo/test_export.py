@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from sbd_models import single_thread  # noqa: F401  (fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sbd_ext
@@ -14,13 +14,7 @@ from sbd_ext.decoding.gen_config import sbd_fields
 from sbd_ext.demo import cli, export, models, tasks
 from sbd_ext.integration.chat import chat_template_for
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_plain_export_is_an_ordinary_checkpoint(tmp_path):
@@ -33,7 +27,7 @@ def test_plain_export_is_an_ordinary_checkpoint(tmp_path):
     tok = AutoTokenizer.from_pretrained(dest)
     q = next(iter(tasks.problems("test", 1)))
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": q.prompt.removeprefix("Q: ").removesuffix("\nA: ")}],
+        [{"role": "user", "content": q.message}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from sbd_models import one_thread
 from transformers import AutoModelForCausalLM, GenerationConfig, TextIteratorStreamer, TextStreamer, pipeline
 
 import sbd_ext
@@ -19,12 +20,10 @@ CG = str(CUSTOM_GENERATE_DIR)
 
 @pytest.fixture(scope="module")
 def demo():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tok = models.load_default()
-    tok.padding_side = "left"
-    yield model, tok
-    torch.set_num_threads(prev)
+    with one_thread():
+        model, tok = models.load_default()
+        tok.padding_side = "left"
+        yield model, tok
 
 
 def _prompts(tok, n):

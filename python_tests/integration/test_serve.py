@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 import torch
+from sbd_models import one_thread
 
 import sbd_ext
 from sbd_ext.demo import export, models, tasks
@@ -40,16 +41,14 @@ def local(checkpoint):
     """The same checkpoint in this process, as transformers loads it (its generation config, its chat template)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sbd").eval()
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    yield model, tok
-    torch.set_num_threads(prev)
+    with one_thread():
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sbd").eval()
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        yield model, tok
 
 
 def _questions(n=N_PROMPTS):
-    return [p.prompt.removeprefix("Q: ").removesuffix("\nA: ") for p in tasks.problems("test", n=n)]
+    return [p.message for p in tasks.problems("test", n=n)]
 
 
 def _expected(local, question, max_new_tokens=MAX_TOKENS, **settings):

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from sbd_models import single_thread  # noqa: F401  (fixture)
 
 import sbd_ext
 from sbd_ext.demo import cli, models
@@ -27,12 +28,7 @@ pytestmark = [
 NAME = "smollm2-sbd"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

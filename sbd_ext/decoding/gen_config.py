@@ -1,6 +1,7 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
-``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``), saved in ``generation_config.json`` so that a
-checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and to ``model.generate``.
+``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``), saved in
+``generation_config.json`` so that a checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and
+to ``model.generate``.
 
 Precedence, highest first: explicit settings (keywords / a :class:`GenerationSettings`), then each generation
 config given (a per-call one, then the model's), then the :class:`GenerationSettings` defaults. A threshold only

@@ -91,6 +91,11 @@ class Problem:
     def question(self) -> str:
         return self.prompt
 
+    @property
+    def message(self) -> str:
+        """The question as a user types it (a chat message): the prompt without its ``Q: `` / ``\nA: `` frame."""
+        return self.prompt.removeprefix("Q: ").removesuffix("\nA: ")
+
 
 def _bucket(question: str) -> int:
     return int.from_bytes(hashlib.sha1(question.encode()).digest()[:8], "little") % TEST_BUCKETS
