@@ -26,6 +26,9 @@ into ~/.cache/sbd_ext). ``-k "generate"`` runs (a) and (c) only.
     wall-clock gain over NTP here is at most r / vs_1_row(k) -- this ratio bounds the speed-up on this CPU.
     A matrix of these ratios is printed at the end of the module.
 The K/V in the caches are random (N(0, 1)): attention cost does not depend on the values.
+Linear layers: the "ours" rows run the model's ``nn.Linear`` layers as ``sbd_ext.linear.RowLinear`` (the row_linear
+kernel for forwards of up to 32 rows, what ``sbd_ext.generate`` switches an fp32 CPU model to); the baseline rows
+switch them back to ``nn.Linear`` (torch's GEMM), as HF users run them.
 (c) ``sbd generate``: SBD decoding (k = 8, EB sampler, gamma 0.35) of the same prompts, eager vs ``compile=True``.
     SmolLM2 was not trained for SBD (an unused token stands in for the mask token), so the text is meaningless;
     the rows time the same forwards (identical tokens and NFE, asserted), which is what compiling changes.
@@ -52,6 +55,7 @@ if not smollm2.is_available():
 from transformers import CompileConfig, DynamicCache  # noqa: E402
 
 from sbd_ext.decoding import SBDCache  # noqa: E402
+from sbd_ext.linear import use_row_linear  # noqa: E402
 
 PROMPTS = [
     "Tom has 3 apples and buys 5 more. How many apples does he have now? Think step by step.",
@@ -149,6 +153,7 @@ def test_ntp_generate(benchmark, smol, impl):
     attn, fn, kw = GEN_IMPLS[impl]
     kw = _hf_static_compiled() if kw is None else kw
     model.set_attn_implementation(attn)
+    use_row_linear(model, impl.startswith("ours"))  # ours: the row_linear layers; baselines: torch's
     try:
         if "compiled" in impl:
             _first_call(benchmark, fn, model, prompts, kw)
@@ -229,6 +234,7 @@ def test_forward_rows(benchmark, smol, forward_table, cache_len, rows, path):
                 ).logits
 
         model.set_attn_implementation("sbd")
+        use_row_linear(model)
     else:
         cache = DynamicCache(config=cfg)
         for i, (k, v) in enumerate(kv):
@@ -243,6 +249,7 @@ def test_forward_rows(benchmark, smol, forward_table, cache_len, rows, path):
             return out
 
         model.set_attn_implementation("sdpa")
+        use_row_linear(model, False)
     try:
         rounds = 7 if cache_len * rows <= 16384 else 5
         logits = benchmark.pedantic(step, rounds=rounds, warmup_rounds=1, iterations=1)
@@ -271,6 +278,7 @@ def test_sbd_generate(benchmark, smol, impl):
     model, _, prompts = smol
     benchmark.group = f"smollm2 sbd generate k={SBD_K} {len(prompts)}x{NEW_TOKENS} tok fp32 (CPU)"
     mask_id = model.config.vocab_size - 1  # a stand-in: SmolLM2 has no trained mask token
+    use_row_linear(model)
     kw = dict(
         mode="sbd",
         block_size=SBD_K,

@@ -14,7 +14,13 @@ at 2 threads:
 - ``sbd_verify`` / ``sbd_verify_compiled`` (ours): lossless verify mode at the shipped settings (k = 8, EB, gamma 0.1):
   the same tokens as ``hf_generate`` (asserted), fewer forwards;
 - ``sbd_k8`` / ``sbd_k8_compiled`` (ours): plain SBD decoding at the same settings (fewer forwards still, lower
-  accuracy: see the README's SmolLM2 table).
+  accuracy: see the README's SmolLM2 table);
+- ``sbd_ntp_compiled`` (ours): sbd_ext's next-token decoding, compiled: what the kernels alone give without SBD
+  (the same tokens as ``hf_generate``, asserted);
+- ``sbd_verify_compiled_blas`` (ours): verify, compiled, with the model's linears left on torch's GEMM
+  (``sbd_ext.linear.use_row_linear(model, False)``): what the row_linear kernel adds.
+The HF rows always run the model's plain ``nn.Linear`` layers; the sbd rows run sbd_ext.generate's default
+(RowLinear: the row_linear kernel for the few-row forwards) unless named ``_blas``.
 
 extra_info: tokens, tokens/s, mean NFE, accuracy, threads, 1-minute load average; compiled rows ``first_call_s``.
 The summary prints every row's speed against ``hf_generate`` at the same thread count.
@@ -33,6 +39,7 @@ from transformers import CompileConfig
 
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
+from sbd_ext.linear import use_row_linear
 from sbd_ext.recipes import smollm2
 
 if not smollm2.is_available():
@@ -105,6 +112,7 @@ def test_hf(benchmark, converted, threads, impl):
         ]
 
     model.set_attn_implementation("sdpa")
+    use_row_linear(model, False)  # HF as users run it: torch's linear layers
     try:
         first = None
         if kw:
@@ -123,7 +131,10 @@ def test_hf(benchmark, converted, threads, impl):
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True, ids=[f"{t}thr" for t in THREADS])
-@pytest.mark.parametrize("impl", ["sbd_verify", "sbd_verify_compiled", "sbd_k8", "sbd_k8_compiled"])
+@pytest.mark.parametrize(
+    "impl",
+    ["sbd_verify", "sbd_verify_compiled", "sbd_k8", "sbd_k8_compiled", "sbd_ntp_compiled", "sbd_verify_compiled_blas"],
+)
 def test_sbd(benchmark, converted, threads, impl):
     model, tok, info, probs, prompts = converted
     kw = dict(
@@ -131,8 +142,10 @@ def test_sbd(benchmark, converted, threads, impl):
         sampler=info["sampler"],
         threshold=info["gamma_low"],
         verify="verify" in impl,
-        compile=impl.endswith("compiled"),
+        compile="compiled" in impl,
+        mode="ntp" if "ntp" in impl else "sbd",
     )
+    use_row_linear(model, not impl.endswith("_blas"))
 
     def run(ps=prompts):
         return decode(model, tok, ps, batch_size=1, max_new_tokens=MAX_NEW, **kw)
@@ -144,7 +157,9 @@ def test_sbd(benchmark, converted, threads, impl):
         first = time.perf_counter() - t0
     benchmark.group = f"smollm2-sbd: {N} held-out problems, batch 1, greedy, fp32, {threads} thread(s)"
     res = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
-    if kw["verify"] and threads in _hf_tokens:  # lossless: HF's greedy decoding of the same model, token for token
+    if (
+        kw["verify"] or kw["mode"] == "ntp"
+    ) and threads in _hf_tokens:  # lossless: HF's greedy decoding, token for token
         ours = [tok.decode(t, skip_special_tokens=True) for t in _hf_tokens[threads]]
         assert res["completions"] == ours
     _record(
@@ -160,6 +175,7 @@ def test_profile_sbd_forward(benchmark, converted):
     import sbd_ext
 
     kw = dict(block_size=info["block_size"], threshold=info["gamma_low"], max_new_tokens=MAX_NEW, return_trace=False)
+    use_row_linear(model)
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -29,6 +29,9 @@ TORCH_LIBRARY(sbd_ext, m) {
   m.def(
       "mask_replace(Tensor(a!) tokens, Tensor proposals, Tensor entropy, Tensor max_prob, int mask_id, str rule, "
       "float threshold) -> (Tensor, Tensor)");
+  // x [M, K], weight [N, K] fp32 (nn.Linear's layout), each contiguous along K -> x @ weight^T [M, N] fp32. No
+  // backward. The CPU kernel is for the few rows of a decoding forward (sbd_ext.linear puts it in a model).
+  m.def("row_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

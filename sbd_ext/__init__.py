@@ -20,7 +20,7 @@ except ImportError as e:  # pragma: no cover - only when the package was not bui
     ) from e
 
 from . import reference  # noqa: E402
-from .ops import block_attention, entropy_sample, mask_replace  # noqa: E402
+from .ops import block_attention, entropy_sample, mask_replace, row_linear  # noqa: E402
 
 # The HuggingFace layer (attention backend "sbd", cache, decoding). transformers is a dependency, but a version whose
 # internals moved must not take the ops down with it: the ops stay importable and the HF names raise an error that
@@ -61,6 +61,7 @@ __all__ = [
     "block_attention",
     "entropy_sample",
     "mask_replace",
+    "row_linear",
     "reference",
     "build_info",
     "__version__",

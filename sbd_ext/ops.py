@@ -14,7 +14,7 @@ import torch
 from . import _C
 from .samplers import check_threshold, get_sampler
 
-__all__ = ["block_attention", "check_cuda_errors", "entropy_sample", "mask_replace"]
+__all__ = ["block_attention", "check_cuda_errors", "entropy_sample", "mask_replace", "row_linear"]
 
 _U64 = 1 << 64
 _I64_MIN, _I64_END = -(1 << 63), 1 << 63
@@ -211,6 +211,22 @@ def mask_replace(
     return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, threshold)
 
 
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for the few rows of a decoding forward: what ``torch.nn.functional.linear(x, weight)``
+    computes, with a CPU kernel that reads the weight once for all rows (see csrc/cpu/row_linear_kernel.cpp).
+
+    Args:
+        x: [M, K] fp32, contiguous along K (rows may be strided).
+        weight: [N, K] fp32 (``nn.Linear.weight``'s layout), contiguous along K, on x's device.
+
+    Returns:
+        [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
+        fp32 rounding. No backward (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS.
+    """
+    _check_tensors("row_linear", dict(x=x, weight=weight), ("x", "weight"))
+    return torch.ops.sbd_ext.row_linear(x, weight)
+
+
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
 @torch.library.register_fake("sbd_ext::block_attention")
 def _block_attention_fake(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap=0.0, window_left=-1):
@@ -229,3 +245,8 @@ def _entropy_sample_fake(logits, temperature, seed, offset):
 def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, threshold):
     B = tokens.shape[0]
     return tokens.new_empty((B,)), tokens.new_empty((B,))
+
+
+@torch.library.register_fake("sbd_ext::row_linear")
+def _row_linear_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]))

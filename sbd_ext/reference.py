@@ -251,3 +251,13 @@ def mask_replace(
         n_rem[b] = int(masked.sum()) - n_rev[b]
     tokens[reveal_all.to(tokens.device)] = proposals[reveal_all.to(proposals.device)]
     return n_rev.to(tokens.device), n_rem.to(tokens.device)
+
+
+# --------------------------------------------------------------------------------------------------------
+# row_linear
+# --------------------------------------------------------------------------------------------------------
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T, accumulated in float64 and returned as fp32 [M, N]."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"row_linear: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return (x.double() @ weight.double().t()).float()

@@ -254,3 +254,25 @@ def test_more_variants_than_dynamos_limit_keep_working():
     assert n == 20
     fallback = [w for w in caught if "decode eagerly" in str(w.message)]
     assert len(fallback) <= 1
+
+
+@pytest.mark.slow
+def test_linear_layer_switch_is_its_own_compiled_variant():
+    """Switching a model's linears (RowLinear <-> nn.Linear) between compiled generations: dynamo guards on the
+    layers' class, so each state is its own graph (counted as a variant); every generation equals eager decoding,
+    and switching back reuses the first graph."""
+    from sbd_models import random_prompts, tiny_llama
+
+    from sbd_ext.linear import RowLinear, use_row_linear
+
+    model = tiny_llama(seed=11)
+    ids, mask = random_prompts([4, 6], seed=3)
+    kw = dict(block_size=4, max_new_tokens=6, eos_token_id=[], strict_block_size=False)
+    outs = []
+    for on in (True, False, True):
+        use_row_linear(model, on)
+        got = generate(model, ids, mask, compile=True, **kw)
+        assert (type(model.lm_head) is RowLinear) == on
+        assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), on
+        outs.append(got.sequences)
+    assert torch.equal(outs[0], outs[2])

@@ -12,6 +12,7 @@ import torch
 from .. import families
 from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, kernel_available
+from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
 from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
@@ -42,6 +43,10 @@ def generate(
             attention: a model loaded with another ``attn_implementation`` is switched to ``"sbd"`` with
             ``model.set_attn_implementation("sbd")`` on the first call, permanently (not switched back: another
             thread may be using the model), with a warning; ordinary forwards give the same results after it.
+            An fp32 CPU model's plain ``nn.Linear`` layers are switched to :class:`sbd_ext.linear.RowLinear` on
+            the first call (the same layers and weights; forwards of at most 32 rows run the row_linear kernel,
+            equal to ``F.linear`` to fp32 rounding); ``sbd_ext.linear.use_row_linear(model, False)`` undoes it
+            and keeps it off.
         input_ids: [B, P] int token ids on the model's device.
         attention_mask: [B, P] 0/1 (or bool), one contiguous run of 1s per row (left or right padding); ragged
             prompts are re-packed per sequence. None: no padding.
@@ -76,6 +81,7 @@ def generate(
     job = make_job(model, input_ids, attention_mask, resolve_settings(model, settings, overrides))
     device, dtype = _check_runnable(model)
     _use_sbd_attention(model)
+    ensure_row_linear(model, device, dtype)  # fp32 CPU: the few-row linear kernel (sbd_ext.linear)
     if on_final_tokens is None:
         seqs = [SequenceState(prompt, job) for prompt in job.prompts]
     else:

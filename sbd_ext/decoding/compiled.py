@@ -13,6 +13,7 @@ import torch
 
 from .. import families, ops
 from ..cache import SBDCache
+from ..linear import row_linear_state
 from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
@@ -27,9 +28,9 @@ __all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
 COMPILED_RUN_LOCK = threading.Lock()
 
 
-# The variants (model, batch size, block, mode, dtype, device) compiled so far in this process. dynamo keeps at most
-# config.recompile_limit graphs per function and raises FailOnRecompileLimitHit beyond it: a new variant past that
-# bound decodes eagerly (same tokens), with one warning.
+# The variants (model, batch size, block, mode, dtype, device, linear layers) compiled so far in this process.
+# dynamo keeps at most config.recompile_limit graphs per function and raises FailOnRecompileLimitHit beyond it: a
+# new variant past that bound decodes eagerly (same tokens), with one warning.
 _VARIANTS: set = set()
 _FALLBACK_WARNED = False
 
@@ -37,6 +38,7 @@ _FALLBACK_WARNED = False
 def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
     global _FALLBACK_WARNED
     key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
+    key += (row_linear_state(model),)  # the linear layers' class: its own graph
     if key in _VARIANTS:
         return True
     if len(_VARIANTS) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU

@@ -1,0 +1,109 @@
+"""row_linear vs torch's linear (MKL GEMM), MKL's pre-packed linear (what torch.compile's CPU freezing uses) and
+the float64 reference, per device.
+
+Reproduce: OMP_NUM_THREADS=1 pytest bench/ops/bench_row_linear.py --benchmark-only -m 'not cuda'
+           pytest bench/ops/bench_row_linear.py -m cuda        (the GPU; how it is timed: bench/ops/cuda_timing.py)
+CPU work: every linear of one SmolLM2-135M forward for M rows (30 layers x q, k, v, o, gate, up, down, then the
+49153-row output head: 537 MB of fp32 weights, more than any cache, so each call streams them from memory as a
+decoding forward does), M in {1, 8, 16, 24} (NTP; an SBD block of 8; verify's committed block + block; the
+limit region), fp32; and the output head alone. GB/s = weight bytes / time (the one-row case's floor is the
+memory's rate). The reference (float64) runs the head only, at M = 8.
+CUDA: Llama-3.1-8B's MLP up projection (14336 x 4096) and output head (128256 x 4096), fp32, M in {1, 16}: the op is
+cuBLAS there (at::mm), so this checks it adds nothing.
+"""
+
+import pytest
+import torch
+from cuda_timing import CUDA, ROUNDS, measure
+
+import sbd_ext
+from sbd_ext import reference as R
+
+ISA = sbd_ext.build_info()["cpu_isa"]
+HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49153
+ROWS = [1, 8, 16, 24]
+_LAYER = [
+    (HIDDEN, HIDDEN),
+    (KV, HIDDEN),
+    (KV, HIDDEN),
+    (HIDDEN, HIDDEN),
+    (INTER, HIDDEN),
+    (INTER, HIDDEN),
+    (HIDDEN, INTER),
+]
+_STACK: dict = {}
+
+
+def _stack():
+    """The weights of one forward ([out, in], nn.Linear's layout), built once."""
+    if not _STACK:
+        g = torch.Generator().manual_seed(0)
+        ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in _LAYER]
+        _STACK["w"] = ws + [torch.randn(VOCAB, HIDDEN, generator=g) * 0.05]
+    return _STACK["w"]
+
+
+def _inputs(M, ws):
+    g = torch.Generator().manual_seed(M)
+    return {k: torch.randn(M, k, generator=g) for k in {w.shape[1] for w in ws}}
+
+
+def _bytes(ws):
+    return sum(w.numel() for w in ws) * 4
+
+
+def _mkl_packed(M, ws):
+    packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in ws]
+    return lambda x: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, M) for p, w in zip(packed, ws, strict=True)]
+
+
+IMPLS = {
+    "row_linear": ("ours", lambda M, ws: lambda x: [sbd_ext.row_linear(x[w.shape[1]], w) for w in ws]),
+    "F.linear": ("baseline", lambda M, ws: lambda x: [torch.nn.functional.linear(x[w.shape[1]], w) for w in ws]),
+    "mkl_packed": ("baseline", _mkl_packed),
+}
+
+
+def _run(benchmark, what, M, impl):
+    ws = _stack() if what == "forward" else _stack()[-1:]
+    role, make = IMPLS[impl]
+    fn, x = make(M, ws), _inputs(M, ws)
+    benchmark.group = (
+        f"row_linear: {'one SmolLM2-135M forward' if what == 'forward' else 'output head'}, {M} rows, fp32 (CPU, {ISA})"
+    )
+    benchmark.extra_info["role"] = role
+    out = benchmark.pedantic(fn, args=(x,), rounds=5 if what == "forward" else 10, warmup_rounds=1, iterations=1)
+    if benchmark.stats is not None:
+        benchmark.extra_info["GB/s"] = _bytes(ws) / benchmark.stats.stats.median / 1e9
+    return out, x, ws
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("what", ["forward", "head"])
+def test_cpu(benchmark, what, M, impl):
+    out, x, ws = _run(benchmark, what, M, impl)
+    w = ws[-1]
+    want = R.row_linear(x[w.shape[1]], w)
+    torch.testing.assert_close(out[-1], want, atol=1e-3, rtol=1e-4)
+
+
+def test_reference(benchmark):
+    w = _stack()[-1]
+    x = _inputs(8, [w])[HIDDEN]
+    benchmark.group = f"row_linear: output head, 8 rows, fp32 (CPU, {ISA})"
+    benchmark.extra_info["role"] = "reference"
+    benchmark.pedantic(R.row_linear, args=(x, w), rounds=3, warmup_rounds=1, iterations=1)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("impl", ["sbd_ext", "F.linear"])
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("N", [14336, 128256])
+def test_row_linear(benchmark, device, N, M, impl):
+    """The GPU cases, CUDA-event timed (cuda_timing.measure); the CPU cases are above."""
+    w = torch.randn(N, 4096, device=device) * 0.02
+    x = torch.randn(M, 4096, device=device)
+    op = sbd_ext.row_linear if impl == "sbd_ext" else torch.nn.functional.linear
+    measure(benchmark, "row_linear", impl, f"{M}x{N}x4096 fp32", lambda: op(x, w), N * 4096 * 4, rounds=ROUNDS)

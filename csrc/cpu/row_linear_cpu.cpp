@@ -1,0 +1,32 @@
+// row_linear on the CPU: checks (row_linear_checks.h, shared with the CUDA binding) and the split of the weight
+// rows into fixed chunks of kRowLinearChunk, one per task (the result does not depend on the thread count).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cpu/row_linear_kernel.h"
+#include "row_linear_checks.h"
+
+namespace sbd_ext {
+
+at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
+  check_row_linear(x, weight);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const sbd_cpu::RowLinearParams p{x.data_ptr<float>(), x.stride(0),         weight.data_ptr<float>(),
+                                   weight.stride(0),    out.data_ptr<float>(), out.stride(0), M, N, K};
+  const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t n1 = std::min(N, c1 * sbd_cpu::kRowLinearChunk);
+    SBD_CPU_DISPATCH(row_linear_range, p, c0 * sbd_cpu::kRowLinearChunk, n1);
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(sbd_ext, CPU, m) { m.impl("row_linear", &row_linear_cpu); }
+
+}  // namespace sbd_ext

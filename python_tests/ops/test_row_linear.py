@@ -1,0 +1,193 @@
+"""row_linear against sbd_ext.reference.row_linear (float64), its contract, and RowLinear in a model."""
+
+import pytest
+import torch
+from sbd_models import tiny_llama
+from torch import nn
+from utils import assert_close
+
+import sbd_ext
+from sbd_ext import reference as R
+from sbd_ext.linear import ROW_LIMIT, RowLinear, ensure_row_linear, use_row_linear
+
+EPS32 = 2.0**-24
+
+
+def _case(M, N, K, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, K, generator=g).to(device), torch.randn(N, K, generator=g).to(device)
+
+
+def _check(y, x, w, msg=""):
+    """|y - x @ w^T| within the fp32 summation error bound K * eps * (|x| @ |w|^T) (+ one rounding of the result)."""
+    ref = R.row_linear(x.cpu(), w.cpu()).double()
+    bound = (x.cpu().double().abs() @ w.cpu().double().abs().t()) * (x.shape[1] + 2) * EPS32 + 1e-30
+    err = (y.cpu().double() - ref).abs()
+    assert y.shape == ref.shape and y.dtype == torch.float32, msg
+    assert bool((err <= bound).all()), (
+        f"{msg}: max err {err.max().item():.3g}, worst err/bound {(err / bound).max():.3g}"
+    )
+
+
+# M: 1 row (NTP), tile edges (kMr = 4) and a decoding forward's 8 / 16 / 17 rows; N: weight-tile edges (kNr = 3)
+# and chunk edges (64); K: vector tails (8 lanes on AVX2) and SmolLM2's 576 / 1536.
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 33])
+@pytest.mark.parametrize("N, K", [(1, 1), (2, 7), (3, 8), (4, 9), (5, 17), (64, 576), (65, 576), (130, 1537)])
+def test_matches_reference(device, cpu_isa, M, N, K):
+    x, w = _case(M, N, K, seed=M * 10000 + N * 10 + K, device=device)
+    _check(sbd_ext.row_linear(x, w), x, w, f"M={M} N={N} K={K}")
+
+
+def test_output_head_shape(device, cpu_isa):
+    """SmolLM2's output head (49153 rows after the mask row) for a 17-row verify forward."""
+    x, w = _case(17, 49153, 576, seed=3, device=device)
+    _check(sbd_ext.row_linear(x, w), x, w)
+
+
+def test_strided_rows(device, cpu_isa):
+    """Rows of x and of the weight may be strided (slices of wider tensors); only K must be contiguous."""
+    xb, wb = _case(9, 70, 100, seed=5, device=device)
+    x, w = xb[::2, 3:60], wb[1::3, 3:60]
+    _check(sbd_ext.row_linear(x, w), x, w)
+    x0 = xb[:1, :57].expand(6, 57)  # stride-0 rows (read-only input)
+    _check(sbd_ext.row_linear(x0, w), x0, w)
+
+
+def test_independent_of_thread_count():
+    x, w = _case(16, 1000, 576, seed=7, device="cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = sbd_ext.row_linear(x, w)
+        torch.set_num_threads(2)
+        two = sbd_ext.row_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("M, N, K", [(0, 5, 3), (4, 0, 3), (4, 5, 0)])
+def test_empty(device, M, N, K):
+    x, w = _case(M, N, K, seed=1, device=device)
+    y = sbd_ext.row_linear(x, w)
+    assert y.shape == (M, N) and bool((y == 0).all())
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x, w: (x.double(), w), "x must have dtype Float"),
+        (lambda x, w: (x, w.bfloat16()), "weight must have dtype Float"),
+        (lambda x, w: (x.long(), w), "x must have dtype Float"),
+        (lambda x, w: (x[0], w), "x must be 2-D"),
+        (lambda x, w: (x, w.unsqueeze(0)), "weight must be 2-D"),
+        (lambda x, w: (x, w[:, :-1]), r"weight.size\(1\) must equal x.size\(1\)"),
+        (lambda x, w: (x.t().contiguous().t(), w), "x must be contiguous in its last dimension"),
+        (lambda x, w: (x, w.t().contiguous().t()), "weight must be contiguous in its last dimension"),
+        (lambda x, w: (x, None), "weight must be a torch.Tensor"),
+        (lambda x, w: (x, w.to("meta")), "weight is on meta"),
+    ],
+)
+def test_bad_inputs(device, change, match):
+    x, w = _case(4, 6, 8, seed=2, device=device)
+    x, w = change(x, w)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        sbd_ext.row_linear(x, w)
+
+
+def test_bad_inputs_past_the_wrapper(device):
+    """torch.ops.sbd_ext.row_linear directly (no Python checks): the binding's own checks."""
+    x, w = _case(4, 6, 8, seed=2, device=device)
+    with pytest.raises(TypeError, match="x must be a tensor, got None"):
+        torch.ops.sbd_ext.row_linear(None, w)
+    with pytest.raises(TypeError, match="weight must have dtype Float"):
+        torch.ops.sbd_ext.row_linear(x, w.half())
+    with pytest.raises(ValueError, match=r"weight.size\(1\) must equal"):
+        torch.ops.sbd_ext.row_linear(x, w[:, :5])
+
+
+def test_output_size_overflow(device):
+    """An expanded x / weight whose M * N does not fit in int64 is refused before any allocation."""
+    x = torch.zeros(1, 4, device=device).expand(2**40, 4)
+    w = torch.zeros(1, 4, device=device).expand(2**30, 4)
+    with pytest.raises(ValueError, match="overflows int64"):
+        sbd_ext.row_linear(x, w)
+
+
+def test_no_backward():
+    x, w = _case(2, 3, 4, seed=4, device="cpu")
+    w.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="has no backward"):
+        sbd_ext.row_linear(x, w)
+    with torch.no_grad():
+        _check(sbd_ext.row_linear(x, w), x, w.detach())
+
+
+# ---- RowLinear in a model -------------------------------------------------------------------------------------
+class _Quantised(nn.Linear):
+    """A subclass of nn.Linear with its own forward: use_row_linear must leave it alone."""
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False), _Quantised(8, 4))
+
+
+def test_use_row_linear_switches_plain_linears_only():
+    m = _model()
+    keys = list(m.state_dict())
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        plain = m(x)
+        assert use_row_linear(m) == 2
+        assert [type(mod) for mod in m] == [RowLinear, nn.ReLU, RowLinear, _Quantised]
+        assert list(m.state_dict()) == keys
+        fast = m(x)
+        assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+        assert use_row_linear(m, False) == 2
+        assert [type(mod) for mod in m] == [nn.Linear, nn.ReLU, nn.Linear, _Quantised]
+
+
+def test_row_linear_layer_uses_the_op_only_where_it_should(monkeypatch):
+    calls = []
+    real = sbd_ext.linear.row_linear
+    monkeypatch.setattr(sbd_ext.linear, "row_linear", lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
+    lin = nn.Linear(8, 4)
+    use_row_linear(lin)
+    with torch.no_grad():
+        y = lin(torch.randn(2, 3, 8))
+        assert calls == [(6, 8)] and y.shape == (2, 3, 4)
+        lin(torch.randn(ROW_LIMIT + 1, 8))  # more rows than the limit: F.linear
+        lin(torch.randn(0, 8))  # no rows
+        lin.double()(torch.randn(4, 8, dtype=torch.float64))  # another dtype
+    assert calls == [(6, 8)]
+    lin.float()
+    x = torch.randn(4, 8, requires_grad=True)
+    lin(x).sum().backward()  # autograd needs a graph: F.linear, and gradients flow
+    assert calls == [(6, 8)] and x.grad is not None and lin.weight.grad is not None
+
+
+def test_ensure_row_linear_respects_device_dtype_and_opt_out():
+    m = _model()
+    ensure_row_linear(m, torch.device("cpu"), torch.bfloat16)
+    assert type(m[0]) is nn.Linear
+    ensure_row_linear(m, torch.device("meta"), torch.float32)
+    assert type(m[0]) is nn.Linear
+    ensure_row_linear(m, torch.device("cpu"), torch.float32)
+    assert type(m[0]) is RowLinear
+    use_row_linear(m, False)
+    ensure_row_linear(m, torch.device("cpu"), torch.float32)  # opted out: stays off
+    assert type(m[0]) is nn.Linear
+
+
+def test_generate_switches_an_fp32_cpu_model_and_matches_the_plain_linears():
+    """sbd_ext.generate on a tiny Llama switches its linears; tokens equal those of a copy kept on nn.Linear."""
+    model = tiny_llama(hidden=64, intermediate=128).eval()
+    plain = tiny_llama(hidden=64, intermediate=128).eval()
+    plain.load_state_dict(model.state_dict())
+    use_row_linear(plain, False)
+    prompt = torch.randint(0, 50, (2, 7))
+    out = sbd_ext.generate(model, prompt, max_new_tokens=12, block_size=4, threshold=0.35)
+    ref = sbd_ext.generate(plain, prompt, max_new_tokens=12, block_size=4, threshold=0.35)
+    assert type(model.lm_head) is RowLinear and type(plain.lm_head) is nn.Linear
+    assert torch.equal(out.sequences, ref.sequences)

@@ -1,0 +1,83 @@
+"""The row_linear op in a model: :class:`RowLinear` is ``nn.Linear`` whose forward runs
+:func:`sbd_ext.ops.row_linear` for the few rows of a decoding forward on the CPU.
+
+Why: a decoding forward has 1 row (NTP) to 2k rows (SBD: the committed block plus the k-row block). On a CPU the
+BLAS GEMM behind ``nn.Linear`` is tuned for many rows; for 8-24 rows it re-packs the weight at every call and runs
+far below the core's FMA rate (and at 49k output rows far below its memory rate), so an SBD forward cost about
+1.8x a one-row forward on SmolLM2-135M where its FLOPs allow ~1.2x. row_linear reads each weight row once for all
+x rows (csrc/cpu/row_linear_kernel.cpp).
+
+:func:`use_row_linear` switches a model's plain ``nn.Linear`` layers (not subclasses: quantised or adapter
+layers keep their own forward) to :class:`RowLinear` in place, by class: parameters, hooks, ``state_dict`` and
+``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 CPU models on its first call (once, like the
+attention switch) unless :func:`use_row_linear` was called with ``False`` for that model. A RowLinear forward
+falls back to ``F.linear`` for more than :data:`ROW_LIMIT` rows, other dtypes or devices, and whenever autograd
+needs a graph, so training and prefill are unaffected.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .ops import row_linear
+
+__all__ = ["ROW_LIMIT", "RowLinear", "use_row_linear", "ensure_row_linear", "row_linear_state"]
+
+# Up to this many rows row_linear is faster than F.linear on the machines measured (bench/ops/bench_row_linear.py:
+# at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins.
+ROW_LIMIT = 32
+
+_OPT_OUT = "_sbd_row_linear_off"
+_LOCK = threading.Lock()
+
+
+class RowLinear(nn.Linear):
+    """``nn.Linear`` with row_linear for up to :data:`ROW_LIMIT` fp32 CPU rows and no autograd graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+        if (
+            0 < rows <= ROW_LIMIT
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and w.dtype == torch.float32
+            and w.device.type == "cpu"
+            and w.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        ):
+            out = row_linear(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, w, self.bias)
+
+
+def use_row_linear(model: nn.Module, enable: bool = True) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to :class:`RowLinear` (``enable=False``: back to
+    ``nn.Linear``, and :func:`sbd_ext.generate` will not switch this model again). Returns how many layers changed."""
+    src, dst = (nn.Linear, RowLinear) if enable else (RowLinear, nn.Linear)
+    with _LOCK:
+        changed = 0
+        for module in model.modules():
+            if type(module) is src:
+                module.__class__ = dst
+                changed += 1
+        setattr(model, _OPT_OUT, not enable)
+    return changed
+
+
+def ensure_row_linear(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """What :func:`sbd_ext.generate` calls: switch an fp32 CPU model once, unless it was opted out."""
+    if device.type != "cpu" or dtype != torch.float32 or getattr(model, _OPT_OUT, None) is not None:
+        return
+    use_row_linear(model)
+
+
+def row_linear_state(model: nn.Module) -> bool | None:
+    """True / False after :func:`use_row_linear` switched ``model`` on / off, None if never: part of a compiled
+    variant's key (torch.compile guards on the layers' class, so each state is its own graph)."""
+    off = getattr(model, _OPT_OUT, None)
+    return None if off is None else not off
