@@ -276,3 +276,29 @@ def test_linear_layer_switch_is_its_own_compiled_variant():
         assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), on
         outs.append(got.sequences)
     assert torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.slow
+def test_recompile_limit_hit_anyway_falls_back_to_eager(monkeypatch):
+    """Graphs the variant accounting cannot see (another thread count, a user's guard) can still exhaust dynamo's
+    limit: the generation that hits it finishes uncompiled with eager's tokens and one warning (before: a hard
+    FailOnRecompileLimitHit from inside generate), and that variant stays eager."""
+    import warnings
+
+    from sbd_models import random_prompts, tiny_llama
+
+    from sbd_ext.decoding import compiled
+
+    model = tiny_llama(seed=13)
+    monkeypatch.setattr(compiled, "_compiled_variant_ok", lambda *a: True)  # as if the accounting missed graphs
+    monkeypatch.setattr(compiled, "_FALLBACK_WARNED", False)
+    monkeypatch.setattr(compiled, "_EAGER", set())  # restored after: no other test inherits this model's key
+    kw = dict(block_size=4, max_new_tokens=6, eos_token_id=[], strict_block_size=False)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for b in (1, 2):  # batch 2 needs a second graph of the same function
+            ids, mask = random_prompts([3 + i for i in range(b)], seed=b)
+            got = generate(model, ids, mask, compile=True, **kw)
+            assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), b
+    assert len([w for w in caught if "decode eagerly" in str(w.message)]) == 1
+    assert len(compiled._EAGER) >= 1

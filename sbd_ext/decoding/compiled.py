@@ -32,27 +32,40 @@ COMPILED_RUN_LOCK = threading.Lock()
 # dynamo keeps at most config.recompile_limit graphs per function and raises FailOnRecompileLimitHit beyond it: a
 # new variant past that bound decodes eagerly (same tokens), with one warning.
 _VARIANTS: set = set()
+_EAGER: set = set()  # variants that hit the bound anyway: eager from then on
 _FALLBACK_WARNED = False
 
 
-def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
-    global _FALLBACK_WARNED
+def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
     key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
-    key += (row_linear_state(model),)  # the linear layers' class: its own graph
+    return key + (row_linear_state(model),)  # the linear layers' class: its own graph
+
+
+def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
+    key = _variant_key(model, job, device, dtype)
+    if key in _EAGER:
+        return False
     if key in _VARIANTS:
         return True
     if len(_VARIANTS) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU
         _VARIANTS.add(key)
         return True
+    _fall_back(key)
+    return False
+
+
+def _fall_back(key: tuple) -> None:
+    """Variant ``key`` decodes eagerly from now on (same tokens, no speed-up), with one warning per process."""
+    global _FALLBACK_WARNED
+    _EAGER.add(key)
     if not _FALLBACK_WARNED:
         _FALLBACK_WARNED = True
         warnings.warn(
-            f"sbd_ext.generate(compile=True): {len(_VARIANTS)} variants (model, batch size, k, mode, dtype) are "
-            f"compiled in this process, torch._dynamo's limit; new variants decode eagerly (same tokens, no speed-up)."
-            f" Raise torch._dynamo.config.recompile_limit to compile more",
-            stacklevel=4,
+            f"sbd_ext.generate(compile=True): torch._dynamo's limit of compiled graphs is reached ({len(_VARIANTS)} "
+            f"variants: model, batch size, k, mode, dtype, linear layers, and thread counts); new variants decode "
+            f"eagerly (same tokens, no speed-up). Raise torch._dynamo.config.recompile_limit to compile more",
+            stacklevel=5,
         )
-    return False
 
 
 def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device) -> None:
@@ -158,6 +171,7 @@ class StaticStep(DecodeStep):
 
     def __init__(self, model, cache: SBDCache, job: Job, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
+        self.variant = _variant_key(model, job, device, next(model.parameters()).dtype)
         self.dynamic_rows = job.sbd and device.type != "cuda"
         self.sbd, self.block_size = job.sbd, job.block_size
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
@@ -180,6 +194,15 @@ class StaticStep(DecodeStep):
         if self.dynamic_rows:
             torch._dynamo.mark_dynamic(tokens, 2)
         # Every guard is checked on every call (see COMPILED_RUN_LOCK: no process-wide stance is changed).
-        logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        try:
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+        except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
+            if "recompile limit" not in str(e).lower() and not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):
+                raise
+            # dynamo's graph bound was reached after all (guards this module cannot see, e.g. another thread
+            # count, add graphs): the same forward, uncompiled, for the rest of this variant; nothing ran yet.
+            _fall_back(self.variant)
+            self.fn = _static_forward
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)
