@@ -15,10 +15,10 @@ at 2 threads:
   the same tokens as ``hf_generate`` (asserted), fewer forwards;
 - ``sbd_k8`` / ``sbd_k8_compiled`` (ours): plain SBD decoding at the same settings (fewer forwards still, lower
   accuracy: see the README's SmolLM2 table);
-- ``sbd_ntp_compiled`` (ours): sbd_ext's next-token decoding, compiled: what the kernels alone give without SBD
-  (the same tokens as ``hf_generate``, asserted);
-- ``sbd_verify_compiled_blas`` (ours): verify, compiled, with the model's linears left on torch's GEMM
-  (``sbd_ext.linear.use_row_linear(model, False)``): what the row_linear kernel adds.
+- ``sbd_ntp`` (ours): sbd_ext's next-token decoding, eager: what the kernels alone give without SBD (the same
+  tokens as ``hf_generate``, asserted);
+- ``sbd_verify_blas`` (ours): verify, eager, with the model's linears left on torch's GEMM
+  (``sbd_ext.linear.use_row_linear(model, False)``): against ``sbd_verify``, what the row_linear kernel adds.
 The HF rows always run the model's plain ``nn.Linear`` layers; the sbd rows run sbd_ext.generate's default
 (RowLinear: the row_linear kernel for the few-row forwards) unless named ``_blas``.
 
@@ -135,7 +135,7 @@ def test_hf(benchmark, converted, threads, impl):
 @pytest.mark.parametrize("threads", THREADS, indirect=True, ids=[f"{t}thr" for t in THREADS])
 @pytest.mark.parametrize(
     "impl",
-    ["sbd_verify", "sbd_verify_compiled", "sbd_k8", "sbd_k8_compiled", "sbd_ntp_compiled", "sbd_verify_compiled_blas"],
+    ["sbd_verify", "sbd_verify_compiled", "sbd_k8", "sbd_k8_compiled", "sbd_ntp", "sbd_verify_blas"],
 )
 def test_sbd(benchmark, converted, threads, impl):
     model, tok, info, probs, prompts = converted
