@@ -5,8 +5,9 @@
 
 namespace sbd_ext {
 
-// x [M, K] and weight [N, K] fp32 on one device, each contiguous along K. Returns M * N (the output's size).
-inline int64_t check_row_linear(const at::Tensor& x, const at::Tensor& weight) {
+// x [M, K] and weight [N, K] fp32 on one device, each contiguous along K, and M * N (the output's size) within
+// int64.
+inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight) {
   constexpr const char* op = "row_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dtype(op, "weight", weight, {at::kFloat});
@@ -16,7 +17,7 @@ inline int64_t check_row_linear(const at::Tensor& x, const at::Tensor& weight) {
   check_same_device(op, "weight", weight, x, "x");
   check_inner_contiguous(op, "x", x);
   check_inner_contiguous(op, "weight", weight);
-  return checked_mul(op, "the output size M * N", {x.size(0), weight.size(0)});
+  checked_mul(op, "the output size M * N", {x.size(0), weight.size(0)});
 }
 
 }  // namespace sbd_ext

@@ -16,8 +16,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <algorithm>
-
 #include "cpu/row_linear_kernel.h"
 
 namespace sbd_cpu {

@@ -41,8 +41,7 @@ def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
     return key + (row_linear_state(model),)  # the linear layers' class: its own graph
 
 
-def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
-    key = _variant_key(model, job, device, dtype)
+def _compiled_variant_ok(key: tuple) -> bool:
     if key in _EAGER:
         return False
     if key in _VARIANTS:
@@ -52,6 +51,12 @@ def _compiled_variant_ok(model, job: Job, device: torch.device, dtype) -> bool:
         return True
     _fall_back(key)
     return False
+
+
+def _recompile_limit_hit(e: Exception) -> bool:
+    """Whether ``e`` is dynamo's graph bound (fullgraph raises FailOnRecompileLimitHit, chained from an Unsupported
+    "recompile limit exceeded"), not another compile failure."""
+    return isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit) or "recompile limit" in str(e).lower()
 
 
 def _fall_back(key: tuple) -> None:
@@ -71,10 +76,11 @@ def _fall_back(key: tuple) -> None:
 def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device) -> None:
     """Decode ``seqs`` with the static step; under COMPILED_RUN_LOCK (taken by generate). Past dynamo's bound on
     compiled variants, eagerly (see _VARIANTS)."""
-    if not _compiled_variant_ok(model, job, device, next(model.parameters()).dtype):
+    variant = _variant_key(model, job, device, next(model.parameters()).dtype)
+    if not _compiled_variant_ok(variant):
         decode(seqs, job, EagerStep(model, cache, device))
         return
-    step = StaticStep(model, cache, job, device)
+    step = StaticStep(model, cache, job, device, variant)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
         f = decode(seqs, job, EagerStep(model, cache, device), max_forwards=1)
@@ -169,9 +175,9 @@ class StaticStep(DecodeStep):
     device, runs the compiled forward and advances the host lengths. The caller's read-back of the sampled block is
     the forward's one device-to-host copy."""
 
-    def __init__(self, model, cache: SBDCache, job: Job, device: torch.device):
+    def __init__(self, model, cache: SBDCache, job: Job, device: torch.device, variant: tuple):
         self.model, self.cache, self.device = model, cache, device
-        self.variant = _variant_key(model, job, device, next(model.parameters()).dtype)
+        self.variant = variant  # its _variant_key: what falls back to eager if dynamo's limit is hit
         self.dynamic_rows = job.sbd and device.type != "cuda"
         self.sbd, self.block_size = job.sbd, job.block_size
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
@@ -197,7 +203,7 @@ class StaticStep(DecodeStep):
         try:
             logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
         except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
-            if "recompile limit" not in str(e).lower() and not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):
+            if not _recompile_limit_hit(e):
                 raise
             # dynamo's graph bound was reached after all (guards this module cannot see, e.g. another thread
             # count, add graphs): the same forward, uncompiled, for the rest of this variant; nothing ran yet.
