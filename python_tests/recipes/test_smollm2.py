@@ -287,8 +287,71 @@ def test_finetune_smoke(converted, tmp_path, monkeypatch):
         command.main(args)
     with pytest.raises(ValueError, match="different configuration"):
         command.main([*args, "--resume", "--lora-rank", "8"])
+    # a run recorded before the rehearsal fields existed resumes (it ran with their defaults)
+    saved = out / "sbd" / "config.json"
+    old = {k: v for k, v in json.loads(saved.read_text()).items() if not k.startswith("rehearsal")}
+    saved.write_text(json.dumps(old))
     assert command.main([*args, "--resume"]) == 0  # nothing left to train: the same artifact again
     assert json.loads((out / "sbd" / "train_log.json").read_text())["history"] == log["history"]
+
+
+def test_finetune_rehearsal(converted, tmp_path, monkeypatch):
+    """Rehearsal: the base model's own samples (after the document separator, never the mask token) are made once
+    and kept with the run; every step adds their next-token loss, which equals the cross-entropy computed here from
+    the logits; the artifact records it; resume reads the samples back and refuses another rehearsal setting."""
+    import torch.nn.functional as F
+
+    from sbd_ext.recipes.smollm2 import __main__ as command
+    from sbd_ext.recipes.smollm2 import finetune
+    from sbd_ext.training import objective_loss_fn
+
+    monkeypatch.setenv(smollm2.ENV_DIR, str(converted[0]))
+    out = tmp_path / "run"
+    args = ["train", "--smoke", "--steps", "2", "--batch-size", "1", "--max-len", "64", "--out", str(out)]
+    args += ["--rehearsal", "1", "--rehearsal-len", "8"]
+    assert command.main(args) == 0
+    folder = out / "sbd"
+    samples = torch.load(folder / finetune.REHEARSAL_FILE)
+    model, tok, mask_id = finetune.base_model()
+    assert samples.shape == (2, 8) and samples.dtype == torch.long
+    assert (samples[:, 0] == tok.convert_tokens_to_ids("<|endoftext|>")).all()
+    assert not (samples == mask_id).any() and samples.max() < mask_id
+    log = json.loads((folder / "train_log.json").read_text())
+    assert all(h["rehearsal_loss"] > 0 for h in log["history"]), log["history"]
+    assert json.loads((folder / "artifact" / "sbd_config.json").read_text())["rehearsal"] == [1, 8, 1.0]
+
+    # the combined loss = the objective's + weight x the next-token cross-entropy of the samples
+    batch = finetune.data.make_batches(tok, list(finetune.data.task_problems("train", 1)), 1, 64, tok.pad_token_id)
+    batch = finetune.data.attach_rehearsal(batch, samples, 2)[0]
+    assert torch.equal(batch["rehearsal_input_ids"], samples)
+    base_fn = objective_loss_fn("ntp", generator=torch.Generator(), k_rng=None)
+    fn = finetune.with_rehearsal(base_fn, 0.5, "cpu")
+    with torch.no_grad():
+        loss, parts = fn(model, batch)
+        task = base_fn(model, {k: v for k, v in batch.items() if not k.startswith("rehearsal")})[0]
+        logits = model(input_ids=samples).logits.double()
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), samples[:, 1:].reshape(-1))
+    assert float(parts["rehearsal_loss"]) == pytest.approx(float(ce), rel=1e-4)
+    assert float(loss) == pytest.approx(float(task) + 0.5 * float(ce), rel=1e-4)
+
+    with pytest.raises(ValueError, match="different configuration"):
+        command.main([*args, "--resume", "--rehearsal", "2"])
+    samples.fill_(7)  # resume reads the kept samples, it does not sample again
+    torch.save(samples, folder / finetune.REHEARSAL_FILE)
+    assert command.main([*args, "--resume"]) == 0
+    assert (torch.load(folder / finetune.REHEARSAL_FILE) == 7).all()
+
+
+def test_finetune_config_rejects_bad_rehearsal():
+    from sbd_ext.recipes.smollm2.finetune import FinetuneConfig
+
+    for bad in ({"rehearsal": -1}, {"rehearsal_weight": -0.5}, {"rehearsal_weight": float("nan")}):
+        with pytest.raises(ValueError, match="rehearsal"):
+            FinetuneConfig(**bad)
+    with pytest.raises(ValueError, match="rehearsal_len"):
+        FinetuneConfig(rehearsal=1, rehearsal_len=1)
+    assert FinetuneConfig(rehearsal=4, steps=10).rehearsal_pool == 40
+    assert FinetuneConfig(rehearsal=4, steps=1000).rehearsal_pool == 256
 
 
 def test_old_recipe_module_names_the_new_command():

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=_positive)
     t.add_argument("--checkpoint-every", type=_positive)
     t.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
+    t.add_argument(
+        "--rehearsal",
+        type=int,
+        help="per step, the next-token loss on this many of the base model's own samples (keeps general text)",
+    )
+    t.add_argument("--rehearsal-len", type=_positive, help="tokens per rehearsal sample (default 128)")
+    t.add_argument("--rehearsal-weight", type=float, help="weight of the rehearsal loss (default 1.0)")
     t.add_argument("--device", default="cpu")
     t.add_argument(
         "--init-from",
@@ -96,7 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         fields = {
             name: getattr(args, name)
-            for name in ("steps", "batch_size", "max_len", "lr", "warmup", "method", "lora_rank", "seed")
+            for name in (
+                "steps",
+                "batch_size",
+                "max_len",
+                "lr",
+                "warmup",
+                "method",
+                "lora_rank",
+                "seed",
+                "rehearsal",
+                "rehearsal_len",
+                "rehearsal_weight",
+            )
             if getattr(args, name) is not None
         }
         fields.update({k: getattr(args, k) for k in ("log_every", "checkpoint_every") if getattr(args, k)})

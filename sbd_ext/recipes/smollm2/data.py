@@ -1,5 +1,6 @@
 """The conversion's training and evaluation data: the project's GSM8K-shaped arithmetic task
-(:mod:`sbd_ext.demo.tasks`, disjoint train/test splits) in SmolLM2's tokenizer.
+(:mod:`sbd_ext.demo.tasks`, disjoint train/test splits) in SmolLM2's tokenizer, and the base model's own samples
+for rehearsal (:func:`rehearsal_samples`).
 
 A sample is ``prompt + completion + EOS``; the prompt carries no loss (label ``IGNORE_INDEX``) in either objective.
 """
@@ -13,7 +14,16 @@ import torch
 from ...demo import tasks
 from ...training import IGNORE_INDEX
 
-__all__ = ["task_problems", "encode", "collate", "make_batches", "prompt_ids", "extract_answer"]
+__all__ = [
+    "task_problems",
+    "encode",
+    "collate",
+    "make_batches",
+    "prompt_ids",
+    "extract_answer",
+    "rehearsal_samples",
+    "attach_rehearsal",
+]
 
 extract_answer = tasks.extract_answer
 
@@ -59,3 +69,56 @@ def collate(items, pad_id: int) -> dict:
         lab[b, : len(l_)] = torch.tensor(l_)
         am[b, : len(i)] = 1
     return {"input_ids": ids, "attention_mask": am, "labels": lab}
+
+
+# The pretraining corpus' document separator of SmolLM2 (id 0): sampling after it draws general text.
+DOCUMENT_START = "<|endoftext|>"
+
+
+@torch.no_grad()
+def rehearsal_samples(
+    model, tokenizer, n: int, length: int, seed: int, exclude_ids=(), batch_size: int = 64
+) -> torch.Tensor:
+    """``n`` sequences of ``length`` tokens sampled from ``model`` (temperature 1, no top-k / top-p) after the
+    document separator: the model's own distribution over general text. Training the next-token loss on them while
+    fine-tuning (rehearsal) pulls the fine-tuned model's next-token distribution back towards the sampling model's,
+    with no data anybody wrote (self-distillation at the sequence level). ``exclude_ids`` (the mask token) are never
+    sampled. Returns [n, length] token ids, the first the separator; deterministic for a seed and thread count."""
+    if n < 1 or length < 2:
+        raise ValueError(f"rehearsal needs n >= 1 and length >= 2, got n={n}, length={length}")
+    start = tokenizer.convert_tokens_to_ids(DOCUMENT_START)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        out = []
+        for lo in range(0, n, batch_size):
+            b = min(batch_size, n - lo)
+            ids = torch.full((b, 1), start, dtype=torch.long, device=model.device)
+            seq = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=length - 1,
+                min_new_tokens=length - 1,
+                suppress_tokens=list(exclude_ids) or None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out.append(seq[:, :length].cpu())
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return torch.cat(out)
+
+
+def attach_rehearsal(batches: list[dict], samples: torch.Tensor, per_step: int) -> list[dict]:
+    """Each batch gets ``per_step`` rehearsal sequences (``rehearsal_input_ids``; cycling over ``samples``), whose
+    every next token is labelled: batch i always carries the same ones, so a resumed run sees what an uninterrupted
+    one would."""
+    n = samples.shape[0]
+    out = []
+    for i, batch in enumerate(batches):
+        rows = [(i * per_step + j) % n for j in range(per_step)]
+        out.append({**batch, "rehearsal_input_ids": samples[rows]})
+    return out

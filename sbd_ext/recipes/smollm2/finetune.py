@@ -15,6 +15,11 @@ Recipe (the paper's Alg. 1 on a real pretrained Llama, scaled to a CPU):
 * data (:mod:`.data`): the arithmetic task, ``prompt + completion + EOS``, prompt without loss, right-padded;
 * SBD: :func:`sbd_ext.training.sbd_loss`, k ~ U[2, 16] per step, eta ~ U(0, 1) per sequence;
   NTP control: the plain next-token loss, same model, data order, steps, batch, optimizer and trainable parameters;
+* rehearsal (``--rehearsal N``, off by default): each step also takes the next-token loss (weight
+  ``rehearsal_weight``) on N sequences the *base* model sampled from itself after the document separator
+  (:func:`.data.rehearsal_samples`, made once per run and kept in ``<out>/<objective>/rehearsal.pt``), which pulls
+  the converted model's next-token distribution on general text back to the base model's -- what the task-only
+  fine-tune costs on general text (the perplexity of :mod:`.evaluate`), with no data anybody wrote;
 * :func:`sbd_ext.training.train_loop`: AdamW (0.9, 0.95), warm-up then cosine to 0, clip 1.0; the checkpoint
   (``<out>/<objective>/checkpoint.pt``, trainable tensors + optimizer + schedule + RNG states, every
   ``--checkpoint-every`` steps) makes ``--resume`` continue exactly where the run stopped;
@@ -60,6 +65,9 @@ class FinetuneConfig:
     log_every: int = 5
     checkpoint_every: int = 10
     init_from: str = ""  # an artifact folder of the same method: continue that conversion (fresh optimizer)
+    rehearsal: int = 0  # > 0: sequences of the base model's own samples per step, next-token loss (see above)
+    rehearsal_len: int = 128
+    rehearsal_weight: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -67,10 +75,21 @@ class FinetuneConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.method not in adapters.METHODS:
             raise ValueError(f"method must be one of {adapters.METHODS}, got {self.method!r}")
-        for name in ("steps", "batch_size", "max_len", "lora_rank", "log_every", "checkpoint_every"):
+        for name in ("steps", "batch_size", "max_len", "lora_rank", "log_every", "checkpoint_every", "rehearsal_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if int(self.rehearsal) < 0 or not float(self.rehearsal_weight) >= 0:
+            raise ValueError(
+                f"rehearsal must be >= 0 and rehearsal_weight >= 0, got {self.rehearsal!r}, {self.rehearsal_weight!r}"
+            )
+        if self.rehearsal and self.rehearsal_len < 2:
+            raise ValueError(f"rehearsal_len must be >= 2, got {self.rehearsal_len}")
         self.block_size_range = tuple(int(v) for v in self.block_size_range)
+
+    @property
+    def rehearsal_pool(self) -> int:
+        """How many distinct rehearsal sequences a run samples (cycled over its steps)."""
+        return min(REHEARSAL_POOL, self.steps * self.rehearsal)
 
     @property
     def learning_rate(self) -> float:
@@ -85,6 +104,9 @@ def run_dir(out: str | os.PathLike, objective: str) -> Path:
     return Path(out) / objective
 
 
+REHEARSAL_POOL = 256
+REHEARSAL_FILE = "rehearsal.pt"
+
 BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
 
 
@@ -92,6 +114,41 @@ def base_model(device: torch.device | str = "cpu", block_size_range=(2, 16)):
     """(model, tokenizer, mask_id): SmolLM2 in float32 with the mask token added (not yet trained)."""
     model, tok = checkpoint.load_base(attn_implementation="sdpa", block_size_range=block_size_range)
     return model.to(device), tok, int(tok.mask_token_id)
+
+
+def with_rehearsal(loss_fn, weight: float, device):
+    """``loss_fn`` plus ``weight`` x the next-token loss on the batch's ``rehearsal_input_ids`` (every next token
+    labelled), reported as ``rehearsal_loss``; a batch without them is ``loss_fn``'s alone."""
+
+    def fn(model, batch):
+        batch = dict(batch)
+        ids = batch.pop("rehearsal_input_ids", None)
+        loss, parts = loss_fn(model, batch)
+        if ids is None:
+            return loss, parts
+        ids = ids.to(device)
+        r_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        return loss + weight * r_loss, {**parts, "rehearsal_loss": r_loss.detach()}
+
+    return fn
+
+
+def _rehearsal(cfg: FinetuneConfig, folder: Path, model, tok, mask_id: int, log) -> torch.Tensor:
+    """The run's rehearsal sequences: sampled from the base model once, then read back (resume, same run)."""
+    path = folder / REHEARSAL_FILE
+    want = (cfg.rehearsal_pool, cfg.rehearsal_len)
+    if path.exists():
+        samples = torch.load(path)
+        if tuple(samples.shape) == want:
+            return samples
+    t0 = time.perf_counter()
+    samples = data.rehearsal_samples(model, tok, *want, seed=cfg.seed, exclude_ids=(mask_id,))
+    torch.save(samples, path)
+    log(
+        f"[{cfg.objective}] rehearsal: {want[0]} base-model samples of {want[1]} tokens "
+        f"in {time.perf_counter() - t0:.0f} s"
+    )
+    return samples
 
 
 @torch.no_grad()
@@ -137,7 +194,9 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     folder.mkdir(parents=True, exist_ok=True)
     saved_cfg = folder / "config.json"
     if resume and saved_cfg.exists():
-        before = json.loads(saved_cfg.read_text())
+        # a run saved before a field existed ran with that field's default
+        defaults = json.loads(json.dumps(asdict(FinetuneConfig(objective=cfg.objective))))
+        before = {**defaults, **json.loads(saved_cfg.read_text())}
         if before != json.loads(json.dumps(asdict(cfg))):
             raise ValueError(f"--resume with a different configuration than {saved_cfg} records: {before}")
     saved_cfg.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
@@ -149,6 +208,8 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     batches = data.make_batches(
         tok, data.task_problems("train", n_train, seed=cfg.seed), cfg.batch_size, cfg.max_len, tok.pad_token_id
     )
+    if cfg.rehearsal:  # sampled from the base model, before anything is trained
+        batches = data.attach_rehearsal(batches, _rehearsal(cfg, folder, model, tok, mask_id, log), cfg.rehearsal)
     mask_row, params = adapters.prepare(model, mask_id, cfg.method, cfg.lora_rank)
     if cfg.init_from:  # a resumed run's checkpoint then replaces these tensors
         adapters.load_trainable(model, mask_row, cfg.init_from)
@@ -157,6 +218,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     log(
         f"[{cfg.objective}] {cfg.method}: {n_params / 1e6:.2f} M trainable parameters, {len(batches)} batches of "
         f"{cfg.batch_size}, {cfg.steps} steps, lr {cfg.learning_rate:g}, {torch.get_num_threads()} thread(s)"
+        + (f", rehearsal {cfg.rehearsal} x {cfg.rehearsal_len} tokens per step" if cfg.rehearsal else "")
     )
     curve = folder / "curve.jsonl"
     last = {}
@@ -174,17 +236,18 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     probe = batches[0]
     before = fixed_batch_losses(model, probe, device)
     t0 = time.perf_counter()
+    loss_fn = objective_loss_fn(
+        cfg.objective,
+        generator=gen,
+        k_rng=k_rng,
+        block_size_range=cfg.block_size_range,
+        device=device,
+        mask_format="bool",
+    )
     history = train_loop(
         model,
         batches,
-        objective_loss_fn(
-            cfg.objective,
-            generator=gen,
-            k_rng=k_rng,
-            block_size_range=cfg.block_size_range,
-            device=device,
-            mask_format="bool",
-        ),
+        with_rehearsal(loss_fn, cfg.rehearsal_weight, device),
         cfg.steps,
         lr=cfg.learning_rate,
         betas=(0.9, 0.95),
@@ -223,6 +286,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
             "sbd_block_size_range": list(cfg.block_size_range),
             "steps": cfg.steps,
             **({"init_from": cfg.init_from} if cfg.init_from else {}),
+            **({"rehearsal": [cfg.rehearsal, cfg.rehearsal_len, cfg.rehearsal_weight]} if cfg.rehearsal else {}),
             "base_loader": BASE_LOADER,
             "base": f"{checkpoint.PACKAGE}=={checkpoint.PACKAGE_VERSION} ({checkpoint.GGUF_NAME})",
         },
