@@ -127,7 +127,7 @@ def with_rehearsal(loss_fn, weight: float, device):
         if ids is None:
             return loss, parts
         ids = ids.to(device)
-        r_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        r_loss = ntp_loss(model, {"input_ids": ids, "labels": ids})[0]
         return loss + weight * r_loss, {**parts, "rehearsal_loss": r_loss.detach()}
 
     return fn
