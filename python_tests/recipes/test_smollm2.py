@@ -294,6 +294,22 @@ def test_finetune_smoke(converted, tmp_path, monkeypatch):
     assert command.main([*args, "--resume"]) == 0  # nothing left to train: the same artifact again
     assert json.loads((out / "sbd" / "train_log.json").read_text())["history"] == log["history"]
 
+    # --init-from continues that artifact: the new run starts where it ended (same fixed batch, bf16 adapters),
+    # and its artifact records the parent portably (name, steps, adapter hash), not this machine's path.
+    import hashlib
+
+    more = tmp_path / "more"
+    cont = ["train", "--smoke", "--steps", "1", "--batch-size", "1", "--max-len", "64", "--out", str(more)]
+    assert command.main([*cont, "--init-from", str(out / "sbd" / "artifact")]) == 0
+    start = json.loads((more / "sbd" / "train_log.json").read_text())["fixed_batch_before"]
+    assert start["mask_loss"] == pytest.approx(after["mask_loss"], rel=0.03, abs=0.03), (start, after)
+    parent = json.loads((more / "sbd" / "artifact" / "sbd_config.json").read_text())["init_from"]
+    digest = hashlib.sha256((out / "sbd" / "artifact" / "adapter.safetensors").read_bytes()).hexdigest()
+    assert parent == f"artifact (2 steps; adapter.safetensors sha256 {digest[:16]})"
+    assert str(tmp_path) not in parent
+    with pytest.raises(FileNotFoundError, match="no model"):
+        command.main([*cont, "--resume", "--init-from", str(tmp_path / "nowhere")])
+
 
 def test_finetune_rehearsal(converted, tmp_path, monkeypatch):
     """Rehearsal: the base model's own samples (after the document separator, never the mask token) are made once

@@ -285,7 +285,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
             "mask_token": tok.mask_token,
             "sbd_block_size_range": list(cfg.block_size_range),
             "steps": cfg.steps,
-            **({"init_from": cfg.init_from} if cfg.init_from else {}),
+            **({"init_from": describe_artifact(cfg.init_from)} if cfg.init_from else {}),
             **({"rehearsal": [cfg.rehearsal, cfg.rehearsal_len, cfg.rehearsal_weight]} if cfg.rehearsal else {}),
             "base_loader": BASE_LOADER,
             "base": f"{checkpoint.PACKAGE}=={checkpoint.PACKAGE_VERSION} ({checkpoint.GGUF_NAME})",
@@ -295,6 +295,17 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     (folder / "train_log.json").write_text(json.dumps(info, indent=1) + "\n")
     log(f"[{cfg.objective}] done: fixed-batch {after}; artifact {size / 1e6:.1f} MB in {folder / 'artifact'}")
     return info
+
+
+def describe_artifact(folder: str | os.PathLike) -> str:
+    """A portable record of the artifact a run continued: its folder's name, its steps and the SHA-256 of its
+    adapter weights (never this machine's absolute path, which means nothing where the artifact ships)."""
+    import hashlib
+
+    folder = Path(folder)
+    digest = hashlib.sha256((folder / adapters.ADAPTER_FILE).read_bytes()).hexdigest()
+    steps = adapters.read_artifact_config(folder).get("steps")
+    return f"{folder.name} ({steps} steps; {adapters.ADAPTER_FILE} sha256 {digest[:16]})"
 
 
 def train_with_trainer(cfg: FinetuneConfig, out: str | os.PathLike, log=print) -> dict:
