@@ -211,9 +211,11 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
     if cfg.rehearsal:  # sampled from the base model, before anything is trained
         batches = data.attach_rehearsal(batches, _rehearsal(cfg, folder, model, tok, mask_id, log), cfg.rehearsal)
     mask_row, params = adapters.prepare(model, mask_id, cfg.method, cfg.lora_rank)
+    parent = {}
     if cfg.init_from:  # a resumed run's checkpoint then replaces these tensors
         adapters.load_trainable(model, mask_row, cfg.init_from)
-        log(f"[{cfg.objective}] starting from the artifact {cfg.init_from}")
+        parent["init_from"] = describe_artifact(cfg.init_from)  # what was loaded, recorded in the artifact
+        log(f"[{cfg.objective}] starting from the artifact {cfg.init_from}: {parent['init_from']}")
     n_params = sum(p.numel() for p in params)
     log(
         f"[{cfg.objective}] {cfg.method}: {n_params / 1e6:.2f} M trainable parameters, {len(batches)} batches of "
@@ -285,7 +287,7 @@ def train(cfg: FinetuneConfig, out: str | os.PathLike, resume: bool = False, dev
             "mask_token": tok.mask_token,
             "sbd_block_size_range": list(cfg.block_size_range),
             "steps": cfg.steps,
-            **({"init_from": describe_artifact(cfg.init_from)} if cfg.init_from else {}),
+            **parent,
             **({"rehearsal": [cfg.rehearsal, cfg.rehearsal_len, cfg.rehearsal_weight]} if cfg.rehearsal else {}),
             "base_loader": BASE_LOADER,
             "base": f"{checkpoint.PACKAGE}=={checkpoint.PACKAGE_VERSION} ({checkpoint.GGUF_NAME})",
