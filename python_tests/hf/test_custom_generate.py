@@ -335,3 +335,21 @@ def test_custom_generate_folder_is_package_data():
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "custom_generate/*" in data["sbd_ext.integration"]
+
+
+# --- issue 35 -------------------------------------------------------------------------------------------------------
+
+
+def test_streamer_is_ended_once_when_an_option_is_refused(demo):
+    """Issue 35 item 1: a refused option raised before the streamer was ended (a TextIteratorStreamer consumer then
+    waited forever); now the streamer is ended once and the error still raises."""
+    model, tok = demo
+    enc = tok(_prompts(tok, 1), return_tensors="pt")
+    rec = _Recorder()
+    with pytest.raises(ValueError, match="num_beams"):
+        model.generate(**enc, custom_generate=CG, trust_remote_code=True, streamer=rec, max_new_tokens=4, num_beams=2)
+    assert rec.ended == 1
+    rec = _Recorder()
+    with pytest.raises(ValueError, match="outside the block sizes"):
+        model.generate(**enc, custom_generate=CG, trust_remote_code=True, streamer=rec, sbd_block_size=64)
+    assert rec.ended == 1

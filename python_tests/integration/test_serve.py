@@ -31,8 +31,9 @@ def server(checkpoint):
         yield srv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
+    """A new client per test: a refused request (HTTP 500) resets its connection, which a shared client reuses."""
     return server.client(), server.model
 
 
@@ -164,3 +165,92 @@ def test_continuous_batching_is_refused(checkpoint, local):
         with pytest.raises(openai.APIStatusError):
             _ask((srv.client(), srv.model), _questions(1)[0], max_tokens=MAX_TOKENS)
         assert srv.wait_for_log("continuous batching cannot run")
+
+
+# --- issue 35 -------------------------------------------------------------------------------------------------------
+
+
+def _stream(client, question, **kwargs):
+    """A streamed chat completion: (content pieces, the last finish_reason seen)."""
+    pieces, finish = [], None
+    for chunk in _ask(client, question, stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return pieces, finish
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        ({"sbd_block_size": 64}, "outside the block sizes the model was trained with"),
+        ({"sbd_sampler": "nope"}, "sbd_sampler='nope'"),
+    ],
+)
+def test_streamed_refusal_is_an_error_event_and_logged(client, server, local, config, reason):
+    """Issue 35 item 1: a streamed request that SBD refuses was HTTP 200, empty content, finish_reason "stop" and
+    nothing logged (the streamer's end() came before serve's error). Now the stream carries the error and the log has
+    the reason, as for the non-streamed request (a 500)."""
+    q = _questions(1)[0]
+    body = {"generation_config": json.dumps(config)}
+    logged = server.log_text.count(reason)
+    with pytest.raises(openai.APIError) as err:
+        _stream(client, q, max_tokens=MAX_TOKENS, extra_body=body)
+    assert reason in str(err.value.body)
+    assert server.wait_for_log(reason) and server.log_text.count(reason) > logged, server.log_text[-3000:]
+    with pytest.raises(openai.APIStatusError):  # non-streamed: a 500, as before
+        _ask((server.client(), server.model), q, max_tokens=MAX_TOKENS, extra_body=body)
+    # The server still answers afterwards.
+    want, _ = _expected(local, q)
+    assert "".join(_stream((server.client(), server.model), q, max_tokens=MAX_TOKENS)[0]) == want
+
+
+@pytest.mark.parametrize("temperature", [1.0, 5.0, 100.0])
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_temperature_samples_with_the_seed(client, local, temperature, stream):
+    """Issue 35 item 3: a request's temperature > 0 samples (the README's promise), seeded by the request's seed:
+    equal to sbd_ext.generate sampling at that temperature with the seed torch.manual_seed(seed) gives; not the
+    greedy answer (which was returned for every temperature)."""
+    q = _questions(1)[0]
+    greedy, _ = _expected(local, q)
+    torch.manual_seed(11)
+    seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
+    want, _ = _expected(local, q, temperature=temperature, seed=seed)
+    if stream:
+        got = "".join(_stream(client, q, max_tokens=MAX_TOKENS, temperature=temperature, seed=11)[0])
+    else:
+        got = _ask(client, q, max_tokens=MAX_TOKENS, temperature=temperature, seed=11).choices[0].message.content
+    assert got == want
+    if temperature > 1.0:
+        assert got != greedy
+    # temperature 0 is greedy, as before
+    assert _ask(client, q, max_tokens=MAX_TOKENS, temperature=0.0, seed=11).choices[0].message.content == greedy
+
+
+def _final_runs(model, ids):
+    runs = []
+    sbd_ext.generate(model, ids, max_new_tokens=MAX_TOKENS, on_final_tokens=lambda b, t: runs.append(list(t)))
+    return runs
+
+
+def test_stream_is_one_chunk_per_token(client, local):
+    """Issue 35 item 18: serve's streamer sends one chunk per token (not one per final run, as the README said)."""
+    from pathlib import Path
+
+    q = _questions(1)[0]
+    want, n = _expected(local, q)
+    pieces, finish = _stream(client, q, max_tokens=MAX_TOKENS)
+    assert "".join(pieces) == want and finish == "stop"
+    model, tok = local
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
+    out = sbd_ext.generate(model, ids, max_new_tokens=MAX_TOKENS, return_trace=False)
+    gen = out.sequences[0, ids.shape[1] : ids.shape[1] + int(out.num_generated[0])].tolist()
+    visible = [t for t in gen if t not in tok.all_special_ids]
+    assert len(pieces) == len(visible) > 1  # one chunk per token (the EOS ends the stream)
+    assert max(len(o) for o in _final_runs(model, ids)) > 1  # though SBD finalises several tokens at once
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "each newly final run of tokens becomes a chunk" not in readme
+    assert "one chunk per token" in readme

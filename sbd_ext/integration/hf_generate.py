@@ -32,6 +32,7 @@ __all__ = [
     "SBDGenerateDecoderOnlyOutput",
     "generate",
     "refuse_continuous_batching",
+    "sample_served_temperature",
     "save_pretrained",
 ]
 
@@ -87,6 +88,9 @@ _REFUSED_ARGS = (
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
 )
+# Set on a served request's generation config when the request asks for temperature > 0
+# (sample_served_temperature).
+_REQUEST_SAMPLES = "_sbd_ext_request_samples"
 # Keywords accepted and ignored: their HF meaning holds as is for SBD (use_cache: SBD always uses its cache).
 _IGNORED = {"use_cache", "synced_gpus", "custom_generate", "tokenizer"}
 
@@ -123,6 +127,8 @@ def _call_config(model, generation_config, kwargs: dict) -> GenerationConfig:
     hf_keys = {k for k in kwargs if hasattr(_HF_DEFAULTS, k) or k in _REFUSED or k in _SAMPLING_FILTERS}
     for key in hf_keys:
         setattr(gc, key, kwargs.pop(key))
+    if getattr(generation_config, _REQUEST_SAMPLES, False):
+        gc.do_sample = True  # a served request's temperature > 0 (see sample_served_temperature)
     return gc
 
 
@@ -195,6 +201,33 @@ def _fit_positions(fields: dict, model, prompt_len: int) -> None:
     )
 
 
+def _end_stream_with_error(streamer, error: BaseException) -> None:
+    """End a stream that an error cut short. A consumer thread must not wait forever, so the streamer is always
+    ended; but transformers serve's streamer stops at its end sentinel and drops an error queued behind it (the
+    client saw an empty answer with finish_reason "stop", and nothing was logged). For that streamer the error is
+    queued first, as serve's own error event (the client gets ``data: {"error": ...}``), and the reason is logged."""
+    if type(error).__name__ == "_GenerationCancelled" or not isinstance(error, Exception):
+        streamer.end()  # serve's client went away / an interrupt: nothing to report
+        return
+    logger.error("SBD generate failed (streamed request): %s: %s", type(error).__name__, error)
+    serve = _serve_stream_types()
+    if serve is not None and isinstance(streamer, serve[0]) and callable(getattr(streamer, "_enqueue", None)):
+        # serve writes the message into JSON by string formatting: keep it one line, without quotes to escape
+        msg = " ".join(f"{type(error).__name__}: {error}".split()).replace("\\", "/").replace('"', "'")
+        streamer._enqueue(serve[1](msg))
+    streamer.end()  # after the error event: serve stops at the first of the two; any other consumer is released
+
+
+def _serve_stream_types():
+    """transformers serve's streamer class and the error item of its stream queue (None when serve is not there)."""
+    import sys
+
+    utils = sys.modules.get("transformers.cli.serving.utils")  # loaded in a serving process, never imported here
+    if utils is None or not hasattr(utils, "DirectStreamer") or not hasattr(utils, "_StreamError"):
+        return None
+    return utils.DirectStreamer, utils._StreamError
+
+
 def _hf_sequences(input_ids: torch.Tensor, out, pad_id: int) -> torch.Tensor:
     """HF's layout: each row's input (padding included) followed by its generated tokens, right-padded."""
     n_gen = out.num_generated.tolist()
@@ -229,6 +262,18 @@ def generate(
     A ``streamer`` gets the prompt once (``put``), then each newly final run of tokens (shape (n,)) as soon as a
     forward makes it final, then ``end()``; like HF's streamers, batch 1 only (TextStreamer raises for more).
     """
+    try:
+        out = _generate(model, inputs, generation_config, streamer, kwargs)
+    except BaseException as e:
+        if streamer is not None:  # also on an error (a refused option too): a consumer must not wait forever
+            _end_stream_with_error(streamer, e)
+        raise
+    if streamer is not None:
+        streamer.end()
+    return out
+
+
+def _generate(model, inputs, generation_config, streamer, kwargs: dict):
     args = {name: kwargs.pop(name, None) for name in _REFUSED_ARGS}
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not isinstance(input_ids, torch.Tensor):
@@ -245,11 +290,7 @@ def generate(
         # 1-D, as HF's generate puts each step's tokens: streamers that iterate value.tolist() (transformers
         # serve's) then get token ids; TextStreamer takes either shape.
         on_final = lambda b, ids: streamer.put(torch.tensor(ids, dtype=torch.long))  # noqa: E731
-    try:
-        out = sbd_generate(model, input_ids, attention_mask, return_trace=False, on_final_tokens=on_final, **fields)
-    finally:
-        if streamer is not None:
-            streamer.end()  # also on an error: a consumer thread must not wait forever
+    out = sbd_generate(model, input_ids, attention_mask, return_trace=False, on_final_tokens=on_final, **fields)
     sequences = _hf_sequences(input_ids, out, _pad_id(model, fields))
     if not return_dict:
         return sequences
@@ -302,3 +343,37 @@ def refuse_continuous_batching() -> None:
 
     init_continuous_batching.sbd_ext_guard = True
     ContinuousMixin.init_continuous_batching = init_continuous_batching
+
+
+def sample_served_temperature() -> None:
+    """Make a ``transformers serve`` request's ``temperature`` > 0 sample on an SBD checkpoint, seeded by its
+    ``seed``. serve sets the request's temperature on the generation config but keeps the checkpoint's
+    ``do_sample`` (False for an exported checkpoint: greedy is its default), so every temperature decoded greedily.
+    The request's config is tagged here and SBD's ``generate`` then samples at that temperature (serve has already
+    seeded torch with the request's seed, from which the Philox seed is drawn). A request whose JSON
+    ``generation_config`` names ``do_sample`` itself keeps it; ``temperature`` 0 stays greedy; other models' generate
+    ignores the tag. ``custom_generate/generate.py`` calls this when transformers loads it; it patches only a serve
+    that is already imported (never imports it); idempotent."""
+    import json
+    import sys
+
+    utils = sys.modules.get("transformers.cli.serving.utils")
+    handler = getattr(utils, "BaseHandler", None)
+    original = getattr(handler, "_build_generation_config", None)
+    if original is None or getattr(original, "sbd_ext_guard", False):
+        return
+
+    @functools.wraps(original)
+    def _build_generation_config(self, body, *args, **kwargs):
+        gc = original(self, body, *args, **kwargs)
+        try:
+            temperature = float(body.get("temperature")) if body.get("temperature") is not None else 0.0
+            own = json.loads(body["generation_config"]) if body.get("generation_config") is not None else {}
+        except (TypeError, ValueError, AttributeError):
+            return gc  # serve itself reports a malformed request
+        if temperature > 0 and not (isinstance(own, dict) and "do_sample" in own):
+            setattr(gc, _REQUEST_SAMPLES, True)
+        return gc
+
+    _build_generation_config.sbd_ext_guard = True
+    handler._build_generation_config = _build_generation_config

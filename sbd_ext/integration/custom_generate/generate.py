@@ -5,6 +5,8 @@ from sbd_ext.integration import hf_generate
 
 # Continuous batching would bypass this generate (and SBD) silently: make it refuse SBD models instead.
 hf_generate.refuse_continuous_batching()
+# transformers serve keeps the checkpoint's do_sample=False under a request's temperature: make temperature > 0 sample.
+hf_generate.sample_served_temperature()
 
 
 def generate(*args, model=None, **kwargs):
