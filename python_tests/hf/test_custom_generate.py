@@ -353,3 +353,187 @@ def test_streamer_is_ended_once_when_an_option_is_refused(demo):
     with pytest.raises(ValueError, match="outside the block sizes"):
         model.generate(**enc, custom_generate=CG, trust_remote_code=True, streamer=rec, sbd_block_size=64)
     assert rec.ended == 1
+
+
+def test_padded_batch_without_attention_mask_infers_it_like_hf(demo, batch):
+    """Issue 35 item 4: without attention_mask the pads of a padded batch became prompt tokens; transformers infers
+    the mask from pad_token_id (when it is not an EOS id): the answer is the one with the mask."""
+    model, tok = demo
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    assert (am == 0).any() and tok.pad_token_id not in (model.generation_config.eos_token_id,)
+    with_mask = model.generate(ids, attention_mask=am, custom_generate=CG, trust_remote_code=True, max_new_tokens=32)
+    without = model.generate(ids, custom_generate=CG, trust_remote_code=True, max_new_tokens=32)
+    assert torch.equal(without, with_mask)
+    # The reference: sbd_ext.generate with transformers' own inferred mask.
+    gc = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    gc._pad_token_tensor = torch.tensor(tok.pad_token_id)
+    gc._eos_token_tensor = torch.tensor([model.generation_config.eos_token_id])
+    inferred = model._prepare_attention_mask_for_generation(ids, gc, {})
+    assert torch.equal(inferred, am)
+    # A pad id that is also an EOS id is not inferred from (as in transformers): every position is a token.
+    eos_pad = model.generate(
+        ids,
+        custom_generate=CG,
+        trust_remote_code=True,
+        max_new_tokens=8,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[model.generation_config.eos_token_id, tok.pad_token_id],
+    )
+    ref = sbd_ext.generate(
+        model,
+        ids,
+        max_new_tokens=8,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[model.generation_config.eos_token_id, tok.pad_token_id],
+    )
+    for b in range(ids.shape[0]):
+        got, want = _generated(eos_pad, ref, b, ids.shape[1])
+        assert got == want
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"do_sample": True, "top_h": 0.5}, "top_h"),
+        ({"max_time": 0.5}, "max_time"),
+        ({"dola_layers": "high"}, "dola_layers"),
+        ({"token_healing": True}, "token_healing"),
+    ],
+)
+def test_more_unsupported_options_are_refused(demo, batch, kwargs, match):
+    """Issue 35 item 5: these were accepted and ignored."""
+    model, _ = demo
+    with pytest.raises(ValueError, match=match):
+        model.generate(**batch, custom_generate=CG, trust_remote_code=True, max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        model.generate(
+            **batch,
+            custom_generate=CG,
+            trust_remote_code=True,
+            max_new_tokens=4,
+            generation_config=GenerationConfig(**kwargs),
+        )
+
+
+def test_unknown_sbd_fields_are_refused(demo, batch):
+    """Issue 35 item 6: a misspelt sbd_* field (per-call config, the model's generation config, a keyword) was
+    ignored; now it is an error naming it and the known fields."""
+    model, _ = demo
+    ids, am = batch["input_ids"][:1], batch["attention_mask"][:1]
+    with pytest.raises(ValueError, match=r"sbd_blocksize.*sbd_block_size"):
+        model.generate(
+            ids,
+            attention_mask=am,
+            custom_generate=CG,
+            trust_remote_code=True,
+            max_new_tokens=4,
+            generation_config=GenerationConfig(sbd_blocksize=4),
+        )
+    with pytest.raises(ValueError, match="sbd_verfy"):
+        model.generate(ids, attention_mask=am, custom_generate=CG, trust_remote_code=True, sbd_verfy=True)
+    model.generation_config.sbd_treshold = 0.5
+    try:
+        with pytest.raises(ValueError, match=r"model.generation_config.*sbd_treshold"):
+            sbd_ext.generate(model, ids, am, max_new_tokens=4)
+        with pytest.raises(ValueError, match="sbd_treshold"):
+            model.generate(ids, attention_mask=am, custom_generate=CG, trust_remote_code=True, max_new_tokens=4)
+    finally:
+        del model.generation_config.sbd_treshold
+    # the known ones, sbd_seed included, are accepted
+    out = model.generate(
+        ids,
+        attention_mask=am,
+        custom_generate=CG,
+        trust_remote_code=True,
+        max_new_tokens=4,
+        generation_config=GenerationConfig(sbd_seed=3, sbd_block_size=4),
+    )
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_block_size_refusal_names_what_model_generate_takes(demo, batch):
+    """Issue 35 item 15: the refusal said "pass strict_block_size=False", which model.generate refused; now it names
+    sbd_strict_block_size, which model.generate (keyword or generation config) accepts."""
+    model, _ = demo
+    ids, am = batch["input_ids"][:1], batch["attention_mask"][:1]
+    with pytest.raises(ValueError, match="sbd_strict_block_size=False") as err:
+        model.generate(ids, attention_mask=am, custom_generate=CG, trust_remote_code=True, sbd_block_size=32)
+    assert "pass strict_block_size" not in str(err.value)
+    ref = sbd_ext.generate(model, ids, am, max_new_tokens=16, block_size=32, strict_block_size=False)
+    for how in ({"sbd_strict_block_size": False}, {"generation_config": GenerationConfig(sbd_strict_block_size=False)}):
+        out = model.generate(
+            ids,
+            attention_mask=am,
+            custom_generate=CG,
+            trust_remote_code=True,
+            max_new_tokens=16,
+            sbd_block_size=32,
+            return_dict_in_generate=True,
+            **how,
+        )
+        assert _generated(out.sequences, ref, 0, ids.shape[1])[0] == _generated(out.sequences, ref, 0, ids.shape[1])[1]
+        assert torch.equal(out.nfe, ref.nfe)
+
+
+def test_generation_config_as_a_dict(demo, batch):
+    """Issue 35 item 15: generation_config as a dict gave "'dict' object has no attribute 'to_diff_dict'"; it is
+    read as a GenerationConfig (anything else is a TypeError naming it)."""
+    model, _ = demo
+    ids, am = batch["input_ids"][:1], batch["attention_mask"][:1]
+    out = model.generate(
+        ids,
+        attention_mask=am,
+        custom_generate=CG,
+        trust_remote_code=True,
+        generation_config={"max_new_tokens": 24, "sbd_block_size": 4},
+        return_dict_in_generate=True,
+    )
+    ref = sbd_ext.generate(model, ids, am, max_new_tokens=24, block_size=4)
+    assert torch.equal(out.nfe, ref.nfe)
+    got, want = _generated(out.sequences, ref, 0, ids.shape[1])
+    assert got == want
+    with pytest.raises(TypeError, match="generation_config must be a GenerationConfig or a dict"):
+        model.generate(ids, custom_generate=CG, trust_remote_code=True, generation_config=[("max_new_tokens", 4)])
+
+
+def test_bad_pad_in_the_model_config_is_named(demo, batch):
+    """Issue 35 item 16: pad_token_id=-1 in the model's config (transformers runs it) failed with an error that did
+    not say the value was the config's; now it names it and how to override it, and an override decodes."""
+    model, tok = demo
+    ids = tok(_prompts(tok, 1), return_tensors="pt")["input_ids"]
+    saved = model.config.pad_token_id, model.generation_config.pad_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = -1
+    try:
+        for call in (
+            lambda **kw: model.generate(ids, custom_generate=CG, trust_remote_code=True, max_new_tokens=8, **kw),
+            lambda **kw: sbd_ext.generate(model, ids, max_new_tokens=8, **kw),
+        ):
+            with pytest.raises(ValueError, match=r"generation_config.pad_token_id = -1.*pass pad_token_id="):
+                call()
+            call(pad_token_id=0)
+    finally:
+        model.config.pad_token_id, model.generation_config.pad_token_id = saved
+
+
+def test_out_of_vocab_eos_in_the_models_config_is_treated_alike(demo, batch):
+    """Issue 35 item 16: an out-of-vocabulary eos in generation_config.json was accepted by sbd_ext.generate (the
+    model's own config is not checked) but refused by model.generate (which passed it on as the caller's). Both now
+    decode alike, stopping on the ids that exist; a caller's out-of-vocabulary eos is refused by both."""
+    model, tok = demo
+    ids = tok(_prompts(tok, 1), return_tensors="pt")["input_ids"]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [saved, 10**6]
+    try:
+        out = model.generate(ids, custom_generate=CG, trust_remote_code=True, max_new_tokens=48)
+        ref = sbd_ext.generate(model, ids, max_new_tokens=48)
+        assert (
+            out[0, ids.shape[1] :].tolist()[: int(ref.num_generated[0])]
+            == ref.sequences[0, ids.shape[1] :][: int(ref.num_generated[0])].tolist()
+        )
+        assert out.shape[1] == ids.shape[1] + int(ref.num_generated[0])
+    finally:
+        model.generation_config.eos_token_id = saved
+    with pytest.raises(ValueError, match="could never stop"):
+        model.generate(ids, custom_generate=CG, trust_remote_code=True, max_new_tokens=8, eos_token_id=10**6)
+    with pytest.raises(ValueError, match="could never stop"):
+        sbd_ext.generate(model, ids, max_new_tokens=8, eos_token_id=10**6)

@@ -254,3 +254,11 @@ def test_stream_is_one_chunk_per_token(client, local):
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "each newly final run of tokens becomes a chunk" not in readme
     assert "one chunk per token" in readme
+
+
+def test_unknown_sbd_field_in_a_request_is_refused(client, server):
+    """Issue 35 item 6: a misspelt sbd_* field in a request's generation_config was ignored (the answer used the
+    checkpoint's setting); now the request is refused and the log names the field."""
+    with pytest.raises(openai.APIStatusError):
+        _ask(client, _questions(1)[0], max_tokens=8, extra_body={"generation_config": '{"sbd_verfy": true}'})
+    assert server.wait_for_log("unknown SBD field(s) ['sbd_verfy']")

@@ -1,19 +1,27 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
-``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``), saved in
+``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``, ``sbd_strict_block_size``), saved in
 ``generation_config.json`` so that a checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and
 to ``model.generate``.
 
 Precedence, highest first: explicit settings (keywords / a :class:`GenerationSettings`), then each generation
 config given (a per-call one, then the model's), then the :class:`GenerationSettings` defaults. A threshold only
 means something for its sampler: a layer's ``sbd_threshold`` is dropped when that layer names its ``sbd_sampler``
-and a higher layer picks another one (the sampler's registry default, or a threshold from above, applies).
+and a higher layer picks another one (the sampler's registry default, or a threshold from above, applies). Any other
+``sbd_*`` attribute (a misspelt field) is refused, naming it.
 """
 
 from __future__ import annotations
 
 from .settings import GenerationSettings
 
-__all__ = ["SBD_FIELDS", "sbd_fields", "layered_settings", "resolve_settings"]
+__all__ = [
+    "KNOWN_SBD_FIELDS",
+    "SBD_FIELDS",
+    "check_sbd_field_names",
+    "sbd_fields",
+    "layered_settings",
+    "resolve_settings",
+]
 
 # generation-config attribute -> GenerationSettings field
 SBD_FIELDS = {
@@ -23,7 +31,20 @@ SBD_FIELDS = {
     "sbd_verify": "verify",
     "sbd_mode": "mode",
     "sbd_compile": "compile",
+    "sbd_strict_block_size": "strict_block_size",
 }
+# Every sbd_* generation-config field: the settings above, and sbd_seed (the Philox seed of ``model.generate``).
+KNOWN_SBD_FIELDS = (*SBD_FIELDS, "sbd_seed")
+
+
+def check_sbd_field_names(generation_config, where: str = "generation_config") -> None:
+    """Refuse an ``sbd_*`` attribute of ``generation_config`` that is not an SBD field (a misspelt one would
+    otherwise be ignored and decode with another setting)."""
+    unknown = sorted(
+        k for k in getattr(generation_config, "__dict__", {}) if k.startswith("sbd_") and k not in KNOWN_SBD_FIELDS
+    )
+    if unknown:
+        raise ValueError(f"{where} has unknown SBD field(s) {unknown}; the SBD fields are {sorted(KNOWN_SBD_FIELDS)}")
 
 
 def sbd_fields(generation_config, where: str = "generation_config") -> dict:
@@ -31,6 +52,7 @@ def sbd_fields(generation_config, where: str = "generation_config") -> dict:
     validated alone so that a bad value is reported with the attribute that holds it."""
     if generation_config is None:
         return {}
+    check_sbd_field_names(generation_config, where)
     found = {}
     for attr, name in SBD_FIELDS.items():
         value = getattr(generation_config, attr, None)

@@ -244,8 +244,14 @@ def _fill_model_defaults(settings: GenerationSettings, model, cfg, longest_promp
         eos = getattr(cfg, "eos_token_id", None) if eos is None else eos
         fill["eos_token_id"] = _token_ids(eos, "the model's eos_token_id") or ()
     if settings.pad_token_id is None:
-        pad = getattr(gen_cfg, "pad_token_id", None)
-        pad = getattr(cfg, "pad_token_id", None) if pad is None else pad
+        pad, where = getattr(gen_cfg, "pad_token_id", None), "model.generation_config.pad_token_id"
+        if pad is None:
+            pad, where = getattr(cfg, "pad_token_id", None), "config.pad_token_id"
+        if pad is not None and (not _is_int(pad) or pad < 0):
+            raise ValueError(
+                f"the model's {where} = {pad!r} is not a token id (an int >= 0); pass pad_token_id=<a token id> "
+                f"(e.g. the EOS id) to override it"
+            )
         if pad is None:
             eos_ids = fill.get("eos_token_id", settings.eos_token_id)
             pad = eos_ids[0] if eos_ids else 0

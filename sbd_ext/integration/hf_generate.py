@@ -25,7 +25,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..decoding.api import generate as sbd_generate
-from ..decoding.gen_config import SBD_FIELDS, layered_settings, sbd_fields
+from ..decoding.gen_config import KNOWN_SBD_FIELDS, SBD_FIELDS, layered_settings, sbd_fields
 
 __all__ = [
     "CUSTOM_GENERATE_DIR",
@@ -65,6 +65,9 @@ _REFUSED = {
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None,
+    "max_time": None,
+    "dola_layers": None,
+    "token_healing": False,
     "output_scores": False,
     "output_logits": False,
     "output_attentions": False,
@@ -78,6 +81,7 @@ _SAMPLING_FILTERS = {
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
+    "top_h": None,
 }
 # generate() arguments with no meaning for SBD when given (HF passes them as None by default).
 _REFUSED_ARGS = (
@@ -150,6 +154,9 @@ def _refuse_unsupported(gc: GenerationConfig, args: dict, kwargs: dict) -> None:
                     f"{getattr(gc, name)!r} is not supported (leave it unset, or use do_sample=False)"
                 )
     unknown = sorted(set(kwargs) - _IGNORED - {"return_dict_in_generate"})
+    unknown_sbd = [k for k in unknown if k.startswith("sbd_")]
+    if unknown_sbd:
+        raise ValueError(f"unknown SBD setting(s) {unknown_sbd}; the SBD fields are {sorted(KNOWN_SBD_FIELDS)}")
     if unknown:
         raise ValueError(f"SBD generate does not support the argument(s) {unknown}")
 
@@ -163,10 +170,13 @@ def _settings_fields(gc: GenerationConfig, explicit: dict, per_call, model, prom
     elif gc.max_length is not None:
         fields["max_new_tokens"] = max(gc.max_length - prompt_len, 1)
     _fit_positions(fields, model, prompt_len)
-    if gc.eos_token_id is not None:
-        fields["eos_token_id"] = gc.eos_token_id
-    if gc.pad_token_id is not None:
-        fields["pad_token_id"] = gc.pad_token_id
+    # The call's own eos / pad ids (checked by sbd_ext.generate as the caller's); the model's own ones are left to
+    # sbd_ext.generate, which takes them from the model as it does for any call (same answer, same errors).
+    model_gc = getattr(model, "generation_config", None)
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(gc, name)
+        if value is not None and (model_gc is None or value != getattr(model_gc, name, None)):
+            fields[name] = value
     seed = explicit.pop("seed", None)
     seed = getattr(gc, "sbd_seed", None) if seed is None else seed
     if seed is None:  # HF sampling follows torch's global RNG: so does the Philox seed
@@ -228,6 +238,19 @@ def _serve_stream_types():
     return utils.DirectStreamer, utils._StreamError
 
 
+def _inferred_attention_mask(input_ids: torch.Tensor, gc: GenerationConfig) -> torch.Tensor | None:
+    """transformers' rule for a call without ``attention_mask``: when the pad id occurs in the inputs and is not an
+    EOS id, the pads are padding (``input_ids != pad``); otherwise every position is a token (None)."""
+    pad = gc.pad_token_id
+    if pad is None or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        return None
+    eos = gc.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return input_ids.ne(pad).long()
+
+
 def _hf_sequences(input_ids: torch.Tensor, out, pad_id: int) -> torch.Tensor:
     """HF's layout: each row's input (padding included) followed by its generated tokens, right-padded."""
     n_gen = out.num_generated.tolist()
@@ -239,10 +262,13 @@ def _hf_sequences(input_ids: torch.Tensor, out, pad_id: int) -> torch.Tensor:
 
 
 def _pad_id(model, fields: dict) -> int:
-    """The pad id sbd_ext.generate fills with (its rule: generation config, config, first EOS id, 0)."""
-    pad = fields.get("pad_token_id", getattr(model.config, "pad_token_id", None))
+    """The pad id sbd_ext.generate fills with (its rule: the call's, generation config, config, first EOS id, 0)."""
+    model_gc = getattr(model, "generation_config", None)
+    pad = fields.get("pad_token_id", getattr(model_gc, "pad_token_id", None))
+    pad = getattr(model.config, "pad_token_id", None) if pad is None else pad
     if pad is None:
-        eos = fields.get("eos_token_id", getattr(model.config, "eos_token_id", None))
+        eos = fields.get("eos_token_id", getattr(model_gc, "eos_token_id", None))
+        eos = getattr(model.config, "eos_token_id", None) if eos is None else eos
         pad = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) or 0
     return int(pad)
 
@@ -263,6 +289,13 @@ def generate(
     forward makes it final, then ``end()``; like HF's streamers, batch 1 only (TextStreamer raises for more).
     """
     try:
+        if isinstance(generation_config, dict):
+            generation_config = GenerationConfig(**generation_config)
+        elif generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            raise TypeError(
+                f"generation_config must be a GenerationConfig or a dict of its fields, got "
+                f"{type(generation_config).__name__}"
+            )
         out = _generate(model, inputs, generation_config, streamer, kwargs)
     except BaseException as e:
         if streamer is not None:  # also on an error (a refused option too): a consumer must not wait forever
@@ -290,7 +323,20 @@ def _generate(model, inputs, generation_config, streamer, kwargs: dict):
         # 1-D, as HF's generate puts each step's tokens: streamers that iterate value.tolist() (transformers
         # serve's) then get token ids; TextStreamer takes either shape.
         on_final = lambda b, ids: streamer.put(torch.tensor(ids, dtype=torch.long))  # noqa: E731
-    out = sbd_generate(model, input_ids, attention_mask, return_trace=False, on_final_tokens=on_final, **fields)
+    if attention_mask is None:
+        attention_mask = _inferred_attention_mask(input_ids, gc)
+    try:
+        out = sbd_generate(model, input_ids, attention_mask, return_trace=False, on_final_tokens=on_final, **fields)
+    except ValueError as e:
+        if "pass strict_block_size=False" not in str(e):
+            raise
+        # model.generate's name for it: a keyword or a generation-config field
+        raise ValueError(
+            str(e).replace(
+                "pass strict_block_size=False",
+                "pass sbd_strict_block_size=False (a generate keyword or generation-config field)",
+            )
+        ) from e
     sequences = _hf_sequences(input_ids, out, _pad_id(model, fields))
     if not return_dict:
         return sequences
