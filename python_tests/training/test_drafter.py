@@ -1,0 +1,221 @@
+"""The gated drafter (sbd_ext.drafter): the base's computation on every clean row, exactly; the adapter on the
+set-block rows only; the two-phase distillation loss against a one-forward reference; the artifact."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sbd_models import MASK_ID, VOCAB, random_prompts, single_thread, tiny_llama  # noqa: F401
+
+import sbd_ext
+from sbd_ext import drafter
+from sbd_ext.cache import SBDCache
+from sbd_ext.training.mask import sbd_attention_mask
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _with_drafter(seed: int = 0, rank: int = 4, std: float = 0.3, **kw):
+    """(base, model): a tiny Llama and a copy with a gated drafter whose factors are random and large enough to
+    change every block row's output."""
+    base = tiny_llama(seed=seed, block_size_range=(2, 8), **kw)
+    model = copy.deepcopy(base)
+    params = drafter.attach(model, MASK_ID, rank=rank)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return base, model
+
+
+def test_clean_rows_equal_the_base_and_block_rows_differ():
+    base, model = _with_drafter()
+    ids, _ = random_prompts([9, 9], seed=3)
+    block = torch.full((2, 4), MASK_ID)
+    block[0, 1] = 5  # a revealed-but-uncommitted token
+    x = torch.cat([ids, block], 1)
+    pos = torch.arange(x.shape[1]).expand(2, -1)
+    outs = []
+    for m in (base, model):
+        cache = SBDCache(m.config, 2, 32, torch.float32, "cpu")
+        with torch.no_grad(), cache.forward_plan([9, 9], [13, 13]) as plan:
+            outs.append(m(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, sbd_plan=plan).logits)
+    ref, got = outs
+    # the committed rows: the base's logits over the original vocabulary (the mask column aside), to fp32 rounding
+    keep = torch.arange(VOCAB) != MASK_ID
+    torch.testing.assert_close(got[:, :9][..., keep], ref[:, :9][..., keep], rtol=1e-5, atol=1e-5)
+    assert (got[:, 9:] - ref[:, 9:]).abs().max() > 1e-2  # the adapter acts on the block rows
+    # a forward with no plan (plain HF use) is the base on every row
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits[..., keep], base(x).logits[..., keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ntp_and_verify_equal_the_unmodified_base(temperature):
+    base, model = _with_drafter(seed=2)
+    ids, att = random_prompts([7, 11, 4], seed=5)
+    kw = dict(max_new_tokens=20, temperature=temperature, seed=11)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", **kw)
+    for out in (
+        sbd_ext.generate(model, ids, att, mode="ntp", **kw),
+        sbd_ext.generate(model, ids, att, block_size=4, verify=True, **kw),
+    ):
+        assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_distill_loss_matches_the_one_forward_reference():
+    """Two phases (clean half without autograd, noisy half with the adapter on the clean K/V) == one forward over the
+    2L input with the gate 0 on the clean half and 1 on the noisy half, KL computed here in float64."""
+    _, model = _with_drafter(seed=4, attn="sdpa")
+    B, L, k = 3, 12, 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, MASK_ID, (B, L), generator=g)
+    att = torch.ones(B, L, dtype=torch.long)
+    att[2, 9:] = 0  # right padding
+    lm = torch.zeros(B, L, dtype=torch.bool)
+    lm[:, 3:] = True
+    loss = drafter.distill_loss(model, x, lm, k, attention_mask=att, generator=torch.Generator().manual_seed(7))
+
+    # the reference: the same draws, one 2L forward
+    gen = torch.Generator().manual_seed(7)
+    eta = torch.rand(B, 1, generator=gen)
+    noise = torch.rand(B, L, generator=gen)
+    lengths = att.sum(1)
+    pos = torch.arange(L).expand(B, L)
+    masked = (noise < eta) & (pos < lengths.view(B, 1))
+    noisy = torch.where(masked, torch.full_like(x, MASK_ID), x)
+    inp = torch.cat([x, noisy], 1)
+    mask = sbd_attention_mask(L, k, lengths, mask_format="bool")
+    holder = drafter.get_drafter(model).holder
+    holder.gate = torch.cat([torch.zeros(B, L, 1), torch.ones(B, L, 1)], 1)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=inp, position_ids=torch.cat([pos, pos], 1), attention_mask=mask).logits.double()
+    finally:
+        holder.gate = None
+    logits[..., MASK_ID] = -math.inf
+    sel = masked & lm & (pos >= 1)
+    b, t = sel.nonzero(as_tuple=True)
+    logp = F.log_softmax(logits[b, t - 1], -1)  # clean row t-1: the base's next-token distribution at t
+    logq = F.log_softmax(logits[b, L + t], -1)
+    kl = (logp.exp() * (logp - logq)).nan_to_num(0.0).sum(-1).mean()
+    assert sel.sum() > 5
+    torch.testing.assert_close(loss.double(), kl, rtol=1e-4, atol=1e-5)
+
+
+def test_distill_training_moves_only_the_drafter_and_lowers_the_loss():
+    base = tiny_llama(seed=6, attn="sdpa", lm_scale=1.0)
+    model = copy.deepcopy(base)
+    params = drafter.attach(model, MASK_ID, rank=4)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n or "mask_row" in n for n in names)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MASK_ID, (4, 16), generator=g)
+    lm = torch.ones_like(x, dtype=torch.bool)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(25):
+        loss = drafter.distill_loss(model, x, lm, 4, generator=torch.Generator().manual_seed(3))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    frozen = {n: p for n, p in model.named_parameters() if n not in names}
+    for n, p in base.named_parameters():
+        key = n if n in frozen else n.replace("_proj.", "_proj.base.")
+        assert torch.equal(frozen[key], p), n
+
+
+def test_artifact_round_trip_and_refusals(tmp_path):
+    base, model = _with_drafter(seed=8)
+    sbd = {
+        "base_loader": "sbd_ext.recipes.smollm2.checkpoint:load_base",
+        "sbd_block_size_range": [2, 8],
+        "generation": {"sbd_block_size": 4},
+    }
+    drafter.save_drafter(model, tmp_path / "d", sbd)
+    assert drafter.is_drafter(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / drafter.CONFIG_FILE).read_text())
+    assert cfg["peft_type"] == drafter.PEFT_TYPE and cfg["r"] == 4 and cfg["sbd"]["gated"] is True
+    fresh = copy.deepcopy(base)
+    drafter.load_weights(fresh, tmp_path / "d")
+    ids, att = random_prompts([6, 9], seed=9)
+    a = sbd_ext.generate(model, ids, att, block_size=4, max_new_tokens=12)
+    b = sbd_ext.generate(fresh, ids, att, block_size=4, max_new_tokens=12)
+    assert torch.equal(a.sequences, b.sequences)
+
+    def broken(edit_cfg=None, edit_tensors=None):
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        drafter.save_drafter(model, d, sbd)
+        if edit_cfg:
+            c = json.loads((d / drafter.CONFIG_FILE).read_text())
+            edit_cfg(c)
+            (d / drafter.CONFIG_FILE).write_text(json.dumps(c))
+        if edit_tensors:
+            from safetensors.torch import load_file, save_file
+
+            t = load_file(d / drafter.WEIGHTS_FILE)
+            edit_tensors(t)
+            save_file(t, d / drafter.WEIGHTS_FILE)
+        return d
+
+    cases = [
+        (broken(lambda c: c.update(r=2)), "r"),
+        (broken(lambda c: c.update(r=0)), "'r'"),
+        (broken(lambda c: c.update(lora_alpha=float("nan"))), "lora_alpha"),
+        (broken(lambda c: c["sbd"].pop("sbd_block_size_range")), "sbd_block_size_range"),
+        (broken(lambda c: c["sbd"].update(mask_token_id=10**6)), "mask_token_id"),
+        (broken(edit_tensors=lambda t: t.pop(next(k for k in t if k.endswith("lora_B.weight")))), "missing"),
+        (broken(edit_tensors=lambda t: t.update({k: t[k] * float("nan") for k in list(t)[:1]})), "NaN"),
+        (broken(edit_tensors=lambda t: t.pop("sbd_mask_row")), "sbd_mask_row"),
+    ]
+    for folder, word in cases:
+        with pytest.raises(ValueError, match=word):
+            drafter.load_weights(copy.deepcopy(base), folder)
+    bad = broken(lambda c: c["sbd"].update(base_loader="sbd_ext.demo.__main__:main"))
+    with pytest.raises(ValueError, match="base_loader"):
+        drafter.load_drafter(bad)
+
+
+def test_no_second_drafter_and_no_ungated_peft_load(tmp_path):
+    _, model = _with_drafter()
+    with pytest.raises(ValueError, match="already"):
+        drafter.attach(model, MASK_ID)
+    drafter.save_drafter(model, tmp_path, {"sbd_block_size_range": [2, 8]})
+    cfg = json.loads((tmp_path / drafter.CONFIG_FILE).read_text())
+    assert cfg["peft_type"] not in ("LORA", "ALORA")  # a plain PeftModel would apply it to every row
+
+
+def test_training_prompts_are_disjoint_from_the_held_out_prompts():
+    from sbd_ext.recipes.smollm2 import prompts
+
+    held = prompts.eval_prompts()
+    assert len(held) >= 50 and len({p["kind"] for p in held}) >= 8
+    train = prompts.training_prompts(3000)
+    assert len(set(train)) == 3000
+    assert not {p.lower() for p in train} & {p["text"].lower() for p in held}
+    assert prompts.training_prompts(50, seed=1) == prompts.training_prompts(50, seed=1)
+
+
+@pytest.mark.slow
+def test_compiled_step_gates_like_eager():
+    """The compiled step (fullgraph) reads the gate from the plan as eager does: verify equals the base, plain SBD
+    equals eager plain SBD token for token (the drafter changes the block rows)."""
+    base, model = _with_drafter(seed=10)
+    ids, att = random_prompts([5, 8], seed=12)
+    kw = dict(max_new_tokens=16, block_size=4)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", max_new_tokens=16)
+    eager = sbd_ext.generate(model, ids, att, **kw)
+    base_sbd = sbd_ext.generate(base, ids, att, **kw)
+    assert not torch.equal(eager.sequences, base_sbd.sequences)  # the drafter drafts differently from the base
+    torch._dynamo.reset()
+    comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
+    assert torch.equal(comp.sequences, eager.sequences)
+    ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
+    assert torch.equal(ver.sequences, ref.sequences)

