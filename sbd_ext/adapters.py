@@ -26,7 +26,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +49,20 @@ __all__ = [
     "read_artifact_config",
     "is_artifact",
     "load_artifact",
+    "ArtifactError",
+    "Field",
+    "SBD_CONFIG_FIELDS",
+    "KNOWN_BASE_LOADERS",
+    "register_base_loader",
+    "read_json_config",
+    "check_config",
+    "load_tensor_file",
+    "lora_pairs",
+    "check_lora_factors",
+    "check_finite",
+    "check_mask_rows",
+    "check_token_id",
+    "resolve_base_loader",
 ]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -216,6 +232,297 @@ def _changed_tensors(model: nn.Module, method: str) -> dict[str, torch.Tensor]:
     }
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Validation of artifacts: reusable for every artifact format (this module's, a peft-style drafter's). Each check
+# raises ArtifactError naming the file and the field or tensor; nothing is written into a model before every check
+# of an artifact has passed.
+# ------------------------------------------------------------------------------------------------------------
+class ArtifactError(ValueError):
+    """A malformed artifact, or one naming a base loader that is not trusted: the message names the file and the
+    field or tensor."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """What one field of a JSON config must be, for :func:`check_config`.
+
+    kind: "int" (minimum: the least value), "number" (finite), "str", "choice" (one of ``choices``), "range" (two
+    ints ``[lo, hi]``, ``minimum <= lo <= hi``), "dict", "str_list", "loader" (``"module:function"``)."""
+
+    kind: str
+    required: bool = True
+    minimum: float | None = None
+    choices: tuple = ()
+
+
+# sbd_config.json (this module's artifact). rank and alpha are required for method "lora" (check_config's
+# ``required_if``); sbd_block_size_range and base_loader by load_artifact.
+SBD_CONFIG_FIELDS: dict[str, Field] = {
+    "method": Field("choice", choices=METHODS),
+    "mask_token_id": Field("int", minimum=0),
+    "rank": Field("int", required=False, minimum=1),
+    "alpha": Field("number", required=False),
+    "targets": Field("str_list", required=False),
+    "sbd_block_size_range": Field("range", required=False, minimum=1),
+    "base_loader": Field("loader", required=False),
+    "generation": Field("dict", required=False),
+}
+
+_LOADER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_field(value, name: str, spec: Field, where: str):
+    bad = f"{where}: field {name!r}"
+    if spec.kind == "int":
+        if not _is_int(value) or (spec.minimum is not None and value < spec.minimum):
+            at_least = f" >= {int(spec.minimum)}" if spec.minimum is not None else ""
+            raise ArtifactError(f"{bad} must be an integer{at_least}, got {value!r}")
+    elif spec.kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ArtifactError(f"{bad} must be a finite number, got {value!r}")
+    elif spec.kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ArtifactError(f"{bad} must be a non-empty string, got {value!r}")
+    elif spec.kind == "choice":
+        if value not in spec.choices:
+            raise ArtifactError(f"{bad} must be one of {list(spec.choices)}, got {value!r}")
+    elif spec.kind == "range":
+        lo_min = int(spec.minimum) if spec.minimum is not None else 0
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(_is_int(v) for v in value)
+            or not lo_min <= value[0] <= value[1]
+        ):
+            raise ArtifactError(f"{bad} must be [lo, hi], integers with {lo_min} <= lo <= hi, got {value!r}")
+    elif spec.kind == "dict":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ArtifactError(f"{bad} must be a JSON object, got {value!r}")
+    elif spec.kind == "str_list":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ArtifactError(f"{bad} must be a list of strings, got {value!r}")
+    elif spec.kind == "loader":
+        if not isinstance(value, str) or not _LOADER_RE.match(value):
+            raise ArtifactError(f"{bad} must be 'module:function', got {value!r}")
+    else:  # pragma: no cover - a programming error in a spec
+        raise ValueError(f"unknown field kind {spec.kind!r}")
+
+
+def check_config(
+    cfg, path: str | Path, fields: Mapping[str, Field], required_if: Mapping[str, Iterable[str]] = ()
+) -> dict:
+    """Check a loaded JSON config field by field against ``fields``; ``required_if`` maps ``"field=value"`` to the
+    fields that value makes required (e.g. ``{"method=lora": ("rank", "alpha")}``). Returns ``cfg``. Raises
+    :class:`ArtifactError` naming ``path`` and the field: a missing required field, a value of the wrong type or
+    range. Fields not in ``fields`` are left alone."""
+    if not isinstance(cfg, dict):
+        raise ArtifactError(f"{path}: must hold a JSON object, got a JSON {type(cfg).__name__}")
+    required = {name for name, spec in fields.items() if spec.required}
+    for cond, names in dict(required_if).items():
+        key, _, val = cond.partition("=")
+        if str(cfg.get(key)) == val:
+            required.update(names)
+    for name in sorted(required):
+        if name not in cfg:
+            raise ArtifactError(f"{path}: field {name!r} is missing")
+    for name, spec in fields.items():
+        if name in cfg:
+            _check_field(cfg[name], name, spec, str(path))
+    return cfg
+
+
+def read_json_config(path: str | Path, what: str = "an SBD artifact folder") -> dict:
+    """A JSON object from ``path``: FileNotFoundError when absent, :class:`ArtifactError` (naming the file) when it
+    is not JSON or not an object."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path.parent} is not {what}: {path.name} is missing") from None
+    try:
+        cfg = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ArtifactError(f"{path}: must hold a JSON object, got a JSON {type(cfg).__name__}")
+    return cfg
+
+
+def load_tensor_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file: FileNotFoundError naming it when absent, :class:`ArtifactError` naming it
+    when it cannot be read (truncated, not safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent}: {path.name} is missing")
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors' SafetensorError (truncated / corrupt header), an OS error while reading
+        raise ArtifactError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def lora_pairs(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, a_suffix: str = ".lora_A", b_suffix: str = ".lora_B"
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (A, B)}`` from tensors named ``<layer><a_suffix>`` / ``<layer><b_suffix>`` (this module's
+    ``.lora_A``; peft's ``.lora_A.weight``). Raises :class:`ArtifactError` naming ``path`` and the tensor for a
+    name of neither form or a layer with one factor only."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        for part, suffix in (("A", a_suffix), ("B", b_suffix)):
+            if key.endswith(suffix):
+                out.setdefault(key[: -len(suffix)], {})[part] = t
+                break
+        else:
+            raise ArtifactError(f"{path}: tensor {key!r} is neither a {a_suffix} nor a {b_suffix} LoRA factor")
+    for layer, parts in out.items():
+        for part, suffix in (("A", a_suffix), ("B", b_suffix)):
+            if part not in parts:
+                raise ArtifactError(f"{path}: layer {layer!r} has no {layer + suffix} tensor")
+    if not out:
+        raise ArtifactError(f"{path}: holds no LoRA factors")
+    return {layer: (parts["A"], parts["B"]) for layer, parts in sorted(out.items())}
+
+
+def check_lora_factors(
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    path: str | Path,
+    rank: int | None = None,
+    rank_field: str = "rank",
+    config_path: str | Path | None = None,
+    suffixes: tuple[str, str] = (".lora_A", ".lora_B"),
+) -> int:
+    """Check LoRA factor pairs (A [r, in], B [out, r]): 2-D, the same r in A and B and across every layer, equal to
+    the config's ``rank`` when given, every value finite. Returns r. :class:`ArtifactError` names the file and the
+    tensor (``<layer><suffix>``; or the config file and its ``rank_field``)."""
+    ranks: dict[int, str] = {}
+    for layer, (a, b) in pairs.items():
+        if a.dim() != 2 or b.dim() != 2:
+            raise ArtifactError(
+                f"{path}: layer {layer!r}: LoRA factors must be 2-D (A [r, in], B [out, r]), got A "
+                f"{tuple(a.shape)}, B {tuple(b.shape)}"
+            )
+        if a.shape[0] != b.shape[1] or a.shape[0] < 1:
+            raise ArtifactError(
+                f"{path}: layer {layer!r}: A {tuple(a.shape)} and B {tuple(b.shape)} do not share a rank >= 1 "
+                "(A [r, in], B [out, r])"
+            )
+        ranks.setdefault(int(a.shape[0]), layer)
+    if len(ranks) > 1:
+        seen = ", ".join(f"{r} ({layer})" for r, layer in ranks.items())
+        raise ArtifactError(f"{path}: the LoRA layers have different ranks: {seen}")
+    (r,) = ranks
+    if rank is not None and r != rank:
+        raise ArtifactError(
+            f"{config_path or path}: field {rank_field!r} is {rank}, but the LoRA factors in {path} have rank {r}"
+        )
+    check_finite({layer + suffixes[0]: a for layer, (a, _) in pairs.items()}, path)
+    check_finite({layer + suffixes[1]: b for layer, (_, b) in pairs.items()}, path)
+    return r
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    """Every value of every tensor finite (no NaN / inf), else :class:`ArtifactError` naming the file and tensor."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ArtifactError(f"{path}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_mask_rows(
+    rows: Mapping[str, torch.Tensor], path: str | Path, hidden: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The mask row file's tensors: ``mask_row`` (required) and ``mask_out_row`` (optional), each 1-D [hidden] and
+    finite; no other tensor. Returns ``rows``; :class:`ArtifactError` names the file and the tensor."""
+    unknown = sorted(set(rows) - {"mask_row", "mask_out_row"})
+    if unknown:
+        raise ArtifactError(f"{path}: unexpected tensor(s) {unknown}; expected 'mask_row' (and 'mask_out_row')")
+    if "mask_row" not in rows:
+        raise ArtifactError(f"{path}: tensor 'mask_row' is missing")
+    for name, t in rows.items():
+        if t.dim() != 1 or (hidden is not None and t.shape[0] != hidden):
+            want = f"[{hidden}] (the model's hidden size)" if hidden is not None else "1-D"
+            raise ArtifactError(f"{path}: tensor {name!r} must be {want}, got shape {tuple(t.shape)}")
+    check_finite(rows, path)
+    return dict(rows)
+
+
+def check_token_id(token_id: int, vocab: int, path: str | Path, field: str = "mask_token_id") -> int:
+    """``token_id`` in [0, vocab), else :class:`ArtifactError` naming the file and field."""
+    if not _is_int(token_id) or not 0 <= token_id < vocab:
+        raise ArtifactError(
+            f"{path}: field {field!r} is {token_id!r}, outside the model's vocabulary (ids 0..{vocab - 1})"
+        )
+    return token_id
+
+
+# The base loaders an artifact may name without the user's opt-in: sbd_ext's own (the SmolLM2 recipe's base). A
+# loader is code that runs on load; any other one needs load_artifact(..., trust_base_loader=True) or
+# register_base_loader(name) by the program that loads the artifact.
+KNOWN_BASE_LOADERS: set[str] = {"sbd_ext.recipes.smollm2.checkpoint:load_base"}
+
+
+def register_base_loader(name: str) -> None:
+    """Allow artifacts to name the base loader ``"module:function"`` (as :data:`KNOWN_BASE_LOADERS`)."""
+    _check_field(name, "base_loader", Field("loader"), "register_base_loader")
+    KNOWN_BASE_LOADERS.add(name)
+
+
+def resolve_base_loader(name: str, path: str | Path, trust: bool = False) -> Callable:
+    """The function a ``"module:function"`` base loader names, imported only if it is known
+    (:data:`KNOWN_BASE_LOADERS`) or ``trust`` is set; a ``__main__`` module (whose import runs a program) is never
+    imported. :class:`ArtifactError` names the file and the loader; an import that fails (or exits) is one too."""
+    _check_field(name, "base_loader", Field("loader"), str(path))
+    module, _, func = name.partition(":")
+    if module == "__main__" or module.endswith(".__main__"):
+        raise ArtifactError(
+            f"{path}: field 'base_loader' names {name!r}, a __main__ module (importing it runs a program); refusing"
+        )
+    if name not in KNOWN_BASE_LOADERS and not trust:
+        raise ArtifactError(
+            f"{path}: field 'base_loader' names {name!r}, which is not a known base loader "
+            f"({', '.join(sorted(KNOWN_BASE_LOADERS))}); importing it would run its code. If you trust this "
+            "artifact, pass trust_base_loader=True to load_artifact (or call "
+            "sbd_ext.adapters.register_base_loader with its name)"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (Exception, SystemExit) as e:  # SystemExit: a module that exits on import must not end the caller
+        raise ArtifactError(
+            f"{path}: field 'base_loader' {name!r} cannot be imported ({type(e).__name__}: {e})"
+        ) from None
+    if not callable(fn):
+        raise ArtifactError(f"{path}: field 'base_loader' {name!r} is not a function")
+    return fn
+
+
+def _model_hidden_and_vocab(model: nn.Module) -> tuple[int, int]:
+    emb = model.get_input_embeddings().weight
+    return int(emb.shape[1]), int(emb.shape[0])
+
+
+def _check_artifact_tensors(
+    model: nn.Module, folder: Path, meta: dict, tensors: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]
+) -> dict | None:
+    """Every check of an artifact's tensors against ``meta`` and ``model`` before anything is written: LoRA
+    factors (pairs, ranks equal to the config's, finite) or changed tensors (finite), the mask rows (shape [H],
+    finite), the mask id within the vocabulary. Returns the LoRA pairs (None for attn / full)."""
+    hidden, vocab = _model_hidden_and_vocab(model)
+    check_token_id(meta["mask_token_id"], vocab, folder / CONFIG_FILE)
+    check_mask_rows(rows, folder / MASK_ROW_FILE, hidden)
+    if meta["method"] != "lora":
+        check_finite(tensors, folder / ADAPTER_FILE)
+        return None
+    pairs = lora_pairs(tensors, folder / ADAPTER_FILE)
+    check_lora_factors(pairs, folder / ADAPTER_FILE, rank=meta["rank"], config_path=folder / CONFIG_FILE)
+    return pairs
+
+
 def save_artifact(model: nn.Module, mask_row: MaskRow, method: str, folder: str | Path, config: dict) -> int:
     """Write the compact artifact of a prepared (not yet merged) model into ``folder``; returns its size in bytes.
 
@@ -242,73 +549,87 @@ def save_artifact(model: nn.Module, mask_row: MaskRow, method: str, folder: str 
 def load_trainable(model: nn.Module, mask_row: MaskRow, folder: str | Path) -> dict:
     """Start a prepared model (:func:`prepare`, not merged) from an artifact of the same method and shape, to
     continue a conversion: the LoRA factors (or the changed tensors) and the mask row(s) copied into the trainable
-    parameters. Returns the artifact's config."""
-    from safetensors.torch import load_file
-
+    parameters. Returns the artifact's config. Every check passes before anything is copied."""
     folder = Path(folder)
     meta = read_artifact_config(folder)
-    tensors = load_file(folder / ADAPTER_FILE)
-    if meta["method"] == "lora":
+    tensors = load_tensor_file(folder / ADAPTER_FILE)
+    rows = load_tensor_file(folder / MASK_ROW_FILE)
+    pairs = _check_artifact_tensors(model, folder, meta, tensors, rows)
+    if meta["mask_token_id"] != mask_row.mask_token_id:
+        raise ArtifactError(
+            f"{folder / CONFIG_FILE}: field 'mask_token_id' is {meta['mask_token_id']}, the prepared model's mask "
+            f"token is {mask_row.mask_token_id}"
+        )
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if pairs is not None:
         loras = dict(_lora_modules(model))
         if not loras:
             raise ValueError(f"{folder}: a LoRA artifact, but the model has no LoRA adapters (prepare it with 'lora')")
-        names = sorted({k.rsplit(".", 1)[0] for k in tensors})
-        if set(names) != set(loras):
-            raise ValueError(f"{folder}: the artifact adapts {len(names)} layers, the model {len(loras)}")
-        for name in names:
+        if set(pairs) != set(loras):
+            raise ValueError(f"{folder}: the artifact adapts {len(pairs)} layers, the model {len(loras)}")
+        for name, (a, b) in pairs.items():
             lora = loras[name]
             if float(meta["alpha"]) / int(meta["rank"]) != lora.scale:
                 raise ValueError(f"{folder}: LoRA scale {meta['alpha']}/{meta['rank']} differs from the model's")
-            for part in ("lora_A", "lora_B"):
-                dst, src = getattr(lora, part), tensors[f"{name}.{part}"]
+            for part, src in (("lora_A", a), ("lora_B", b)):
+                dst = getattr(lora, part)
                 if dst.shape != src.shape:
                     raise ValueError(f"{folder}: {name}.{part} is {tuple(src.shape)}, the model's {tuple(dst.shape)}")
-                dst.copy_(src.to(dst.dtype))
+                copies.append((dst, src))
     else:
         params = dict(model.named_parameters())
         for name, value in tensors.items():
             if name not in params or params[name].shape != value.shape or not params[name].requires_grad:
                 raise ValueError(f"{folder}: tensor {name} {tuple(value.shape)} is not a trainable tensor of the model")
-            params[name].copy_(value.to(params[name].dtype))
-    mask_row.load(load_file(folder / MASK_ROW_FILE))
+            copies.append((params[name], value))
+    for dst, src in copies:
+        dst.copy_(src.to(dst.dtype))
+    mask_row.load(rows)
     return meta
 
 
 def read_artifact_config(folder: str | Path) -> dict:
+    """The artifact's ``sbd_config.json``, checked field by field (:data:`SBD_CONFIG_FIELDS`; rank and alpha for a
+    LoRA artifact): FileNotFoundError when absent, :class:`ArtifactError` naming the file and field otherwise."""
     path = Path(folder) / CONFIG_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{folder} is not an SBD artifact folder: {CONFIG_FILE} is missing") from None
+    cfg = read_json_config(path)
+    return check_config(cfg, path, SBD_CONFIG_FIELDS, {"method=lora": ("rank", "alpha")})
 
 
 @torch.no_grad()
 def apply_artifact(model: nn.Module, folder: str | Path) -> dict:
     """Apply an artifact written by :func:`save_artifact` to the base ``model`` (whose vocabulary already holds the
-    mask token), in place: adapters merged into the weights, the mask row written. Returns its config."""
-    from safetensors.torch import load_file
-
+    mask token), in place: adapters merged into the weights, the mask row written. Returns its config. Every check
+    (config fields, tensors, shapes against the model) passes before the model is changed."""
     folder = Path(folder)
     meta = read_artifact_config(folder)
-    tensors = load_file(folder / ADAPTER_FILE)
+    tensors = load_tensor_file(folder / ADAPTER_FILE)
+    rows = load_tensor_file(folder / MASK_ROW_FILE)
+    pairs = _check_artifact_tensors(model, folder, meta, tensors, rows)
     params = dict(model.named_parameters())
-    if meta["method"] == "lora":
+    updates: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (weight, value, add)
+    if pairs is not None:
         scale = float(meta["alpha"]) / int(meta["rank"])
-        names = sorted({k.rsplit(".", 1)[0] for k in tensors})
-        for name in names:
+        for name, (a, b) in pairs.items():
             weight = params.get(f"{name}.weight")
             if weight is None:
                 raise ValueError(f"{folder}: the adapter names {name}, which the model does not have")
-            delta = tensors[f"{name}.lora_B"].float() @ tensors[f"{name}.lora_A"].float()
-            if delta.shape != weight.shape:
-                raise ValueError(f"{folder}: adapter {name} is {tuple(delta.shape)}, the weight {tuple(weight.shape)}")
-            weight += (delta * scale).to(weight.dtype)
+            if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise ValueError(
+                    f"{folder}: adapter {name} is {(b.shape[0], a.shape[1])}, the weight {tuple(weight.shape)}"
+                )
+            updates.append((weight, (b.float() @ a.float()) * scale, True))
     else:
         for name, value in tensors.items():
             if name not in params or params[name].shape != value.shape:
                 raise ValueError(f"{folder}: tensor {name} {tuple(value.shape)} does not fit the model")
-            params[name].copy_(value.to(params[name].dtype))
-    _write_mask_row(model, int(meta["mask_token_id"]), load_file(folder / MASK_ROW_FILE))
+            updates.append((params[name], value, False))
+    for weight, value, add in updates:
+        if add:
+            weight += value.to(weight.dtype)
+        else:
+            weight.copy_(value.to(weight.dtype))
+    _write_mask_row(model, int(meta["mask_token_id"]), rows)
     return meta
 
 
@@ -323,19 +644,25 @@ def load_artifact(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sbd",
     device: str | torch.device | None = None,
+    trust_base_loader: bool = False,
 ):
     """``(model, tokenizer)``: the base model the artifact names (its ``base_loader``), the artifact applied, the
     SBD metadata set, its recommended decoding settings (``generation``: ``sbd_block_size``, ``sbd_sampler``,
     ``sbd_threshold``, ...) on ``model.generation_config``, in eval mode. The base loader may need packages the
-    artifact's recipe needs (it says which)."""
+    artifact's recipe needs (it says which).
+
+    The base loader is code: it is imported only if it is a known loader (:data:`KNOWN_BASE_LOADERS`) or
+    ``trust_base_loader=True``, and never from a ``__main__`` module. Every malformed field or tensor is an
+    :class:`ArtifactError` naming the file and the field."""
+    folder = Path(folder)
     meta = read_artifact_config(folder)
-    base = meta.get("base_loader")
-    if not base or ":" not in base:
-        raise ValueError(f"{folder}: {CONFIG_FILE} names no base loader ('base_loader': 'module:function')")
-    module, _, func = base.partition(":")
-    if not module.startswith("sbd_ext."):
-        raise ValueError(f"{folder}: base loader {base!r} is not part of sbd_ext; refusing to import it")
-    model, tok = getattr(importlib.import_module(module), func)(attn_implementation=attn_implementation)
+    cfg_path = folder / CONFIG_FILE
+    check_config(meta, cfg_path, {"base_loader": Field("loader"), "sbd_block_size_range": Field("range", minimum=1)})
+    loader = resolve_base_loader(meta["base_loader"], cfg_path, trust=trust_base_loader)
+    try:
+        model, tok = loader(attn_implementation=attn_implementation)
+    except SystemExit as e:  # a loader that exits must not end the caller
+        raise ArtifactError(f"{cfg_path}: base loader {meta['base_loader']!r} exited ({e})") from None
     apply_artifact(model, folder)
     set_sbd_metadata(model, int(meta["mask_token_id"]), tuple(meta["sbd_block_size_range"]))
     for key, value in meta.get("generation", {}).items():  # the recommended SBD settings: sbd_block_size, ...

@@ -4,6 +4,7 @@ into its weights by hand, not against the adapter code itself."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from sbd_models import tiny_llama
 from transformers import LlamaForCausalLM
 
+import sbd_ext.metadata
 from sbd_ext import adapters
 from sbd_ext.training import sbd_loss, train_loop
 
@@ -141,12 +143,238 @@ def test_bad_arguments_and_artifacts(tmp_path):
         adapters.read_artifact_config(tmp_path)
     model = tiny(True)
     mask_row, _ = adapters.prepare(model, MASK, "lora", rank=4)
-    adapters.save_artifact(model, mask_row, "lora", tmp_path / "a", {"base_loader": "os:system"})
-    with pytest.raises(ValueError, match="not part of sbd_ext"):
+    adapters.save_artifact(
+        model, mask_row, "lora", tmp_path / "a", {"base_loader": "os:system", "sbd_block_size_range": [2, 8]}
+    )
+    with pytest.raises(ValueError, match="'os:system', which is not a known base loader"):
         adapters.load_artifact(tmp_path / "a")
     other = tiny_llama(vocab=V, hidden=48, intermediate=64, mask_id=None, init_range=0.02, lm_scale=1.0)
-    with pytest.raises(ValueError, match="adapter"):
+    with pytest.raises(ValueError, match=r"mask_row.safetensors: tensor 'mask_row' must be \[48\]"):
         adapters.apply_artifact(other, tmp_path / "a")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Malformed and untrusted artifacts (issue 35, items 10, 11, 13): an error naming the file and the field or tensor,
+# before the model is changed; never a silent load, a KeyError, a ZeroDivisionError or a program run on import.
+# ------------------------------------------------------------------------------------------------------------
+def _artifact(tmp_path, method="lora", rank=4, tie=True, **config):
+    model = tiny(tie)
+    mask_row, params = adapters.prepare(model, MASK, method, rank=rank)
+    _perturb(params)
+    folder = tmp_path / "a"
+    adapters.save_artifact(model, mask_row, method, folder, {"sbd_block_size_range": [2, 8], **config})
+    return folder
+
+
+def _edit_config(folder, **changes):
+    cfg = json.loads((folder / adapters.CONFIG_FILE).read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (folder / adapters.CONFIG_FILE).write_text(json.dumps(cfg))
+
+
+def _edit_tensors(folder, file, fn):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / file)
+    fn(tensors)
+    save_file(tensors, folder / file)
+
+
+_DROP = object()
+
+
+def _first(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix))
+
+
+def _assert_untouched(model, ref):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(p, q), f"{n} was changed by a refused artifact"
+
+
+def test_config_rank_must_match_the_factors(tmp_path):
+    """sbd_config.json says rank 4 over rank-8 factors (item 10): refused, naming the file and the field (it
+    loaded with the JSON's scale alpha / 4 before)."""
+    folder = _artifact(tmp_path, rank=8)
+    _edit_config(folder, rank=4)
+    model, ref = tiny(True), tiny(True)
+    with pytest.raises(
+        adapters.ArtifactError, match=r"sbd_config.json: field 'rank' is 4, but the LoRA factors .*rank 8"
+    ):
+        adapters.apply_artifact(model, folder)
+    _assert_untouched(model, ref)
+
+
+@pytest.mark.parametrize(
+    "file, edit, match",
+    [
+        ("adapter", lambda t: t[_first(t, ".lora_A")].__setitem__((0, 0), float("nan")), r"lora_A' holds 1 non-finite"),
+        ("adapter", lambda t: t[_first(t, ".lora_B")].__setitem__((1, 1), float("inf")), r"lora_B' holds 1 non-finite"),
+        ("mask_row", lambda t: t["mask_row"].__setitem__(3, float("nan")), r"mask_row.safetensors: tensor 'mask_row'"),
+        ("config", {"alpha": float("nan")}, r"sbd_config.json: field 'alpha' must be a finite number"),
+        ("config", {"alpha": float("inf")}, r"sbd_config.json: field 'alpha' must be a finite number"),
+    ],
+)
+def test_non_finite_artifacts_are_refused_at_load(tmp_path, file, edit, match):
+    """NaN / inf factors, alpha or mask row (item 10): refused when loaded, not found later by decoding."""
+    folder = _artifact(tmp_path)
+    if file == "config":
+        _edit_config(folder, **edit)
+    else:
+        _edit_tensors(folder, adapters.ADAPTER_FILE if file == "adapter" else adapters.MASK_ROW_FILE, edit)
+    model, ref = tiny(True), tiny(True)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.apply_artifact(model, folder)
+    _assert_untouched(model, ref)
+    fresh = tiny(True)
+    row, _ = adapters.prepare(fresh, MASK, "lora", rank=4)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.load_trainable(fresh, row, folder)
+
+
+def _drop_b(t):
+    del t[_first(t, ".lora_B")]
+
+
+def _rank_differs(t):
+    k = _first(t, ".lora_A")
+    t[k] = t[k][:2].contiguous()
+    kb = k[: -len(".lora_A")] + ".lora_B"
+    t[kb] = t[kb][:, :2].contiguous()
+
+
+@pytest.mark.parametrize(
+    "kind, edit, match",
+    [
+        ("config", {"rank": _DROP}, r"sbd_config.json: field 'rank' is missing"),
+        ("config", {"rank": 0}, r"sbd_config.json: field 'rank' must be an integer >= 1, got 0"),
+        ("config", {"rank": "4"}, r"field 'rank' must be an integer >= 1, got '4'"),
+        ("config", {"alpha": _DROP}, r"field 'alpha' is missing"),
+        ("config", {"method": "qlora"}, r"field 'method' must be one of"),
+        ("config", {"method": _DROP}, r"field 'method' is missing"),
+        ("config", {"mask_token_id": _DROP}, r"field 'mask_token_id' is missing"),
+        ("config", {"mask_token_id": 10**6}, r"field 'mask_token_id' is 1000000, outside the model's vocabulary"),
+        ("config", {"mask_token_id": -1}, r"field 'mask_token_id' must be an integer >= 0"),
+        ("config", {"sbd_block_size_range": [8, 2]}, r"field 'sbd_block_size_range' must be \[lo, hi\]"),
+        ("config", {"generation": [1]}, r"field 'generation' must be a JSON object"),
+        ("adapter", _drop_b, r"adapter.safetensors: layer '.*' has no .*lora_B tensor"),
+        ("adapter", _rank_differs, r"adapter.safetensors: the LoRA layers have different ranks"),
+        ("adapter", lambda t: t.__setitem__("stray", torch.zeros(2)), r"tensor 'stray' is neither"),
+        ("mask_row", lambda t: t.__setitem__("mask_row", torch.zeros(31)), r"'mask_row' must be \[32\]"),
+        ("mask_row", lambda t: t.__setitem__("row", t.pop("mask_row")), r"unexpected tensor\(s\) \['row'\]"),
+        ("mask_row", lambda t: t.__setitem__("mask_row", torch.zeros(2, 32)), r"'mask_row' must be \[32\]"),
+    ],
+)
+def test_malformed_artifacts_name_the_file_and_field(tmp_path, kind, edit, match):
+    """Item 13: a KeyError / ZeroDivisionError / shape error naming nothing before; now one ArtifactError (a
+    ValueError) naming the file and the field or tensor, for apply, load_trainable and load_artifact alike."""
+    folder = _artifact(tmp_path)
+    if kind == "config":
+        _edit_config(folder, **edit)
+    else:
+        _edit_tensors(folder, adapters.ADAPTER_FILE if kind == "adapter" else adapters.MASK_ROW_FILE, edit)
+    model, ref = tiny(True), tiny(True)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.apply_artifact(model, folder)
+    _assert_untouched(model, ref)
+    fresh = tiny(True)
+    row, _ = adapters.prepare(fresh, MASK, "lora", rank=4)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.load_trainable(fresh, row, folder)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("[1, 2]", r"sbd_config.json: must hold a JSON object, got a JSON list"),
+        ("{not json", r"sbd_config.json: not valid JSON"),
+    ],
+)
+def test_config_that_is_not_an_object(tmp_path, content, match):
+    folder = _artifact(tmp_path)
+    (folder / adapters.CONFIG_FILE).write_text(content)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.apply_artifact(tiny(True), folder)
+    with pytest.raises(adapters.ArtifactError, match=match):
+        adapters.load_artifact(folder)
+
+
+@pytest.mark.parametrize("file", [adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE])
+def test_truncated_safetensors(tmp_path, file):
+    folder = _artifact(tmp_path)
+    data = (folder / file).read_bytes()
+    (folder / file).write_bytes(data[: len(data) - 40])
+    with pytest.raises(adapters.ArtifactError, match=rf"{file}: not a readable safetensors file"):
+        adapters.apply_artifact(tiny(True), folder)
+
+
+def test_load_artifact_needs_the_range_and_a_loader(tmp_path):
+    folder = _artifact(tmp_path)
+    _edit_config(folder, base_loader="sbd_ext.recipes.smollm2.checkpoint:load_base", sbd_block_size_range=_DROP)
+    with pytest.raises(adapters.ArtifactError, match=r"field 'sbd_block_size_range' is missing"):
+        adapters.load_artifact(folder)
+    _edit_config(folder, base_loader=_DROP, sbd_block_size_range=[2, 8])
+    with pytest.raises(adapters.ArtifactError, match=r"field 'base_loader' is missing"):
+        adapters.load_artifact(folder)
+    _edit_config(folder, base_loader="os.system")
+    with pytest.raises(adapters.ArtifactError, match=r"field 'base_loader' must be 'module:function'"):
+        adapters.load_artifact(folder)
+
+
+def test_unknown_base_loaders_are_refused_unless_trusted(tmp_path, monkeypatch):
+    """Item 11: a loader that is not known is not imported (its import would run code) unless the user opts in;
+    a __main__ module never is; a loader that exits does not end the caller (SystemExit is not an Exception)."""
+    import sys
+    import types
+
+    ran = []
+    folder = _artifact(tmp_path, base_loader="sbd_ext.demo.__main__:main")
+    with pytest.raises(adapters.ArtifactError, match=r"'sbd_ext.demo.__main__:main', a __main__ module"):
+        adapters.load_artifact(folder)
+    with pytest.raises(adapters.ArtifactError, match=r"a __main__ module"):
+        adapters.load_artifact(folder, trust_base_loader=True)  # trusted or not: importing it runs a program
+    assert "sbd_ext.demo.__main__" not in sys.modules
+
+    mod = types.ModuleType("sbd_test_loaders")
+    mod.exits = lambda **kw: sys.exit(3)
+
+    def base(**kw):
+        ran.append(kw)
+        return tiny(True), None
+
+    mod.base = base
+    monkeypatch.setitem(sys.modules, "sbd_test_loaders", mod)
+    _edit_config(folder, base_loader="sbd_test_loaders:base")
+    with pytest.raises(adapters.ArtifactError, match=r"not a known base loader .*trust_base_loader=True"):
+        adapters.load_artifact(folder)
+    assert ran == []
+    model, _ = adapters.load_artifact(folder, trust_base_loader=True)
+    assert len(ran) == 1 and sbd_ext.metadata.get_sbd_metadata(model) == (MASK, (2, 8))
+
+    _edit_config(folder, base_loader="sbd_test_loaders:exits")
+    with pytest.raises(adapters.ArtifactError, match=r"base loader 'sbd_test_loaders:exits' exited"):
+        adapters.load_artifact(folder, trust_base_loader=True)
+
+    monkeypatch.setattr(adapters, "KNOWN_BASE_LOADERS", set(adapters.KNOWN_BASE_LOADERS))
+    _edit_config(folder, base_loader="sbd_test_loaders:base")
+    adapters.register_base_loader("sbd_test_loaders:base")
+    adapters.load_artifact(folder)
+    assert len(ran) == 2
+
+
+def test_base_loader_that_exits_on_import(tmp_path, monkeypatch):
+    """A trusted loader module whose import raises SystemExit: an ArtifactError, the caller goes on."""
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "sbd_exiting_mod.py").write_text("import sys\nsys.exit('bye')\ndef load(**kw):\n    pass\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    folder = _artifact(tmp_path, base_loader="sbd_exiting_mod:load")
+    with pytest.raises(adapters.ArtifactError, match=r"cannot be imported \(SystemExit: bye\)"):
+        adapters.load_artifact(folder, trust_base_loader=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -219,6 +447,40 @@ def test_train_loop_checkpoint_loading_executes_no_code(tmp_path):
     with pytest.raises(ValueError, match="not a train_loop checkpoint"):
         train_loop(tiny(True), [_ids()], lambda m, b: m(b).logits.mean(), 1, progress=False, checkpoint=path)
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"optimizer": {}}, r"'optimizer' has no 'state'"),  # item 17: was KeyError 'param_groups'
+        ({"optimizer": {"state": {}, "param_groups": []}}, r"its 'optimizer' state does not fit"),
+        ({"scheduler": {}}, r"its 'scheduler' state does not fit this run's scheduler \(missing key"),
+        ({"step": "2"}, r"'step' must be an int >= 0, got str"),
+        ({"step": -1}, r"'step' must be >= 0"),
+        ({"history": None}, r"'history' must be a list"),
+        ({"rngs": None}, r"'rngs' must be a list of generator states"),
+        ({"model": {"x": 1}}, r"'model' must map parameter names to tensors"),
+    ],
+)
+def test_train_loop_refuses_a_damaged_checkpoint(tmp_path, change, match):
+    """A checkpoint with every key but a damaged value: one ValueError naming the file and the key, and the model
+    left as it was (no KeyError, no half-loaded model)."""
+    _lora_run(tmp_path, 2)
+    path = tmp_path / "ckpt.pt"
+    state = torch.load(path, weights_only=True)
+    state.update(change)
+    torch.save(state, path)
+    model = tiny(True)
+    _, params = adapters.prepare(model, MASK, "lora", rank=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    k_rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=rf"train_loop: {path}: .*{match}"):
+        train_loop(
+            model, [_ids()], lambda m, b: m(b).logits.mean(), 3, params=params, progress=False, checkpoint=path,
+            rngs=(k_rng, gen),
+        )  # fmt: skip
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 def test_train_loop_refuses_a_checkpoint_of_another_run(tmp_path):

@@ -73,21 +73,46 @@ def _load_checkpoint(path: Path) -> dict:
         raise ValueError(f"train_loop: {path} is not a train_loop checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
         raise ValueError(f"train_loop: {path} is not a train_loop checkpoint (expected {sorted(_CHECKPOINT_KEYS)})")
+    kinds = {
+        "step": (int, "an int >= 0"),
+        "model": (dict, "a dict of tensors"),
+        "optimizer": (dict, "an optimizer state_dict"),
+        "scheduler": (dict, "a scheduler state_dict"),
+        "history": (list, "a list"),
+        "rngs": ((list, tuple), "a list of generator states"),
+    }
+    for key, (kind, what) in kinds.items():
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"train_loop: {path}: {key!r} must be {what}, got {type(value).__name__}")
+    if state["step"] < 0:
+        raise ValueError(f"train_loop: {path}: 'step' must be >= 0, got {state['step']}")
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["model"].items()):
+        raise ValueError(f"train_loop: {path}: 'model' must map parameter names to tensors")
+    for key in ("state", "param_groups"):
+        if key not in state["optimizer"]:
+            raise ValueError(f"train_loop: {path}: 'optimizer' has no {key!r} (not an optimizer state_dict)")
     return state
 
 
-def _load_trainable(model: torch.nn.Module, saved: dict, path: Path) -> None:
+def _check_trainable(model: torch.nn.Module, saved: dict, path: Path) -> None:
     current = dict(model.named_parameters())
     unknown = sorted(set(saved) - set(current))
     if unknown:
         raise ValueError(f"train_loop: {path} holds parameters this model does not have: {unknown[:5]}")
+    for name, value in saved.items():
+        if current[name].shape != value.shape:
+            raise ValueError(
+                f"train_loop: {path}: {name} has shape {tuple(value.shape)}, the model's is "
+                f"{tuple(current[name].shape)}"
+            )
+
+
+def _load_trainable(model: torch.nn.Module, saved: dict, path: Path) -> None:
+    _check_trainable(model, saved, path)
+    current = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in saved.items():
-            if current[name].shape != value.shape:
-                raise ValueError(
-                    f"train_loop: {path}: {name} has shape {tuple(value.shape)}, the model's is "
-                    f"{tuple(current[name].shape)}"
-                )
             current[name].copy_(value)
 
 
@@ -156,15 +181,23 @@ def train_loop(
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if ckpt_path is not None and ckpt_path.exists():
         state = _load_checkpoint(ckpt_path)
-        _load_trainable(model, state["model"], ckpt_path)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        history = list(state["history"])
+        # Every check before anything is loaded: a refused checkpoint leaves the model as it was.
+        _check_trainable(model, state["model"], ckpt_path)
         if len(state["rngs"]) != len(rngs):
             raise ValueError(
                 f"train_loop: {ckpt_path} saved {len(state['rngs'])} generator state(s), this run passes "
                 f"{len(rngs)} in rngs: not a checkpoint of this run"
             )
+        for what, obj in (("optimizer", opt), ("scheduler", sched)):
+            try:
+                obj.load_state_dict(state[what])
+            except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
+                detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+                raise ValueError(
+                    f"train_loop: {ckpt_path}: its {what!r} state does not fit this run's {what} ({detail})"
+                ) from None
+        _load_trainable(model, state["model"], ckpt_path)
+        history = list(state["history"])
         for r, st in zip(rngs, state["rngs"], strict=True):
             try:
                 _set_rng_state(r, st)
