@@ -138,7 +138,14 @@ def _rehearsal(cfg: FinetuneConfig, folder: Path, model, tok, mask_id: int, log)
     path = folder / REHEARSAL_FILE
     want = (cfg.rehearsal_pool, cfg.rehearsal_len)
     if path.exists():
-        samples = torch.load(path)
+        try:  # weights_only: a pickle that runs code is refused, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+            samples = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(
+                f"{path} is not this recipe's rehearsal file ({type(e).__name__}: {e}); delete it to sample anew"
+            ) from None
+        if not isinstance(samples, torch.Tensor) or samples.dtype != torch.int64:
+            raise ValueError(f"{path} is not this recipe's rehearsal file (an int64 tensor of token ids)")
         if tuple(samples.shape) == want:
             return samples
     t0 = time.perf_counter()
