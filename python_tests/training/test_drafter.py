@@ -219,3 +219,25 @@ def test_compiled_step_gates_like_eager():
     assert torch.equal(comp.sequences, eager.sequences)
     ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
     assert torch.equal(ver.sequences, ref.sequences)
+
+
+def test_two_forward_ablation_gives_the_fused_tokens_in_more_forwards():
+    from sbd_ext.decoding.step import TwoForwardStep
+
+    base, model = _with_drafter(seed=14)
+    ids, att = random_prompts([6, 10], seed=15)
+    kw = dict(max_new_tokens=20, block_size=4, verify=True)
+    fused = sbd_ext.generate(model, ids, att, **kw)
+    steps = []
+
+    class Counted(TwoForwardStep):
+        def __init__(self, *a):
+            super().__init__(*a)
+            steps.append(self)
+
+    split = sbd_ext.generate(model, ids, att, step_cls=Counted, **kw)
+    assert torch.equal(split.sequences, fused.sequences)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", max_new_tokens=20)
+    assert torch.equal(split.sequences, ref.sequences)
+    n_cycles = int(fused.nfe.max())
+    assert steps[0].forwards > n_cycles  # the prefill is one forward; every later cycle two

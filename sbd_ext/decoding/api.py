@@ -33,6 +33,7 @@ def generate(
     return_trace: bool = True,
     return_cache: bool = False,
     on_final_tokens: FinalTokensCallback | None = None,
+    step_cls: type[EagerStep] = EagerStep,
     **overrides,
 ) -> SBDGenerateOutput:
     """Generate with Set Block Decoding over the exact KV cache of the paper's Alg. 3 (``mode="ntp"``: next-token
@@ -74,6 +75,8 @@ def generate(
         on_final_tokens: ``f(batch_row, token_ids)``, called after each forward with each sequence's newly final
             generated tokens, in order (streaming; :mod:`sbd_ext.decoding.streaming`). Their concatenation per row
             is that row's generated tokens.
+        step_cls: the eager step (:mod:`sbd_ext.decoding.step`); ``TwoForwardStep`` is the two-forwards-per-cycle
+            ablation (commit rows, then block rows: same tokens, more forwards). Not used with ``compile``.
     Returns:
         SBDGenerateOutput.
     """
@@ -89,7 +92,7 @@ def generate(
     rows = max(map(len, job.prompts)) + job.max_new_tokens
     if not job.settings.compile:
         cache = SBDCache(model.config, len(seqs), rows, dtype, device)
-        decode(seqs, job, EagerStep(model, cache, device))
+        decode(seqs, job, step_cls(model, cache, device))
     else:
         pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
         pool = pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext()

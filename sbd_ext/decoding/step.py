@@ -18,7 +18,16 @@ from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
 
-__all__ = ["ForwardRows", "StepLogits", "DecodeStep", "EagerStep", "plan_forward", "reveal", "decode"]
+__all__ = [
+    "ForwardRows",
+    "StepLogits",
+    "DecodeStep",
+    "EagerStep",
+    "TwoForwardStep",
+    "plan_forward",
+    "reveal",
+    "decode",
+]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -115,6 +124,51 @@ class EagerStep(DecodeStep):
                 logits_to_keep=T - fw.first_read,
             ).logits
         return StepLogits(logits, first_row=fw.first_read)
+
+
+class TwoForwardStep(EagerStep):
+    """The ablation of Algorithm 3's fused forward: each planned forward runs as TWO forwards, the committed rows
+    first (their K/V written to the cache; in verify mode they check the drafts) and then the set-block rows alone
+    over the updated cache (the draft), as two-forward speculative schemes do (e.g. Uno: a draft forward, then a
+    verify forward). The block rows see the same keys either way, so the tokens equal :class:`EagerStep`'s; only
+    the number and size of the forwards differ (``forwards`` counts them)."""
+
+    def __init__(self, model, cache: SBDCache, device: torch.device):
+        super().__init__(model, cache, device)
+        self.forwards = 0
+
+    def _run(self, ids, pos, n_commit, n_valid, keep: int) -> torch.Tensor:
+        self.forwards += 1
+        with self.cache.forward_plan(n_commit, n_valid) as plan:
+            return self.model(
+                input_ids=ids.to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                sbd_plan=plan,
+                logits_to_keep=keep,
+            ).logits
+
+    def __call__(self, fw: ForwardRows) -> StepLogits:
+        c, v = fw.n_commit, fw.n_valid
+        n_block = [vb - cb for cb, vb in zip(c, v, strict=True)]
+        if max(c) == 0 or max(n_block) == 0:  # nothing to split
+            self.forwards += 1
+            return super().__call__(fw)
+        B, T = fw.ids.shape
+        C, K = max(c), max(n_block)
+        first = self._run(fw.ids[:, :C], fw.pos[:, :C], c, c, C)  # the commit rows (verify)
+        ids = torch.zeros(B, K, dtype=fw.ids.dtype)
+        pos = torch.zeros(B, K, dtype=fw.pos.dtype)
+        for b in range(B):
+            ids[b, : n_block[b]] = fw.ids[b, c[b] : v[b]]
+            pos[b, : n_block[b]] = fw.pos[b, c[b] : v[b]]
+        second = self._run(ids, pos, [0] * B, n_block, K)  # the block rows alone (draft)
+        logits = first.new_zeros(B, T, first.shape[-1])
+        for b in range(B):
+            logits[b, : c[b]] = first[b, : c[b]]
+            logits[b, c[b] : v[b]] = second[b, : n_block[b]]
+        return StepLogits(logits, first_row=0)
 
 
 # --------------------------------------------------------------------------------------------------------
