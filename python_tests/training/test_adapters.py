@@ -525,3 +525,20 @@ def test_train_loop_data_running_out_records_the_step_reached(tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
     hist = train_loop(tiny(True), [_ids(7)], loss_fn, 5, progress=False, log_every=1, checkpoint=tmp_path / "ckpt.pt")
     assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "edit", [{"rank": _DROP}, {"sbd_block_size_range": _DROP}, {"base_loader": "sbd_ext.demo.__main__:main"}]
+)
+def test_cli_names_the_field_of_a_malformed_artifact(tmp_path, capsys, monkeypatch, edit):
+    """`sbd-ext generate --model <artifact folder>` (item 13): one line naming the file and the field, exit 1, no
+    traceback and no program run (a __main__ loader would have run the CLI again with the host's argv)."""
+    from sbd_ext.demo import cli
+
+    monkeypatch.delenv("SBD_EXT_TRACEBACK", raising=False)
+    folder = _artifact(tmp_path, base_loader="sbd_ext.recipes.smollm2.checkpoint:load_base")
+    _edit_config(folder, **edit)
+    assert cli.main(["generate", "--model", str(folder), "--max-new-tokens", "4", "1+1="]) == 1
+    err = capsys.readouterr().err
+    field = next(iter(edit))
+    assert "Traceback" not in err and f"sbd_config.json: field '{field}'" in err, err
