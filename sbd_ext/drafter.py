@@ -278,18 +278,23 @@ def distill_loss(
     valid = pos < lengths.view(B, 1)
     masked = (noise < eta.view(B, 1)) & valid
     noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+    # Noisy blocks that end before the first position with loss (the prompts) feed no loss and no later block (a
+    # noisy block sees its own block only): they are left out. s: the first block holding a loss position.
+    sel = masked & loss_mask.bool() & (pos >= 1)
+    first = int(loss_mask.bool().any(0).nonzero()[0]) if loss_mask.any() else 0
+    s = (first // k) * k
     full = sbd_attention_mask(L, k, lengths, mask_format="bool", device=device)  # [B, 1, 2L, 2L]
-    mask = full[:, :, L:, :].contiguous()  # the noisy rows over [clean keys, noisy keys]
-    holder.gate = torch.ones(B, L, 1, device=device)
+    keys = torch.cat([torch.arange(L, device=device), torch.arange(L + s, 2 * L, device=device)])
+    mask = full[:, :, L + s :, :][..., keys].contiguous()  # the kept noisy rows over [clean keys, kept noisy keys]
+    holder.gate = torch.ones(B, L - s, 1, device=device)
     try:
         hidden = decoder(
-            input_ids=noisy, position_ids=pos, past_key_values=cache, use_cache=True, attention_mask=mask
+            input_ids=noisy[:, s:], position_ids=pos[:, s:], past_key_values=cache, use_cache=True, attention_mask=mask
         ).last_hidden_state
     finally:
         holder.gate = None
 
     # 3. distillation on the masked positions that carry loss
-    sel = masked & loss_mask.bool() & (pos >= 1)
     bi, ti = sel.nonzero(as_tuple=True)
     n = bi.numel()
     if n == 0:
@@ -301,7 +306,7 @@ def distill_loss(
         teacher[:, mask_id] = -math.inf
         logp = F.log_softmax(teacher, dim=-1)
         p = logp.exp()
-    student = families.lm_logits(model, hidden[bi, ti]).float()
+    student = families.lm_logits(model, hidden[bi, ti - s]).float()
     student = student.masked_fill(torch.arange(student.shape[-1], device=device) == mask_id, -math.inf)
     logq = F.log_softmax(student, dim=-1)
     kl = (p * (logp - logq)).nan_to_num(0.0).sum(-1)  # 0 * -inf at the mask column -> 0

