@@ -29,6 +29,9 @@ try:
     from . import cache, decoding, hf, metadata  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
     from .cache import SBDCache  # noqa: E402, F401
     from .decoding import GenerationSettings, generate, generate_reference  # noqa: E402, F401
+    from .integration.hf_generate import warn_next_token_generate as _warn_next_token  # noqa: E402
+
+    _warn_next_token()  # transformers' own generate on an SBD model (its SBD generate not loaded) warns once
 except (ImportError, AttributeError) as _e:  # pragma: no cover - only with an incompatible transformers
     _HF_IMPORT_ERROR: Exception | None = _e
 else:

@@ -187,3 +187,32 @@ def test_cli_prompt_is_text_and_unknown_characters_warned(monkeypatch, capsys):
     assert ids.count(tok.unk_token_id) == 2 and set(ids[1:]).isdisjoint({tok.eos_token_id, tok.mask_token_id})
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "'é' (U+00E9)" in warnings[0] and "<unk>" in warnings[0], err
+
+
+def _answer_lines(out: str) -> list[str]:
+    """The completion and the decoding summary of `sbd-ext generate`, without timings."""
+    import re
+
+    out = re.sub(r"\| [\d.]+ s \(\d+ tokens/s\) \| model load [\d.]+ s", "", out)
+    return [line for line in out.splitlines() if line.strip() and not line.startswith("answer ")]
+
+
+@pytest.mark.parametrize("keep_demo_json", [True, False])
+def test_generate_with_an_exported_folder_is_the_models_answer(tmp_path, capsys, keep_demo_json):
+    """Issue 35 item 7: `sbd-ext generate --model <folder from sbd-ext export>` ignored the folder's
+    generation_config (decoding with k=16) and its prompt format (the question unwrapped): garbage where
+    `--model sbd-arith` is right. Also for a folder without sbd_demo.json (its generation_config.json and chat
+    template alone)."""
+    from sbd_ext.demo import export, tasks
+
+    dest = export.export(models.DEFAULT_MODEL, tmp_path / "exported")
+    if not keep_demo_json:
+        (dest / "sbd_demo.json").unlink(missing_ok=True)
+    question = next(iter(tasks.problems("test", 1))).message
+    argv = ["generate", "--color", "never", "--max-new-tokens", "96", question]
+    assert cli.main(argv) == 0
+    want = _answer_lines(capsys.readouterr().out)
+    assert cli.main(["generate", "--model", str(dest), *argv[1:]]) == 0
+    got = _answer_lines(capsys.readouterr().out)
+    assert got == want
+    assert "SBD k=8, eb sampler 0.1" in want[-1]

@@ -4,7 +4,9 @@
     sbd-ext generate --show-steps              # a held-out problem, and which tokens each forward revealed
     sbd-ext generate --mode ntp "..."          # next-token decoding through the same cache, for comparison
     sbd-ext generate --verify --show-steps     # lossless verify mode: NTP's output, corrected tokens marked
-    sbd-ext generate --model PATH "..."        # any SBD-trained HF Llama folder (config.mask_token_id set)
+    sbd-ext generate --model PATH "..."        # any SBD-trained HF Llama folder (config.mask_token_id set), e.g.
+                                               # one from sbd-ext export: its generation_config.json settings and
+                                               # prompt format (sbd_demo.json, else its chat template) apply
     sbd-ext eval --out eval/                   # accuracy / NFE table (Markdown) and plot (PNG) on held-out problems
     sbd-ext models                             # the embedded models
     sbd-ext export DIR                         # a transformers checkpoint (model.generate, pipeline, serve: SBD)
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from ..decoding.gen_config import sbd_fields
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
 from .tokenizer import unknown_characters
@@ -93,7 +96,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
     model, tok = models.load(args.model)
-    info = models.demo_info(args.model)
+    info = _model_info(args.model, model)
     t_load = time.perf_counter() - t_load
 
     expected = None
@@ -104,8 +107,13 @@ def cmd_generate(args) -> int:
         print(f"(no prompt given: held-out problem #{args.example})")
     else:
         question = args.prompt.replace("\\n", "\n")
-    prompt = question if args.raw else evaluate.format_prompt(question, info.get("prompt_template"))
     tok.split_special_tokens = True  # "<eos>" typed in a prompt is five characters, not the end of the text
+    if args.raw:
+        prompt = question
+    elif info.get("prompt_template") or not getattr(tok, "chat_template", None):
+        prompt = evaluate.format_prompt(question, info.get("prompt_template"))
+    else:  # a folder with a chat template and no sbd_demo.json: its chat template is its prompt format
+        prompt = _chat_prompt(tok, question)
     unknown = unknown_characters(tok, prompt)
     if unknown:
         names = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown)
@@ -176,6 +184,40 @@ def cmd_generate(args) -> int:
             + _paint("correct" if ok else "WRONG", 32 if ok else 31, True, colour)
         )
     return 0
+
+
+def _model_info(name_or_path, model) -> dict:
+    """The model's ``sbd_demo.json`` with its ``generation_config``'s ``sbd_*`` settings over it (a folder from
+    ``sbd-ext export`` carries its recommended settings there, as transformers reads them)."""
+    info = dict(models.demo_info(name_or_path))
+    fields = sbd_fields(getattr(model, "generation_config", None), "the model's generation_config.json")
+    for field, key in (("block_size", "block_size"), ("sampler", "sampler"), ("verify", "verify")):
+        if field in fields:
+            info[key] = fields[field]
+    if "threshold" in fields:
+        info["gamma_low"] = fields["threshold"]
+    elif "sampler" in fields and fields["sampler"] != models.demo_info(name_or_path).get("sampler", "eb"):
+        info.pop("gamma_low", None)  # sbd_demo.json's threshold is for its own sampler
+    return info
+
+
+def _chat_prompt(tok, question: str) -> str:
+    """``question`` rendered by the tokenizer's chat template as a user turn, as text for the tokenizer: a leading BOS
+    that the tokenizer adds itself is dropped; other special tokens of the template stay special tokens (then the
+    question must not contain special-token text, which would become control tokens too)."""
+    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    bos = tok.bos_token
+    if bos and text.startswith(bos) and tok("x")["input_ids"][:1] == [tok.bos_token_id]:
+        text = text[len(bos) :]
+    specials = [t for t in tok.all_special_tokens if t]
+    if any(t in text for t in specials):
+        if any(t in question for t in specials):
+            raise ValueError(
+                "the model's chat template uses special tokens and the prompt contains special-token text; pass "
+                "--raw with the full prompt"
+            )
+        tok.split_special_tokens = False  # the template's markup is control tokens; the question has none
+    return text
 
 
 def _stream_printer(tok, prompt: str, colour: bool):

@@ -1,12 +1,14 @@
 """An embedded model saved as a transformers checkpoint that decodes with SBD wherever transformers decodes:
 ``model.generate``, streamers, ``pipeline("text-generation")`` and ``transformers serve`` (``sbd-ext export``).
 
-The folder holds the weights, the tokenizer with a chat template (the model's own prompt format, when the tokenizer
-has none), ``generation_config.json`` with the model's recommended SBD settings (``sbd_block_size``, ``sbd_sampler``,
-``sbd_threshold``, ``sbd_verify``: from its ``sbd_demo.json``) and ``custom_generate/`` (loaded by
-``from_pretrained(dir, trust_remote_code=True)``). ``plain=True`` saves the same files without ``custom_generate/``
-and without SBD settings: the checkpoint as transformers serves any next-token model (the NTP control, served
-plainly, for comparisons).
+The folder holds the weights, the tokenizer with a chat template (the model's own prompt format from its
+``sbd_demo.json``, over any template the tokenizer had), ``generation_config.json`` with the model's recommended SBD
+settings (``sbd_block_size``, ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``: from its ``sbd_demo.json``),
+``custom_generate/`` (loaded by ``from_pretrained(dir, trust_remote_code=True)``), the ``sbd_demo.json`` (for
+``sbd-ext generate --model DIR``) and a model card (``README.md``: how to load it). ``plain=True`` saves the same
+files without ``custom_generate/`` and without SBD settings: the checkpoint as transformers serves any next-token
+model (the NTP control, served plainly, for comparisons). Without ``plain`` the model must be an SBD model; the
+destination must be a new or empty folder.
 
 The chat template writes the BOS token as text, so the saved tokenizer maps special-token strings in a message to
 the special tokens (``split_special_tokens`` off, as in most chat tokenizers); the embedded tokenizers themselves keep
@@ -15,12 +17,15 @@ typed ``<eos>`` as text.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from .. import adapters
 from ..integration import save_pretrained
 from ..integration.chat import chat_template_for
+from ..metadata import MASK_TOKEN_ATTR
 from . import models
 
 __all__ = ["export", "recommended_settings"]
@@ -38,30 +43,134 @@ def recommended_settings(info: dict) -> dict:
     return fields
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _check_dest(dest) -> Path:
+    """``dest`` as a Path: a folder that does not exist yet or is empty (export never writes over files)."""
+    if dest is None or not str(dest).strip():
+        raise ValueError(f"export needs a destination folder, got {str(dest)!r}; name a new or empty folder")
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"{dest} exists and is not a folder; choose a new or empty folder")
+    if dest.is_dir():
+        present = sorted(p.name for p in dest.iterdir())
+        if "config.json" in present:
+            raise FileExistsError(f"{dest} already holds a checkpoint (config.json); choose an empty folder")
+        if present:
+            shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+            raise FileExistsError(
+                f"{dest} is not empty ({shown}): export would overwrite files there; choose a new or empty folder"
+            )
+    return dest
+
+
+def _check_source(name_or_path, info: dict, plain: bool) -> None:
+    """Refuse, before anything is loaded or written, a source folder without a tokenizer, and (without ``plain``) a
+    model that was not trained for SBD."""
+    folder = models.path(name_or_path)
+    if not adapters.is_artifact(folder) and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}): copy the model's tokenizer files into it"
+        )
+    if plain:
+        return
+    objective = info.get("objective", "sbd")
+    mask_id = None
+    if (folder / "config.json").is_file():
+        mask_id = json.loads((folder / "config.json").read_text()).get(MASK_TOKEN_ATTR)
+    elif adapters.is_artifact(folder):
+        mask_id = json.loads((folder / "sbd_config.json").read_text()).get(MASK_TOKEN_ATTR)
+    if objective != "sbd" or mask_id is None:
+        why = f"sbd_demo.json objective {objective!r}" if objective != "sbd" else f"its config has no {MASK_TOKEN_ATTR}"
+        raise ValueError(
+            f"{name_or_path} is not an SBD model ({why}): SBD decoding would refuse it; export it with --plain "
+            f"(plain=True) to serve it as a next-token model"
+        )
+
+
+def _adds_bos(tok) -> bool:
+    """Whether the tokenizer puts its BOS token in front of encoded text (then the chat template writes it too)."""
+    bos = getattr(tok, "bos_token_id", None)
+    return bos is not None and tok("x")["input_ids"][:1] == [bos]
+
+
+def _model_card(name: str, plain: bool, template: str | None, settings: dict) -> str:
+    fmt = f"`{template!r}`" if template else "the tokenizer's chat template"
+    if plain:
+        return f"""# {name} (plain next-token checkpoint)
+
+Exported by `sbd-ext export --plain` from `{name}`: no `custom_generate/` and no SBD settings. transformers decodes it
+next-token like any causal LM: no remote code runs and `sbd_ext` is not involved.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("PATH")
+```
+
+Prompt format: {fmt} (the chat template renders a user message this way).
+"""
+    shown = ", ".join(f"`{k}={v!r}`" for k, v in settings.items()) or "the defaults"
+    return f"""# {name} (Set Block Decoding checkpoint)
+
+Exported by `sbd-ext export` from `{name}`. It decodes with Set Block Decoding (several tokens per forward) through
+`custom_generate/`, which transformers only runs when the checkpoint is loaded with `trust_remote_code=True` and the
+`sbd_ext` package is installed. Loaded without it, `model.generate` decodes next-token (transformers' own decoding,
+slower and not what the settings below describe); with `sbd_ext` imported it warns when that happens.
+
+```python
+import sbd_ext  # registers attn_implementation="sbd" (without the import: transformers lists its own backends)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True, attn_implementation="sbd")
+tok = AutoTokenizer.from_pretrained("PATH")
+ids = tok.apply_chat_template([{{"role": "user", "content": "..."}}], add_generation_prompt=True,
+                              return_dict=True, return_tensors="pt")
+out = model.generate(**ids, max_new_tokens=160)
+```
+
+Serve it: `transformers serve PATH --trust-remote-code` (not `--continuous-batching`, which SBD cannot run).
+
+- Recommended SBD settings (`generation_config.json`): {shown}; override them per call with `sbd_*` keywords or a
+  request's `generation_config`.
+- Prompt format: {fmt}; the chat template renders a user message this way (system messages are refused).
+- The command line: `sbd-ext generate --model PATH "question"` uses the same settings and prompt format.
+"""
+
+
 def export(name_or_path: str | Path, dest: str | Path, plain: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """Save the embedded model ``name_or_path`` (or a model folder / SBD artifact) to ``dest`` as described in the
-    module docstring; returns ``dest``. ``dest`` must not hold a checkpoint already."""
-    dest = Path(dest)
-    if (dest / "config.json").exists():
-        raise FileExistsError(f"{dest} already holds a checkpoint (config.json); choose an empty folder")
+    module docstring; returns ``dest``. ``dest`` must be a new or empty folder; without ``plain`` the model must be
+    an SBD model (a mask token in its config)."""
+    dest = _check_dest(dest)
     info = models.demo_info(name_or_path)
+    _check_source(name_or_path, info, plain)
     model, tok = models.load(name_or_path, dtype=dtype, attn_implementation="sdpa")
-    if not getattr(tok, "chat_template", None):
-        template = info.get("prompt_template")
-        if not template:
-            raise ValueError(f"{name_or_path}: the tokenizer has no chat template and sbd_demo.json no prompt_template")
-        tok.chat_template = chat_template_for(template)
+    template = info.get("prompt_template")
+    if template:
+        # The model's own prompt format, over a chat template the tokenizer brought (SmolLM2's ChatML was not what
+        # the model was fine-tuned on).
+        tok.chat_template = chat_template_for(template, bos_token=_adds_bos(tok))
         # The template writes the BOS token as text: it must map to the special token, not to its characters.
         tok.split_special_tokens = False
+    elif not getattr(tok, "chat_template", None):
+        raise ValueError(f"{name_or_path}: the tokenizer has no chat template and sbd_demo.json no prompt_template")
     gc = model.generation_config
     for key in [k for k in vars(gc) if k.startswith("sbd_")]:
         delattr(gc, key)
+    # A generation config built from the model config is marked so, and transformers rebuilds such a config from the
+    # model config on load, dropping every sbd_* field: this one is the checkpoint's own.
+    gc._from_model_config = False
+    fields = {} if plain else recommended_settings(info)
     if plain:
         model.save_pretrained(dest)
     else:
-        fields = recommended_settings(info)
         for key, value in fields.items():
             setattr(gc, key, value)
         save_pretrained(model, dest)
     tok.save_pretrained(dest)
+    if info:  # the prompt format, task and settings, for sbd-ext generate --model DEST
+        (dest / "sbd_demo.json").write_text(json.dumps(info, indent=1) + "\n")
+    name = Path(str(name_or_path)).name
+    (dest / "README.md").write_text(_model_card(name, plain, template, fields))
     return dest

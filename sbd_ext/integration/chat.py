@@ -13,17 +13,17 @@ def _jinja_literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
-def chat_template_for(prompt_template: str) -> str:
+def chat_template_for(prompt_template: str, bos_token: bool = True) -> str:
     """A Jinja chat template that renders each user message as ``prompt_template`` filled with its content, each
-    assistant message as its content followed by the EOS token, after the BOS token. ``add_generation_prompt`` adds
+    assistant message as its content followed by the EOS token, after the BOS token (``bos_token=False``: none, for
+    a tokenizer that puts no BOS in front of encoded text, such as SmolLM2's). ``add_generation_prompt`` adds
     nothing: the template's text after ``{prompt}`` (``"\\nA: "``) already opens the answer. System messages and
     other roles are refused (the model was never trained on them) with an error naming the role."""
     if prompt_template.count(_SLOT) != 1:
         raise ValueError(f"prompt_template must contain {_SLOT!r} exactly once, got {prompt_template!r}")
     before, after = prompt_template.split(_SLOT)
     return (
-        "{{ bos_token }}"
-        "{% for message in messages %}"
+        ("{{ bos_token }}" if bos_token else "") + "{% for message in messages %}"
         "{% if message['role'] == 'user' %}"
         f"{{{{ {_jinja_literal(before)} + message['content'] + {_jinja_literal(after)} }}}}"
         "{% elif message['role'] == 'assistant' %}"

@@ -14,7 +14,6 @@ not apply (an explicit one is refused).
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -26,6 +25,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..decoding.api import generate as sbd_generate
 from ..decoding.gen_config import KNOWN_SBD_FIELDS, SBD_FIELDS, layered_settings, sbd_fields
+from .hooks import (  # noqa: F401  (refuse_continuous_batching: called by checkpoints' custom_generate/generate.py)
+    REQUEST_SAMPLES,
+    end_stream_with_error,
+    refuse_continuous_batching,
+    sample_served_temperature,
+    warn_next_token_generate,
+)
 
 __all__ = [
     "CUSTOM_GENERATE_DIR",
@@ -34,6 +40,7 @@ __all__ = [
     "refuse_continuous_batching",
     "sample_served_temperature",
     "save_pretrained",
+    "warn_next_token_generate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,9 +99,6 @@ _REFUSED_ARGS = (
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
 )
-# Set on a served request's generation config when the request asks for temperature > 0
-# (sample_served_temperature).
-_REQUEST_SAMPLES = "_sbd_ext_request_samples"
 # Keywords accepted and ignored: their HF meaning holds as is for SBD (use_cache: SBD always uses its cache).
 _IGNORED = {"use_cache", "synced_gpus", "custom_generate", "tokenizer"}
 
@@ -131,7 +135,7 @@ def _call_config(model, generation_config, kwargs: dict) -> GenerationConfig:
     hf_keys = {k for k in kwargs if hasattr(_HF_DEFAULTS, k) or k in _REFUSED or k in _SAMPLING_FILTERS}
     for key in hf_keys:
         setattr(gc, key, kwargs.pop(key))
-    if getattr(generation_config, _REQUEST_SAMPLES, False):
+    if getattr(generation_config, REQUEST_SAMPLES, False):
         gc.do_sample = True  # a served request's temperature > 0 (see sample_served_temperature)
     return gc
 
@@ -211,33 +215,6 @@ def _fit_positions(fields: dict, model, prompt_len: int) -> None:
     )
 
 
-def _end_stream_with_error(streamer, error: BaseException) -> None:
-    """End a stream that an error cut short. A consumer thread must not wait forever, so the streamer is always
-    ended; but transformers serve's streamer stops at its end sentinel and drops an error queued behind it (the
-    client saw an empty answer with finish_reason "stop", and nothing was logged). For that streamer the error is
-    queued first, as serve's own error event (the client gets ``data: {"error": ...}``), and the reason is logged."""
-    if type(error).__name__ == "_GenerationCancelled" or not isinstance(error, Exception):
-        streamer.end()  # serve's client went away / an interrupt: nothing to report
-        return
-    logger.error("SBD generate failed (streamed request): %s: %s", type(error).__name__, error)
-    serve = _serve_stream_types()
-    if serve is not None and isinstance(streamer, serve[0]) and callable(getattr(streamer, "_enqueue", None)):
-        # serve writes the message into JSON by string formatting: keep it one line, without quotes to escape
-        msg = " ".join(f"{type(error).__name__}: {error}".split()).replace("\\", "/").replace('"', "'")
-        streamer._enqueue(serve[1](msg))
-    streamer.end()  # after the error event: serve stops at the first of the two; any other consumer is released
-
-
-def _serve_stream_types():
-    """transformers serve's streamer class and the error item of its stream queue (None when serve is not there)."""
-    import sys
-
-    utils = sys.modules.get("transformers.cli.serving.utils")  # loaded in a serving process, never imported here
-    if utils is None or not hasattr(utils, "DirectStreamer") or not hasattr(utils, "_StreamError"):
-        return None
-    return utils.DirectStreamer, utils._StreamError
-
-
 def _inferred_attention_mask(input_ids: torch.Tensor, gc: GenerationConfig) -> torch.Tensor | None:
     """transformers' rule for a call without ``attention_mask``: when the pad id occurs in the inputs and is not an
     EOS id, the pads are padding (``input_ids != pad``); otherwise every position is a token (None)."""
@@ -299,7 +276,7 @@ def generate(
         out = _generate(model, inputs, generation_config, streamer, kwargs)
     except BaseException as e:
         if streamer is not None:  # also on an error (a refused option too): a consumer must not wait forever
-            _end_stream_with_error(streamer, e)
+            end_stream_with_error(streamer, e)
         raise
     if streamer is not None:
         streamer.end()
@@ -355,71 +332,3 @@ def save_pretrained(model, save_directory: str | Path, **kwargs) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("generate.py", "requirements.txt"):
         shutil.copyfile(CUSTOM_GENERATE_DIR / "custom_generate" / name, dest / name)
-
-
-def _is_sbd_generate(model) -> bool:
-    """Whether ``model.generate`` is ours: loaded from a checkpoint's ``custom_generate/`` (transformers sets a
-    ``functools.partial`` of the folder's function on the instance)."""
-    gen = vars(model).get("generate")
-    func = gen.func if isinstance(gen, functools.partial) else gen
-    return bool(getattr(func, "sbd_ext_generate", False))
-
-
-def refuse_continuous_batching() -> None:
-    """Make transformers' continuous batching refuse a model whose ``generate`` decodes with SBD. Continuous
-    batching (``transformers serve --continuous-batching``, ``model.generate_batch``, ``init_continuous_batching``)
-    runs transformers' own paged next-token decoder and never calls ``model.generate``, so on an SBD checkpoint it
-    would decode without SBD, silently. ``custom_generate/generate.py`` calls this when transformers loads it;
-    idempotent; models whose generate is not SBD's are untouched."""
-    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
-
-    original = ContinuousMixin.init_continuous_batching
-    if getattr(original, "sbd_ext_guard", False):
-        return
-
-    @functools.wraps(original)
-    def init_continuous_batching(self, *args, **kwargs):
-        if _is_sbd_generate(self):
-            raise ValueError(
-                "this model decodes with Set Block Decoding (sbd_ext's custom_generate), which transformers' "
-                "continuous batching cannot run: it bypasses model.generate. Serve it without "
-                "--continuous-batching (requests then run one at a time through model.generate)"
-            )
-        return original(self, *args, **kwargs)
-
-    init_continuous_batching.sbd_ext_guard = True
-    ContinuousMixin.init_continuous_batching = init_continuous_batching
-
-
-def sample_served_temperature() -> None:
-    """Make a ``transformers serve`` request's ``temperature`` > 0 sample on an SBD checkpoint, seeded by its
-    ``seed``. serve sets the request's temperature on the generation config but keeps the checkpoint's
-    ``do_sample`` (False for an exported checkpoint: greedy is its default), so every temperature decoded greedily.
-    The request's config is tagged here and SBD's ``generate`` then samples at that temperature (serve has already
-    seeded torch with the request's seed, from which the Philox seed is drawn). A request whose JSON
-    ``generation_config`` names ``do_sample`` itself keeps it; ``temperature`` 0 stays greedy; other models' generate
-    ignores the tag. ``custom_generate/generate.py`` calls this when transformers loads it; it patches only a serve
-    that is already imported (never imports it); idempotent."""
-    import json
-    import sys
-
-    utils = sys.modules.get("transformers.cli.serving.utils")
-    handler = getattr(utils, "BaseHandler", None)
-    original = getattr(handler, "_build_generation_config", None)
-    if original is None or getattr(original, "sbd_ext_guard", False):
-        return
-
-    @functools.wraps(original)
-    def _build_generation_config(self, body, *args, **kwargs):
-        gc = original(self, body, *args, **kwargs)
-        try:
-            temperature = float(body.get("temperature")) if body.get("temperature") is not None else 0.0
-            own = json.loads(body["generation_config"]) if body.get("generation_config") is not None else {}
-        except (TypeError, ValueError, AttributeError):
-            return gc  # serve itself reports a malformed request
-        if temperature > 0 and not (isinstance(own, dict) and "do_sample" in own):
-            setattr(gc, _REQUEST_SAMPLES, True)
-        return gc
-
-    _build_generation_config.sbd_ext_guard = True
-    handler._build_generation_config = _build_generation_config
