@@ -65,23 +65,32 @@ def _check_dest(dest) -> Path:
     return dest
 
 
+def _json_field(path: Path, key: str):
+    """``key`` of the JSON object in ``path`` (None when the file is not one: its loader reports that)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get(key) if isinstance(data, dict) else None
+
+
 def _check_source(name_or_path, info: dict, plain: bool) -> None:
-    """Refuse, before anything is loaded or written, a source folder without a tokenizer, and (without ``plain``) a
-    model that was not trained for SBD."""
+    """Refuse, before anything is loaded or written, a checkpoint folder without a tokenizer, and (without
+    ``plain``) a checkpoint or adapter artifact that was not trained for SBD. Other kinds of model folder are left
+    to their loader."""
     folder = models.path(name_or_path)
-    if not adapters.is_artifact(folder) and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        raise ValueError(
-            f"{folder} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}): copy the model's tokenizer files into it"
-        )
-    if plain:
+    if (folder / "config.json").is_file():
+        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(
+                f"{folder} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}): copy the model's tokenizer files into it"
+            )
+        mask_id = _json_field(folder / "config.json", MASK_TOKEN_ATTR)
+    elif adapters.is_artifact(folder):
+        mask_id = _json_field(folder / "sbd_config.json", MASK_TOKEN_ATTR)
+    else:
         return
     objective = info.get("objective", "sbd")
-    mask_id = None
-    if (folder / "config.json").is_file():
-        mask_id = json.loads((folder / "config.json").read_text()).get(MASK_TOKEN_ATTR)
-    elif adapters.is_artifact(folder):
-        mask_id = json.loads((folder / "sbd_config.json").read_text()).get(MASK_TOKEN_ATTR)
-    if objective != "sbd" or mask_id is None:
+    if not plain and (objective != "sbd" or mask_id is None):
         why = f"sbd_demo.json objective {objective!r}" if objective != "sbd" else f"its config has no {MASK_TOKEN_ATTR}"
         raise ValueError(
             f"{name_or_path} is not an SBD model ({why}): SBD decoding would refuse it; export it with --plain "
