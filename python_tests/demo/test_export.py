@@ -218,8 +218,8 @@ def test_export_writes_a_model_card(tmp_path):
 
 def test_next_token_generate_of_an_sbd_checkpoint_warns_once(tmp_path, monkeypatch):
     """Issue 35 item 19: an exported checkpoint loaded without trust_remote_code decodes next-token (transformers'
-    own generate); with sbd_ext imported this now warns once, naming the fix. SBD's generate and plain models do
-    not warn."""
+    own generate); with sbd_ext imported this now warns once, naming the fix. SBD's generate, plain checkpoints and
+    deliberate next-token calls on an SBD model in memory do not warn."""
     import warnings
 
     from sbd_ext.integration import hooks
@@ -233,9 +233,10 @@ def test_next_token_generate_of_an_sbd_checkpoint_warns_once(tmp_path, monkeypat
         AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True).generate(ids, max_new_tokens=4)
         ntp = export.export(models.CONTROL_MODEL, tmp_path / "ntp", plain=True)
         AutoModelForCausalLM.from_pretrained(ntp).generate(ids, max_new_tokens=4, do_sample=False)
+        models.load(models.DEFAULT_MODEL)[0].generate(ids, max_new_tokens=4, do_sample=False)
     assert not [w for w in caught if "next-token" in str(w.message)]
     plain_load = AutoModelForCausalLM.from_pretrained(dest)
-    with pytest.warns(UserWarning, match=r"next-token.*trust_remote_code=True"):
+    with pytest.warns(UserWarning, match=r"Set Block Decoding checkpoint.*next-token.*trust_remote_code=True"):
         plain_load.generate(ids, max_new_tokens=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -18,8 +18,7 @@ import json
 import logging
 import sys
 import warnings
-
-from ..metadata import get_sbd_metadata
+from pathlib import Path
 
 __all__ = [
     "REQUEST_SAMPLES",
@@ -128,19 +127,28 @@ def sample_served_temperature() -> None:
 _WARNED_NEXT_TOKEN = False
 
 
-def _is_sbd_model(model) -> bool:
+@functools.lru_cache(maxsize=64)
+def _folder_has_sbd_generate(folder: str) -> bool:
+    f = Path(folder) / "custom_generate" / "generate.py"
     try:
-        return get_sbd_metadata(model)[0] is not None
-    except Exception:  # noqa: BLE001 - not a model sbd_ext understands: not an SBD checkpoint
+        return f.is_file() and "sbd_ext" in f.read_text(errors="replace")
+    except OSError:
         return False
 
 
+def _sbd_generate_not_loaded(model) -> bool:
+    """Whether ``model`` was loaded from a local checkpoint whose ``custom_generate/`` is SBD's, without it (loaded
+    with it, the instance's own ``generate`` is SBD's and transformers' is never called)."""
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return bool(folder) and isinstance(folder, str) and _folder_has_sbd_generate(folder)
+
+
 def warn_next_token_generate() -> None:
-    """Make transformers' own ``generate`` warn, once per process, when it decodes an SBD model (a mask token in its
-    config) next-token: an SBD checkpoint loaded without ``trust_remote_code=True`` (its ``custom_generate/`` is not
-    run), or an SBD model in memory called without ``custom_generate=``. Next-token decoding is a right answer, but
-    not the SBD the checkpoint promises, and nothing else tells the user. ``import sbd_ext`` calls this; idempotent;
-    the warning's category is ``UserWarning`` (filter it with ``warnings.filterwarnings``)."""
+    """Make transformers' own ``generate`` warn, once per process, when it decodes next-token a checkpoint whose
+    ``custom_generate/`` is SBD's: one loaded without ``trust_remote_code=True`` (transformers then does not run
+    it). Next-token decoding is a right answer, but not the SBD the checkpoint promises, and nothing else tells the
+    user. Deliberate next-token calls on SBD models in memory (baselines, the recipe's rehearsal) do not warn.
+    ``import sbd_ext`` calls this; idempotent; the warning's category is ``UserWarning``."""
     from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin.generate
@@ -150,14 +158,13 @@ def warn_next_token_generate() -> None:
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         global _WARNED_NEXT_TOKEN
-        if not _WARNED_NEXT_TOKEN and kwargs.get("custom_generate") is None and _is_sbd_model(self):
+        if not _WARNED_NEXT_TOKEN and kwargs.get("custom_generate") is None and _sbd_generate_not_loaded(self):
             _WARNED_NEXT_TOKEN = True
             warnings.warn(
-                "this model is an SBD model (its config has a mask_token_id), but transformers' own generate is "
-                "decoding it next-token, one token per forward: its SBD generate was not loaded. Load the checkpoint "
-                "with from_pretrained(..., trust_remote_code=True) (the folder's custom_generate/ then decodes with "
-                "SBD), pass custom_generate=str(sbd_ext.integration.CUSTOM_GENERATE_DIR), trust_remote_code=True, or "
-                "call sbd_ext.generate(model, ids). (Shown once.)",
+                f"{self.name_or_path} is a Set Block Decoding checkpoint, but transformers' own generate is decoding "
+                "it next-token, one token per forward: its custom_generate/ was not loaded. Load it with "
+                "from_pretrained(..., trust_remote_code=True) (then model.generate decodes with SBD), or call "
+                "sbd_ext.generate(model, ids). (Shown once.)",
                 UserWarning,
                 stacklevel=2,
             )
