@@ -244,3 +244,20 @@ def test_two_forward_ablation_gives_the_fused_tokens_in_more_forwards():
     assert torch.equal(split.sequences, ref.sequences)
     n_cycles = int(fused.nfe.max())
     assert steps[0].forwards > n_cycles  # the prefill is one forward; every later cycle two
+
+
+def test_greedy_answers_of_a_ragged_batch_equal_one_prompt_at_a_time():
+    """The self-distillation data: each answer is the base's own greedy continuation of its prompt, whatever the
+    other prompts of the batch (left padding removed), cut after EOS."""
+    from sbd_ext.recipes.smollm2.drafter import greedy_answers
+
+    base = tiny_llama(seed=16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, MASK_ID, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    eos = 7
+    got = greedy_answers(base, prompts, 12, eos, 0)
+    for p, a in zip(prompts, got, strict=True):
+        ref = sbd_ext.generate(base, torch.tensor([p]), mode="ntp", max_new_tokens=12, eos_token_id=eos)
+        want = ref.sequences[0, len(p) :].tolist()
+        want = want[: want.index(eos) + 1] if eos in want else want[:12]
+        assert a == want and len(a) >= 1

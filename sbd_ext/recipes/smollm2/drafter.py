@@ -56,12 +56,9 @@ def _prompt_ids(tok, text: str) -> list[int]:
     return checkpoint.chat_prompt(tok, text)
 
 
-@torch.no_grad()
 def make_samples(out: Path, n: int, max_new_tokens: int, batch_size: int = 16, seed: int = 0) -> Path:
     """The base model's greedy answers to ``n`` training prompts, appended to ``out/samples.pt`` batch by batch
     (a list of {"prompt", "prompt_ids", "answer_ids"}); returns the file. Resumes where an earlier call stopped."""
-    import sbd_ext
-
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
     done = torch.load(path, weights_only=True) if path.is_file() else []
@@ -75,27 +72,32 @@ def make_samples(out: Path, n: int, max_new_tokens: int, batch_size: int = 16, s
     for lo in range(len(done), n, batch_size):
         chunk = prompts[lo : lo + batch_size]
         ids = [_prompt_ids(tok, p) for p in chunk]
-        P = max(len(x) for x in ids)
-        inp = torch.full((len(ids), P), tok.pad_token_id or 0, dtype=torch.long)
-        att = torch.zeros((len(ids), P), dtype=torch.long)
-        for i, x in enumerate(ids):  # left padding
-            inp[i, P - len(x) :] = torch.tensor(x)
-            att[i, P - len(x) :] = 1
-        res = sbd_ext.generate(
-            model, inp, att, mode="ntp", max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
+        answers = greedy_answers(model, ids, max_new_tokens, eos, tok.pad_token_id or 0)
+        done.extend(
+            {"prompt": p, "prompt_ids": x, "answer_ids": a} for p, x, a in zip(chunk, ids, answers, strict=True)
         )
-        for i, p in enumerate(chunk):
-            seq = res.sequences[i, P:].tolist()
-            ans = []
-            for t in seq:
-                ans.append(t)
-                if t == eos:
-                    break
-            ans = [t for t in ans if t != (tok.pad_token_id if tok.pad_token_id != eos else -1)]
-            done.append({"prompt": p, "prompt_ids": ids[i], "answer_ids": ans})
         torch.save(done, path)
         print(f"drafter data: {len(done)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
     return path
+
+
+@torch.no_grad()
+def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int) -> list[list[int]]:
+    """The model's greedy answers (sbd_ext's NTP decoding, one batch, left padding) to ``prompts``: each the
+    generated tokens up to and including ``eos`` (or ``max_new_tokens`` of them)."""
+    import sbd_ext
+
+    P = max(len(x) for x in prompts)
+    inp = torch.full((len(prompts), P), pad, dtype=torch.long)
+    att = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, x in enumerate(prompts):  # left padding
+        inp[i, P - len(x) :] = torch.tensor(x)
+        att[i, P - len(x) :] = 1
+    res = sbd_ext.generate(
+        model, inp, att, mode="ntp", max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
+    )
+    # row i of sequences: its prompt without padding, then its generated tokens
+    return [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
 
 
 def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int, seed: int) -> list[dict]:
