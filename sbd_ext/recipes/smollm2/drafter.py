@@ -4,6 +4,7 @@ Three resumable stages over one run folder (nothing downloaded; the base comes f
 
     python -m sbd_ext.recipes.smollm2.drafter data  --out runs/drafter [--n 1024 --max-new-tokens 128]
     python -m sbd_ext.recipes.smollm2.drafter train --out runs/drafter [--steps 2000 --resume]
+    python -m sbd_ext.recipes.smollm2.drafter eval  --artifact runs/drafter/artifact [--n 16]
     python -m sbd_ext.recipes.smollm2.drafter ship  --out runs/drafter [--dest DIR]
 
 * ``data``: the base model's greedy answers (sbd_ext's NTP decoding, batched) to :func:`.prompts.training_prompts`
@@ -169,6 +170,9 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     def log(rec):
         with open(curve, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        if rec["step"] % (4 * cfg.log_every) == 0:  # an artifact to evaluate while the run goes on
+            fields = _sbd_fields(cfg, len(samples)) | {"steps_done": rec["step"]}
+            drafter_mod.save_drafter(model, out / "artifact", fields, "SmolLM2-135M-Instruct")
 
     history = train_loop(
         model,
@@ -195,7 +199,8 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         "machine": platform.processor() or platform.machine(),
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
-    drafter_mod.save_drafter(model, out / "artifact", _sbd_fields(cfg, len(samples)), "SmolLM2-135M-Instruct")
+    fields = _sbd_fields(cfg, len(samples)) | {"steps_done": cfg.steps}
+    drafter_mod.save_drafter(model, out / "artifact", fields, "SmolLM2-135M-Instruct")
     return record
 
 
@@ -210,6 +215,56 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
         f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, on {n_samples} self-distilled answers",
     }
+
+
+def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], batch_size: int = 8) -> list[dict]:
+    """Tokens per forward of each decoding ``settings`` (dicts of sbd_ext.generate keywords) with the drafter in
+    ``artifact`` on the first ``n`` held-out prompts, and whether verify / NTP equal the base's NTP decoding."""
+    import sbd_ext
+
+    from ...demo import models
+    from .prompts import eval_prompts
+
+    model, tok = models.load(artifact)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [_prompt_ids(tok, p["text"]) for p in eval_prompts()[:n]]
+
+    def run(**kw):
+        toks, nfe, answers = 0, 0, []
+        for lo in range(0, len(prompts), batch_size):
+            chunk = prompts[lo : lo + batch_size]
+            P = max(len(x) for x in chunk)
+            inp = torch.zeros((len(chunk), P), dtype=torch.long)
+            att = torch.zeros_like(inp)
+            for i, x in enumerate(chunk):
+                inp[i, P - len(x) :] = torch.tensor(x)
+                att[i, P - len(x) :] = 1
+            res = sbd_ext.generate(model, inp, att, max_new_tokens=max_new_tokens, eos_token_id=eos, **kw)
+            toks += int(res.num_generated.sum())
+            nfe += int(res.nfe.sum())
+            answers += [
+                res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(chunk)
+            ]
+        return toks, nfe, answers
+
+    t0 = time.time()
+    ntp_toks, ntp_nfe, ntp_answers = run(mode="ntp", verify=False)
+    rows = [{"mode": "ntp", "tokens": ntp_toks, "nfe": ntp_nfe, "tokens_per_forward": round(ntp_toks / ntp_nfe, 3)}]
+    for kw in settings:
+        toks, nfe, answers = run(**kw)
+        same = sum(a == b for a, b in zip(answers, ntp_answers, strict=True))
+        rows.append(
+            {
+                **kw,
+                "tokens": toks,
+                "nfe": nfe,
+                "tokens_per_forward": round(toks / nfe, 3),
+                "equal_to_ntp": f"{same}/{len(prompts)}",
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"drafter eval: {n} prompts, {max_new_tokens} new tokens, {time.time() - t0:.0f} s", flush=True)
+    return rows
 
 
 def ship(out: Path, dest: Path, generation: dict) -> Path:
@@ -241,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("steps", "batch_size", "max_len", "rank", "warmup", "seed", "checkpoint_every", "log_every"):
         t.add_argument("--" + f.replace("_", "-"), type=int)
     t.add_argument("--lr", type=float)
+    e = sub.add_parser("eval")
+    e.add_argument("--artifact", required=True)
+    e.add_argument("--n", type=int, default=16)
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8])
+    e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0])
+    e.add_argument("--threads", type=int)
+    e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
     s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2"))
@@ -250,9 +313,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    out = Path(getattr(args, "out", "") or ".")
     if args.cmd == "data":
         make_samples(out, args.n, args.max_new_tokens, args.batch_size)
+    elif args.cmd == "eval":
+        settings = [
+            dict(block_size=k, verify=True, sampler="eb", threshold=g)
+            for k in args.block_sizes
+            for g in args.thresholds
+        ]
+        settings += [dict(block_size=k, verify=False, sampler="eb", threshold=0.35) for k in args.block_sizes]
+        rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     elif args.cmd == "train":
         over = {k: v for k, v in vars(args).items() if k in DrafterConfig.__dataclass_fields__ and v is not None}
         train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
