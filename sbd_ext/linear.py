@@ -50,7 +50,10 @@ class RowLinear(nn.Linear):
             and w.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            out = row_linear(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+            x2 = x.reshape(rows, x.shape[-1])  # a view where it can be: rows may stay strided, K may not
+            if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            out = row_linear(x2, w).view(*x.shape[:-1], w.shape[0])
             return out if self.bias is None else out + self.bias
         return F.linear(x, w, self.bias)
 

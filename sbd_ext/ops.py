@@ -249,4 +249,19 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
 
 @torch.library.register_fake("sbd_ext::row_linear")
 def _row_linear_fake(x, weight):
+    # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, device. This is
+    # also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"row_linear: {name} must have dtype Float, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
+    if weight.device != x.device:
+        raise RuntimeError(
+            f"row_linear: weight is on {weight.device} but x is on {x.device}; all tensors must be on the same device"
+        )
+    torch._check_value(
+        weight.shape[1] == x.shape[1],
+        lambda: f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}",
+    )
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -123,6 +123,45 @@ def test_no_backward():
         _check(sbd_ext.row_linear(x, w), x, w.detach())
 
 
+@pytest.mark.parametrize("which", ["x", "weight", "x, weight"])
+def test_no_backward_past_the_wrapper(which):
+    """torch.ops.sbd_ext.row_linear directly: an input requiring grad is refused (issue 35, item 9), not an output
+    that requires grad and a backward that leaves x.grad None; without grad mode it computes."""
+    x, w = _case(3, 5, 4, seed=6, device="cpu")
+    x.requires_grad_("x" in which.split(", "))
+    w.requires_grad_("weight" in which.split(", "))
+    with pytest.raises(RuntimeError, match=rf"row_linear has no backward, but {which} require\(s\) grad"):
+        torch.ops.sbd_ext.row_linear(x, w)
+    with torch.no_grad():
+        y = torch.ops.sbd_ext.row_linear(x, w)
+    assert not y.requires_grad
+    _check(y, x.detach(), w.detach())
+    with torch.inference_mode():
+        _check(torch.ops.sbd_ext.row_linear(x, w), x.detach(), w.detach())
+
+
+def test_fake_kernel_checks_what_the_binding_checks():
+    """The fake (and Meta) kernel refuses what the CPU binding refuses instead of returning a shape (item 9)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.sbd_ext.row_linear
+    with FakeTensorMode():
+        x, w = torch.empty(4, 64), torch.empty(5, 64)
+        assert op(x, w).shape == (4, 5) and op(x, w).dtype == torch.float32
+        with pytest.raises(ValueError, match=r"weight.size\(1\) must equal x.size\(1\) \(K\) = 64"):
+            op(x, torch.empty(5, 63))
+        with pytest.raises(TypeError, match="weight must have dtype Float"):
+            op(x, torch.empty(5, 64, dtype=torch.float64))
+        with pytest.raises(ValueError, match="x must be 2-D"):
+            op(torch.empty(2, 4, 64), w)
+    meta = torch.empty(4, 64, device="meta")
+    assert op(meta, torch.empty(5, 64, device="meta")).shape == (4, 5)
+    with pytest.raises(RuntimeError, match="weight is on cpu but x is on meta"):
+        op(meta, torch.empty(5, 64))
+    with pytest.raises(ValueError, match=r"weight.size\(1\) must equal"):
+        op(meta, torch.empty(5, 63, device="meta"))
+
+
 # ---- RowLinear in a model -------------------------------------------------------------------------------------
 class _Quantised(nn.Linear):
     """A subclass of nn.Linear with its own forward: use_row_linear must leave it alone."""
@@ -191,3 +230,25 @@ def test_generate_switches_an_fp32_cpu_model_and_matches_the_plain_linears():
     ref = sbd_ext.generate(plain, prompt, max_new_tokens=12, block_size=4, threshold=0.35)
     assert type(model.lm_head) is RowLinear and type(plain.lm_head) is nn.Linear
     assert torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(8, 3).t(),  # 2-D, transposed: K is the strided dimension (issue 35, item 14)
+        lambda: torch.randn(3, 16)[:, ::2],  # 2-D, every other column
+        lambda: torch.randn(4, 3, 8).transpose(0, 1),  # 3-D, rows permuted (reshape copies)
+        lambda: torch.randn(1, 8).expand(5, 8),  # stride-0 rows
+        lambda: torch.randn(8),  # 1-D
+    ],
+)
+def test_row_linear_layer_takes_any_input_nn_linear_takes(make):
+    """A RowLinear computes wherever nn.Linear computes (a non-contiguous view included) and equals it."""
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 6)
+    fast = nn.Linear(8, 6)
+    fast.load_state_dict(plain.state_dict())
+    use_row_linear(fast)
+    x = make()
+    with torch.no_grad():
+        assert_close(fast(x), plain(x), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,38 @@
+// Autograd kernels. The ops have no backward; an op over differentiable inputs must then refuse inputs that
+// require grad while grad mode is on, or torch.ops.sbd_ext.<op> returns an output that requires grad and whose
+// backward leaves the inputs' .grad None (the autograd fallback's silent answer). sbd_ext/ops.py's wrappers refuse
+// them too, with the same message; this covers a direct torch.ops call.
+//
+// row_linear: x and weight are differentiable (it is a linear layer). block_attention, entropy_sample and
+// mask_replace are not covered here (sbd_ext/ops.py refuses their differentiable inputs).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace sbd_ext {
+namespace {
+
+at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight) {
+  if (c10::GradMode::is_enabled()) {
+    std::string grads;
+    if (x.defined() && x.requires_grad()) grads = "x";
+    if (weight.defined() && weight.requires_grad()) grads += grads.empty() ? "weight" : ", weight";
+    TORCH_CHECK(grads.empty(), "row_linear has no backward, but ", grads,
+                " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs "
+                "(for training use torch.nn.functional.linear)");
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("sbd_ext::row_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, weight);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sbd_ext, Autograd, m) { m.impl("row_linear", &row_linear_autograd); }
+
+}  // namespace sbd_ext
