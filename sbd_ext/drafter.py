@@ -37,7 +37,6 @@ Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layou
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Iterable
@@ -452,32 +451,22 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
     return cfg
 
 
-# The base loaders an artifact may name: imported and called, so only known ones (code of this package).
-KNOWN_BASE_LOADERS = ("sbd_ext.recipes.smollm2.checkpoint:load_base",)
-
-
-def _base_loader(folder: Path, spec: str):
-    if spec not in KNOWN_BASE_LOADERS:
-        raise ValueError(
-            f"{folder / CONFIG_FILE}: field 'sbd.base_loader' is {spec!r}, not one of the known base "
-            f"loaders {KNOWN_BASE_LOADERS}; refusing to import it"
-        )
-    module, _, func = spec.partition(":")
-    return getattr(importlib.import_module(module), func)
-
-
 def load_drafter(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sbd",
     device: str | torch.device | None = None,
+    trust_base_loader: bool = False,
 ):
-    """``(model, tokenizer)``: the base model the drafter names (its ``base_loader``) with the drafter attached
+    """``(model, tokenizer)``: the base model the drafter names (its ``base_loader``, imported only if it is a known
+    loader or ``trust_base_loader``: see :func:`sbd_ext.adapters.resolve_base_loader`) with the drafter attached
     (gated, not merged), the SBD metadata set, its recommended decoding settings on ``model.generation_config``."""
+    from .adapters import resolve_base_loader
+
     folder = Path(folder)
     cfg = read_drafter_config(folder)
     sbd = cfg["sbd"]
-    loader = _base_loader(folder, sbd.get("base_loader", ""))
+    loader = resolve_base_loader(sbd.get("base_loader", ""), folder / CONFIG_FILE, trust=trust_base_loader)
     model, tok = loader(attn_implementation=attn_implementation)
     load_weights(model, folder, cfg)
     set_sbd_metadata(model, int(sbd["mask_token_id"]), tuple(sbd["sbd_block_size_range"]))
