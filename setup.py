@@ -10,6 +10,12 @@ Environment variables:
   SBD_EXT_NATIVE      1 adds -march=native to the (ISA-independent) C++ sources.
   SBD_EXT_ISAS        a comma-separated subset of DEFAULT,AVX2,AVX512 (with DEFAULT): the CPU kernel variants to build.
   MAX_JOBS            parallel compile jobs (ninja), as for every torch extension.
+  CUDA_HOME/CUDA_PATH the CUDA toolkit, when the nvcc on PATH does not lead to one (see below).
+
+The CUDA toolkit (for a CUDA torch) is found without any variable set: the folder the nvcc on PATH reports as its
+own (``nvcc -v --dryrun``: a wrapper script or link elsewhere leads to the real toolkit), then CUDA_HOME /
+CUDA_PATH, then torch's guess; the first folder holding bin/nvcc and lib64/libcudart is used (the build log names
+it). When nvcc or one of those variables is there but none leads to a toolkit, the build stops and says so.
 
 CPU kernels (csrc/cpu/*_kernel.cpp) are compiled once per instruction set (DEFAULT, and AVX2 / AVX512 on x86-64)
 into namespaces sbd_cpu::<ISA>; the bindings pick the widest one the running CPU supports (csrc/cpu/isa.h), as
@@ -32,7 +38,8 @@ from setuptools import find_packages, setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    import torch.utils.cpp_extension as _cpp_extension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 except ImportError:  # pragma: no cover - only on a machine without torch
     sys.exit(
         "sbd_ext builds against the torch that is installed, and none is. Install it first:\n"
@@ -42,30 +49,27 @@ except ImportError:  # pragma: no cover - only on a machine without torch
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import cuda_toolkit  # noqa: E402  (tools/cuda_toolkit.py: whether to build CUDA, and where its toolkit is)
+
 with open(os.path.join(ROOT, "tools", "build_config.json")) as _f:
     CONFIG = json.load(_f)
 
 
 def _cuda_wanted() -> bool:
-    mode = os.environ.get("SBD_EXT_CUDA", "auto").lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    have = torch.version.cuda is not None and CUDA_HOME is not None
-    if mode in ("1", "on", "true", "yes"):
-        if not have:
-            sys.exit(
-                "SBD_EXT_CUDA=1 but the CUDA kernels cannot be built: "
-                f"torch {torch.__version__} is {'a CUDA' if torch.version.cuda else 'a CPU-only'} build and "
-                f"nvcc is {'at ' + CUDA_HOME if CUDA_HOME else 'not found (set CUDA_HOME)'}."
-            )
-        return True
-    if not have:
-        print(
-            "sbd_ext: building the CPU kernels only "
-            f"(torch {torch.__version__} has no CUDA or nvcc was not found); set SBD_EXT_CUDA=1 to require CUDA.",
-            file=sys.stderr,
+    """Whether to build the CUDA kernels (SBD_EXT_CUDA, torch's build, the toolkit: tools/cuda_toolkit.py); when
+    yes, torch's build is pointed at the toolkit found (its module-level CUDA_HOME: nvcc, includes, libraries)."""
+    try:
+        home = cuda_toolkit.cuda_build_home(
+            os.environ.get("SBD_EXT_CUDA", "auto"), torch.__version__, torch.version.cuda, _cpp_extension.CUDA_HOME
         )
-    return have
+    except cuda_toolkit.ToolkitError as e:
+        sys.exit(str(e))
+    if home is None:
+        return False
+    _cpp_extension.CUDA_HOME = home
+    os.environ["CUDA_HOME"] = home
+    return True
 
 
 # Per-ISA flags (tools/build_config.json); the macros select at::vec's implementation (ATen/cpu/vec/vec.h).
@@ -170,7 +174,10 @@ def _extension():
 
 
 setup(
-    packages=find_packages(include=["sbd_ext", "sbd_ext.*"]),
+    # custom_generate is transformers' remote-code folder (generate.py + requirements.txt, no __init__.py): listed
+    # as a package of its own so that setuptools installs its module and data without an "absent from the packages
+    # configuration" warning.
+    packages=find_packages(include=["sbd_ext", "sbd_ext.*"]) + ["sbd_ext.integration.custom_generate"],
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtWithISA.with_options(use_ninja=True)},
 )

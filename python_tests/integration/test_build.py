@@ -1,0 +1,103 @@
+"""The build's configuration (setup.py, tools/cuda_toolkit.py): the CUDA toolkit is found through an nvcc wrapper
+with no environment variable set, a missing toolkit is a clear error, and setuptools' package list is complete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import cuda_toolkit  # noqa: E402
+
+
+def _toolkit(folder: Path, with_cudart: bool = True) -> Path:
+    """A fake toolkit: bin/nvcc answering ``-v --dryrun`` as nvcc does (``#$ TOP=<its bin>/..``), lib64/libcudart."""
+    (folder / "bin").mkdir(parents=True)
+    nvcc = folder / "bin" / "nvcc"
+    here = folder / "bin"
+    nvcc.write_text(f'#!/bin/sh\necho "#\\$ _HERE_={here}" >&2\necho "#\\$ TOP={here}/.." >&2\n')
+    nvcc.chmod(0o755)
+    if with_cudart:
+        (folder / "lib64").mkdir()
+        (folder / "lib64" / "libcudart.so").write_bytes(b"")
+    return folder
+
+
+def _wrapper(folder: Path, target: Path) -> Path:
+    """An nvcc on PATH that is a script outside the toolkit (as /usr/local/bin/nvcc on the CPU machines)."""
+    folder.mkdir(parents=True)
+    (folder / "nvcc").write_text(f'#!/bin/sh\nexec {target / "bin" / "nvcc"} "$@"\n')
+    (folder / "nvcc").chmod(0o755)
+    return folder
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    return monkeypatch
+
+
+def test_toolkit_found_through_an_nvcc_wrapper(tmp_path, clean_env):
+    kit = _toolkit(tmp_path / "cuda-13.0")
+    wrapper = _wrapper(tmp_path / "usr" / "bin", kit)
+    clean_env.setenv("PATH", str(wrapper))
+    torch_guess = str(wrapper.parent)  # torch's guess: the folder above the nvcc on PATH (no libcudart there)
+    assert not cuda_toolkit.is_toolkit(torch_guess)
+    home, _ = cuda_toolkit.find_cuda_home(torch_guess)
+    assert Path(home).resolve() == kit.resolve()
+    assert Path(cuda_toolkit.cuda_build_home("auto", "2.14.1", "13.0", torch_guess)).resolve() == kit.resolve()
+
+
+def test_cuda_home_is_used_when_nvcc_leads_nowhere(tmp_path, clean_env):
+    kit = _toolkit(tmp_path / "cuda")
+    clean_env.setenv("PATH", str(tmp_path / "empty"))
+    clean_env.setenv("CUDA_HOME", str(kit))
+    assert cuda_toolkit.find_cuda_home(None)[0] == str(kit)
+
+
+def test_no_toolkit_is_a_clear_error(tmp_path, clean_env):
+    kit = _toolkit(tmp_path / "cuda-13.0", with_cudart=False)  # nvcc, but no CUDA runtime library
+    clean_env.setenv("PATH", str(_wrapper(tmp_path / "usr" / "bin", kit)))
+    with pytest.raises(cuda_toolkit.ToolkitError, match=r"no CUDA toolkit .*cuda-13.0.*Set CUDA_HOME"):
+        cuda_toolkit.cuda_build_home("auto", "2.14.1", "13.0", str(tmp_path / "usr"))
+    assert cuda_toolkit.cuda_build_home("0", "2.14.1", "13.0", None) is None  # SBD_EXT_CUDA=0: CPU only, no error
+
+
+def test_cpu_builds_without_a_toolkit(tmp_path, clean_env):
+    clean_env.setenv("PATH", str(tmp_path / "empty"))
+    assert cuda_toolkit.cuda_build_home("auto", "2.14.1", "13.0", None) is None  # no nvcc, nothing named: CPU
+    assert cuda_toolkit.cuda_build_home("auto", "2.13.0+cpu", None, None) is None  # a CPU torch
+    with pytest.raises(cuda_toolkit.ToolkitError, match="CPU-only build"):
+        cuda_toolkit.cuda_build_home("1", "2.13.0+cpu", None, None)
+    with pytest.raises(cuda_toolkit.ToolkitError, match="no CUDA toolkit"):
+        cuda_toolkit.cuda_build_home("1", "2.14.1", "13.0", None)
+    with pytest.raises(cuda_toolkit.ToolkitError, match="SBD_EXT_CUDA='maybe'"):
+        cuda_toolkit.cuda_build_home("maybe", "2.14.1", "13.0", None)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on PATH")
+def test_this_machines_nvcc_leads_to_its_toolkit(clean_env):
+    home, tried = cuda_toolkit.find_cuda_home(None)
+    assert home is not None, tried
+    assert cuda_toolkit.is_toolkit(home)
+
+
+def test_setuptools_sees_every_package(tmp_path):
+    """build_py lists every importable folder of sbd_ext (custom_generate, transformers' remote-code folder, too):
+    no 'absent from the packages configuration' warning, and custom_generate's files are installed."""
+    env = {**os.environ, "SBD_EXT_CUDA": "0", "PYTHONWARNINGS": "default"}
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "absent from the `packages` configuration" not in r.stdout + r.stderr
+    gen = tmp_path / "out" / "sbd_ext" / "integration" / "custom_generate"
+    assert (gen / "generate.py").is_file() and (gen / "requirements.txt").is_file()
