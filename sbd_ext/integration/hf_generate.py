@@ -5,8 +5,10 @@ Settings flow (highest first): explicit ``sbd_*`` keywords of the call > the per
 the SBD fields ``sbd_block_size``, ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode`` (and
 ``sbd_seed``: the Philox seed; when unset, drawn from torch's default generator, so ``torch.manual_seed`` makes a
 sampled call reproducible, as in HF). HF's own fields keep HF's meaning: ``do_sample=False`` -> greedy,
-``temperature``, ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``pad_token_id``. What SBD cannot honour
-(beams, logits processors, top-k / top-p, penalties, stop strings, ...) is refused with a ValueError naming it.
+``temperature``, ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``pad_token_id`` (without
+``attention_mask``, the pad id marks padding unless it is an EOS id, as in HF). What SBD cannot honour (beams, logits
+processors, top-k / top-p / top-h, penalties, stop strings, ``max_time``, DoLa, token healing, ...) is refused with a
+ValueError naming it, and so is an unknown ``sbd_*`` field. ``generation_config`` may be a dict of its fields.
 Sampling draws from the full softmax(logits / temperature): HF's implicit top-k of 50 for an unset ``top_k`` does
 not apply (an explicit one is refused).
 """
