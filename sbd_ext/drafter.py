@@ -37,8 +37,10 @@ Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -59,6 +61,9 @@ __all__ = [
     "save_drafter",
     "load_drafter",
     "is_drafter",
+    "unwrapped",
+    "attach_from_checkpoint",
+    "CHECKPOINT_SUBFOLDER",
     "read_drafter_config",
     "PEFT_TYPE",
     "CONFIG_FILE",
@@ -68,6 +73,7 @@ __all__ = [
 PEFT_TYPE = "SBD_GATED_LORA"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+CHECKPOINT_SUBFOLDER = "sbd_drafter"  # where an exported checkpoint keeps its drafter (sbd-ext export)
 _MASK_ROW_KEY = "sbd_mask_row"
 _PREFIX = "base_model.model."
 
@@ -476,3 +482,58 @@ def load_drafter(
     if device is not None:
         model.to(device)
     return model.eval(), tok
+
+
+@contextlib.contextmanager
+def unwrapped(model: nn.Module):
+    """Inside the block ``model`` is its plain base (the wrapped layers put back, the hooks removed, no
+    ``sbd_drafter``): e.g. to ``save_pretrained`` the base weights under their own names. The drafter is restored
+    after the block (the same parameters)."""
+    drafter = get_drafter(model)
+    if drafter is None:
+        yield model
+        return
+    wrapped = []
+    for name, m in drafter.lora_modules(model):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, m.base)
+        wrapped.append((owner, child, m))
+    row = drafter.mask_row.row.detach().clone()
+    drafter.mask_row.remove()
+    drafter._hook.remove()
+    drafter._post.remove()
+    del model.sbd_drafter
+    try:
+        yield model
+    finally:
+        for owner, child, m in wrapped:
+            setattr(owner, child, m)
+        decoder = model.get_decoder()
+        drafter._hook = decoder.register_forward_pre_hook(drafter._gate_from_plan, with_kwargs=True)
+        drafter._post = decoder.register_forward_hook(drafter._clear_plan_gate, with_kwargs=True)
+        drafter.mask_row = GatedMaskRow(model, drafter.mask_token_id, drafter.holder)
+        with torch.no_grad():
+            drafter.mask_row.row.copy_(row)
+        drafter.mask_row.row.requires_grad_(row.requires_grad)
+        model.sbd_drafter = drafter
+
+
+_ATTACH_LOCK = threading.Lock()
+
+
+def attach_from_checkpoint(model: nn.Module) -> bool:
+    """Attach the drafter an exported checkpoint carries (``<checkpoint>/sbd_drafter/``, written by ``sbd-ext
+    export``) to ``model`` loaded from that checkpoint, once; returns whether the model has a drafter afterwards.
+    Called by ``model.generate``'s SBD path (``custom_generate``), so a checkpoint loaded with
+    ``from_pretrained(dir, trust_remote_code=True)`` decodes with its drafter without any other step."""
+    if get_drafter(model) is not None:
+        return True
+    folder = Path(str(getattr(model, "name_or_path", "") or "")) / CHECKPOINT_SUBFOLDER
+    if not is_drafter(folder):
+        return False
+    with _ATTACH_LOCK:
+        if get_drafter(model) is None:
+            load_weights(model, folder)
+            model.eval()
+    return True

@@ -261,3 +261,26 @@ def test_greedy_answers_of_a_ragged_batch_equal_one_prompt_at_a_time():
         want = ref.sequences[0, len(p) :].tolist()
         want = want[: want.index(eos) + 1] if eos in want else want[:12]
         assert a == want and len(a) >= 1
+
+
+def test_unwrapped_saves_the_base_and_a_checkpoint_reattaches_its_drafter(tmp_path):
+    base, model = _with_drafter(seed=18)
+    ids, att = random_prompts([5, 7], seed=19)
+    kw = dict(max_new_tokens=12, block_size=4)
+    before = sbd_ext.generate(model, ids, att, **kw)
+    with drafter.unwrapped(model) as plain:
+        assert drafter.get_drafter(plain) is None
+        keys = set(plain.state_dict())
+        assert keys == set(base.state_dict())  # the base's own names: a plain checkpoint
+        plain.save_pretrained(tmp_path)
+    drafter.save_drafter(model, tmp_path / drafter.CHECKPOINT_SUBFOLDER, {"sbd_block_size_range": [2, 8]})
+    after = sbd_ext.generate(model, ids, att, **kw)  # restored, mask row included
+    assert torch.equal(before.sequences, after.sequences)
+
+    from transformers import LlamaForCausalLM
+
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sbd").eval()
+    assert drafter.get_drafter(loaded) is None
+    assert drafter.attach_from_checkpoint(loaded) and drafter.attach_from_checkpoint(loaded)
+    assert torch.equal(sbd_ext.generate(loaded, ids, att, **kw).sequences, before.sequences)
+    assert not drafter.attach_from_checkpoint(base)  # no checkpoint folder: nothing attached
