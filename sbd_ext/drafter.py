@@ -326,9 +326,17 @@ def distill_loss(
 # --------------------------------------------------------------------------------------------------------
 # artifact
 # --------------------------------------------------------------------------------------------------------
-def save_drafter(model: nn.Module, folder: str | Path, sbd: dict, base_model_name_or_path: str = "") -> int:
+def save_drafter(
+    model: nn.Module,
+    folder: str | Path,
+    sbd: dict,
+    base_model_name_or_path: str = "",
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Write the drafter of ``model`` into ``folder`` (see module doc); ``sbd``: the SBD fields (``base_loader``,
-    ``sbd_block_size_range``, ``generation``, provenance). Returns the folder's size in bytes."""
+    ``sbd_block_size_range``, ``generation``, provenance). The LoRA factors are stored in ``dtype`` (bf16: half the
+    size; the drafter only drafts, so its rounding never changes verified output), the mask row in fp32. Returns
+    the folder's size in bytes."""
     from safetensors.torch import save_file
 
     drafter = get_drafter(model)
@@ -338,8 +346,8 @@ def save_drafter(model: nn.Module, folder: str | Path, sbd: dict, base_model_nam
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, m in drafter.lora_modules(model):
-        tensors[f"{_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
-        tensors[f"{_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().to(dtype).cpu().contiguous()
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().to(dtype).cpu().contiguous()
     tensors[_MASK_ROW_KEY] = drafter.mask_row.row.detach().float().cpu().contiguous()
     save_file(tensors, folder / WEIGHTS_FILE)
     config = {

@@ -142,7 +142,7 @@ def test_artifact_round_trip_and_refusals(tmp_path):
         "sbd_block_size_range": [2, 8],
         "generation": {"sbd_block_size": 4},
     }
-    drafter.save_drafter(model, tmp_path / "d", sbd)
+    drafter.save_drafter(model, tmp_path / "d", sbd, dtype=torch.float32)
     assert drafter.is_drafter(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / drafter.CONFIG_FILE).read_text())
     assert cfg["peft_type"] == drafter.PEFT_TYPE and cfg["r"] == 4 and cfg["sbd"]["gated"] is True
@@ -191,6 +191,11 @@ def test_no_second_drafter_and_no_ungated_peft_load(tmp_path):
     with pytest.raises(ValueError, match="already"):
         drafter.attach(model, MASK_ID)
     drafter.save_drafter(model, tmp_path, {"sbd_block_size_range": [2, 8]})
+    from safetensors.torch import load_file
+
+    stored = load_file(tmp_path / drafter.WEIGHTS_FILE)
+    assert {t.dtype for k, t in stored.items() if "lora_" in k} == {torch.bfloat16}  # the default: half the size
+    assert stored["sbd_mask_row"].dtype == torch.float32
     cfg = json.loads((tmp_path / drafter.CONFIG_FILE).read_text())
     assert cfg["peft_type"] not in ("LORA", "ALORA")  # a plain PeftModel would apply it to every row
 
@@ -273,7 +278,9 @@ def test_unwrapped_saves_the_base_and_a_checkpoint_reattaches_its_drafter(tmp_pa
         keys = set(plain.state_dict())
         assert keys == set(base.state_dict())  # the base's own names: a plain checkpoint
         plain.save_pretrained(tmp_path)
-    drafter.save_drafter(model, tmp_path / drafter.CHECKPOINT_SUBFOLDER, {"sbd_block_size_range": [2, 8]})
+    drafter.save_drafter(
+        model, tmp_path / drafter.CHECKPOINT_SUBFOLDER, {"sbd_block_size_range": [2, 8]}, dtype=torch.float32
+    )
     after = sbd_ext.generate(model, ids, att, **kw)  # restored, mask row included
     assert torch.equal(before.sequences, after.sequences)
 

@@ -43,10 +43,10 @@ BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
 class DrafterConfig:
     steps: int = 2000
     batch_size: int = 8
-    max_len: int = 192
+    max_len: int = 160
     lr: float = 2e-3
     warmup: int = 20
-    rank: int = 32
+    rank: int = 16
     block_size_range: tuple[int, int] = (2, 16)
     seed: int = 0
     log_every: int = 5
