@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .. import adapters
+from .. import adapters, drafter
 from ..integration import save_pretrained
 from ..integration.chat import chat_template_for
 from ..metadata import MASK_TOKEN_ATTR
@@ -147,6 +147,14 @@ Serve it: `transformers serve PATH --trust-remote-code` (not `--continuous-batch
 """
 
 
+def _drafter_fields(name_or_path) -> dict:
+    """The SBD fields of the source drafter, as an exported checkpoint keeps them (its base is the checkpoint)."""
+    sbd = dict(drafter.read_drafter_config(models.path(name_or_path))["sbd"])
+    sbd.pop("mask_token_id", None)  # save_drafter writes the attached drafter's own
+    sbd.pop("gated", None)
+    return sbd
+
+
 def export(name_or_path: str | Path, dest: str | Path, plain: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """Save the embedded model ``name_or_path`` (or a model folder / SBD artifact) to ``dest`` as described in the
     module docstring; returns ``dest``. ``dest`` must be a new or empty folder; without ``plain`` the model must be
@@ -171,12 +179,18 @@ def export(name_or_path: str | Path, dest: str | Path, plain: bool = False, dtyp
     # model config on load, dropping every sbd_* field: this one is the checkpoint's own.
     gc._from_model_config = False
     fields = {} if plain else recommended_settings(info)
-    if plain:
-        model.save_pretrained(dest)
-    else:
-        for key, value in fields.items():
-            setattr(gc, key, value)
-        save_pretrained(model, dest)
+    gated = drafter.get_drafter(model) is not None
+    if gated and not plain:  # the drafter's recommended settings (its adapter_config.json)
+        fields = dict(drafter.read_drafter_config(models.path(name_or_path))["sbd"].get("generation", {}))
+    with drafter.unwrapped(model) as base:  # a gated drafter is saved beside the base, never merged into it
+        if plain:
+            base.save_pretrained(dest)
+        else:
+            for key, value in fields.items():
+                setattr(gc, key, value)
+            save_pretrained(base, dest)
+    if gated and not plain:
+        drafter.save_drafter(model, dest / drafter.CHECKPOINT_SUBFOLDER, _drafter_fields(name_or_path))
     tok.save_pretrained(dest)
     if info:  # the prompt format, task and settings, for sbd-ext generate --model DEST
         (dest / "sbd_demo.json").write_text(json.dumps(info, indent=1) + "\n")

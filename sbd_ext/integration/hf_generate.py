@@ -27,6 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..decoding.api import generate as sbd_generate
 from ..decoding.gen_config import KNOWN_SBD_FIELDS, SBD_FIELDS, layered_settings, sbd_fields
+from ..drafter import attach_from_checkpoint
 from .hooks import (  # noqa: F401  (refuse_continuous_batching: called by checkpoints' custom_generate/generate.py)
     REQUEST_SAMPLES,
     end_stream_with_error,
@@ -286,6 +287,7 @@ def generate(
 
 
 def _generate(model, inputs, generation_config, streamer, kwargs: dict):
+    attach_from_checkpoint(model)  # an exported checkpoint's gated drafter (sbd_drafter/), once
     args = {name: kwargs.pop(name, None) for name in _REFUSED_ARGS}
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not isinstance(input_ids, torch.Tensor):

@@ -1,0 +1,187 @@
+"""The gate: :class:`GatedLoRALinear` adapters and the mask row, on the set-block rows only (see
+:mod:`sbd_ext.drafter`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters import LORA_TARGETS, MaskRow
+
+
+class RowGate:
+    """The per-row gate shared by every adapter of one model: ``None`` (adapter off) or a [B, T, 1] tensor."""
+
+    def __init__(self):
+        self.gate: torch.Tensor | None = None
+
+
+class GatedLoRALinear(nn.Module):
+    """``base(x) + gate · scale · (x A^T) B^T`` over a frozen linear layer; with no gate set, exactly ``base(x)``."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, holder: RowGate):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.base = base
+        self.rank, self.scale = int(rank), float(alpha) / int(rank)
+        self.holder = holder
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    @property
+    def weight(self) -> torch.Tensor:  # code that inspects a projection's weight (families, RoPE checks) sees the base
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        gate = self.holder.gate
+        if gate is None:
+            return y
+        delta = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+        return y + delta * gate.to(y.dtype)
+
+
+class GatedMaskRow(MaskRow):
+    """The mask token's trained row, used only while a gate is set (a forward with no gate sees the base's row)."""
+
+    def __init__(self, model: nn.Module, mask_token_id: int, holder: RowGate):
+        super().__init__(model, mask_token_id)
+        self.holder = holder
+
+    def _embed_hook(self, module, args, out):
+        return None if self.holder.gate is None else super()._embed_hook(module, args, out)
+
+    def _head_hook(self, module, args, out):
+        return None if self.holder.gate is None else super()._head_hook(module, args, out)
+
+
+class Drafter(nn.Module):
+    """What :func:`attach` adds to a model (``model.sbd_drafter``): the gate holder, the mask row, the hook."""
+
+    def __init__(self, model: nn.Module, mask_token_id: int, rank: int, alpha: float, targets: tuple[str, ...]):
+        super().__init__()
+        self.holder = RowGate()
+        self.rank, self.alpha, self.targets = int(rank), float(alpha), tuple(sorted(targets))
+        self.mask_token_id = int(mask_token_id)
+        self._hook = model.get_decoder().register_forward_pre_hook(self._gate_from_plan, with_kwargs=True)
+        self._post = model.get_decoder().register_forward_hook(self._clear_plan_gate, with_kwargs=True)
+
+    def _gate_from_plan(self, module, args, kwargs):
+        plan = kwargs.get("sbd_plan")
+        if plan is None:
+            return None  # a forward without a plan keeps whatever gate the caller set (None: the base)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, ids.shape[1], ids.device)
+        return None
+
+    def _clear_plan_gate(self, module, args, kwargs, output):
+        if kwargs.get("sbd_plan") is not None:
+            self.holder.gate = None
+        return None
+
+    def lora_modules(self, model: nn.Module) -> list[tuple[str, GatedLoRALinear]]:
+        return [(n, m) for n, m in model.named_modules() if isinstance(m, GatedLoRALinear)]
+
+
+def gate_rows(n_commit: torch.Tensor, n_valid: torch.Tensor, rows: int, device) -> torch.Tensor:
+    """The block-row gate [B, rows, 1] (float 0/1): row r of sequence b is a set-block row iff
+    ``n_commit[b] <= r < n_valid[b]``."""
+    r = torch.arange(rows, device=device).view(1, rows)
+    lo = n_commit.to(device=device, dtype=torch.long).view(-1, 1)
+    hi = n_valid.to(device=device, dtype=torch.long).view(-1, 1)
+    return ((r >= lo) & (r < hi)).to(torch.float32).unsqueeze(-1)
+
+
+def get_drafter(model: nn.Module) -> Drafter | None:
+    """The gated drafter attached to ``model`` (or None)."""
+    d = getattr(model, "sbd_drafter", None)
+    return d if isinstance(d, Drafter) else None
+
+
+def attach(
+    model: nn.Module,
+    mask_token_id: int,
+    rank: int = 16,
+    alpha: float | None = None,
+    targets: Iterable[str] = LORA_TARGETS,
+) -> list[nn.Parameter]:
+    """Freeze ``model`` and attach a gated drafter (LoRA of ``rank`` on ``targets`` + the mask row); returns the
+    trainable parameters. The model's vocabulary must already hold ``mask_token_id``."""
+    if get_drafter(model) is not None:
+        raise ValueError("the model already has a gated drafter attached")
+    emb = model.get_input_embeddings()
+    if not 0 <= int(mask_token_id) < emb.num_embeddings:
+        raise ValueError(f"mask_token_id {mask_token_id} is not a row of the embedding ({emb.num_embeddings} rows)")
+    alpha = 2.0 * rank if alpha is None else float(alpha)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = tuple(targets)
+    drafter = Drafter(model, mask_token_id, rank, alpha, targets)
+    wrapped = 0
+    for module in list(model.get_decoder().modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                setattr(module, child_name, GatedLoRALinear(child, rank, alpha, drafter.holder))
+                wrapped += 1
+    if not wrapped:
+        drafter._hook.remove()
+        drafter._post.remove()
+        raise ValueError(f"no nn.Linear named one of {targets} in the model: nothing to adapt")
+    drafter.mask_row = GatedMaskRow(model, mask_token_id, drafter.holder)
+    model.sbd_drafter = drafter
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def unwrapped(model: nn.Module):
+    """Inside the block ``model`` is its plain base (the wrapped layers put back, the hooks removed, no
+    ``sbd_drafter``): e.g. to ``save_pretrained`` the base weights under their own names. The drafter is restored
+    after the block (the same parameters)."""
+    drafter = get_drafter(model)
+    if drafter is None:
+        yield model
+        return
+    wrapped = []
+    for name, m in drafter.lora_modules(model):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, m.base)
+        wrapped.append((owner, child, m))
+    row = drafter.mask_row.row.detach().clone()
+    drafter.mask_row.remove()
+    drafter._hook.remove()
+    drafter._post.remove()
+    del model.sbd_drafter
+    try:
+        yield model
+    finally:
+        for owner, child, m in wrapped:
+            setattr(owner, child, m)
+        decoder = model.get_decoder()
+        drafter._hook = decoder.register_forward_pre_hook(drafter._gate_from_plan, with_kwargs=True)
+        drafter._post = decoder.register_forward_hook(drafter._clear_plan_gate, with_kwargs=True)
+        drafter.mask_row = GatedMaskRow(model, drafter.mask_token_id, drafter.holder)
+        with torch.no_grad():
+            drafter.mask_row.row.copy_(row)
+        drafter.mask_row.row.requires_grad_(row.requires_grad)
+        model.sbd_drafter = drafter

@@ -1,0 +1,114 @@
+"""The drafter's training objective: the SBD layout with the clean half run by the frozen base (see
+:mod:`sbd_ext.drafter`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from .. import families
+from ..training.mask import sbd_attention_mask
+from .gate import get_drafter
+
+
+def distill_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    eta: torch.Tensor | None = None,
+    return_parts: bool = False,
+):
+    """The drafter's loss on x [B, L]: the SBD layout of Alg. 1 with the clean half run by the frozen base.
+
+    1. clean half, no autograd, gate off: a causal forward of x, its K/V kept (the noisy half attends to them) and
+       the base's next-token logits at the rows the loss needs (the teacher);
+    2. noisy half, gate on: x with each token replaced by the mask token with probability eta ~ U(0, 1) per
+       sequence, position ids 0..L-1, attending to its own block bidirectionally and to strictly earlier clean
+       blocks (the SBD mask's noisy rows);
+    3. loss: mean over masked positions t with ``loss_mask[b, t]`` (and t >= 1) of KL(p_base(. | x_<t) ||
+       q_drafter), the mask token excluded from both.
+    ``attention_mask`` [B, L]: right padding (1 = token). Returns the loss, or ``(loss, parts)`` with
+    ``mask_accuracy`` (drafter argmax == base argmax) and ``num_masked``.
+    """
+    drafter = get_drafter(model)
+    if drafter is None:
+        raise ValueError("distill_loss: the model has no gated drafter (sbd_ext.drafter.attach)")
+    if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"distill_loss: input_ids [B, L] and loss_mask of the same shape, got "
+            f"{tuple(input_ids.shape)} / {tuple(loss_mask.shape)}"
+        )
+    B, L = input_ids.shape
+    device = input_ids.device
+    k = int(block_size)
+    mask_id = drafter.mask_token_id
+    lengths = (
+        attention_mask.long().sum(1)
+        if attention_mask is not None
+        else torch.full((B,), L, dtype=torch.long, device=device)
+    )
+    pos = torch.arange(L, device=device).view(1, L).expand(B, L)
+    decoder = model.get_decoder()
+    holder = drafter.holder
+
+    # 1. the base on the clean half
+    holder.gate = None
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        clean_hidden = decoder(
+            input_ids=input_ids, position_ids=pos, past_key_values=cache, use_cache=True, attention_mask=attention_mask
+        ).last_hidden_state
+
+    # 2. the noisy half with the adapter
+    if eta is None:
+        eta = torch.rand(B, 1, generator=generator, device="cpu").to(device)
+    noise = torch.rand(B, L, generator=generator, device="cpu").to(device)
+    valid = pos < lengths.view(B, 1)
+    masked = (noise < eta.view(B, 1)) & valid
+    noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+    # Noisy blocks that end before the first position with loss (the prompts) feed no loss and no later block (a
+    # noisy block sees its own block only): they are left out. s: the first block holding a loss position.
+    sel = masked & loss_mask.bool() & (pos >= 1)
+    first = int(loss_mask.bool().any(0).nonzero()[0]) if loss_mask.any() else 0
+    s = (first // k) * k
+    full = sbd_attention_mask(L, k, lengths, mask_format="bool", device=device)  # [B, 1, 2L, 2L]
+    keys = torch.cat([torch.arange(L, device=device), torch.arange(L + s, 2 * L, device=device)])
+    mask = full[:, :, L + s :, :][..., keys].contiguous()  # the kept noisy rows over [clean keys, kept noisy keys]
+    holder.gate = torch.ones(B, L - s, 1, device=device)
+    try:
+        hidden = decoder(
+            input_ids=noisy[:, s:], position_ids=pos[:, s:], past_key_values=cache, use_cache=True, attention_mask=mask
+        ).last_hidden_state
+    finally:
+        holder.gate = None
+
+    # 3. distillation on the masked positions that carry loss
+    bi, ti = sel.nonzero(as_tuple=True)
+    n = bi.numel()
+    if n == 0:
+        zero = hidden.sum() * 0.0
+        parts = dict(mask_loss=zero.detach(), mask_accuracy=torch.zeros(()), num_masked=torch.tensor(0))
+        return (zero, parts) if return_parts else zero
+    with torch.no_grad():
+        teacher = families.lm_logits(model, clean_hidden[bi, ti - 1]).float()
+        teacher[:, mask_id] = -math.inf
+        logp = F.log_softmax(teacher, dim=-1)
+        p = logp.exp()
+    student = families.lm_logits(model, hidden[bi, ti - s]).float()
+    student = student.masked_fill(torch.arange(student.shape[-1], device=device) == mask_id, -math.inf)
+    logq = F.log_softmax(student, dim=-1)
+    kl = (p * (logp - logq)).nan_to_num(0.0).sum(-1)  # 0 * -inf at the mask column -> 0
+    loss = kl.mean()
+    if not return_parts:
+        return loss
+    with torch.no_grad():
+        acc = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return loss, dict(mask_loss=loss.detach(), mask_accuracy=acc, num_masked=torch.tensor(n), block_size=k)
