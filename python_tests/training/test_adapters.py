@@ -13,7 +13,7 @@ from sbd_models import tiny_llama
 from transformers import LlamaForCausalLM
 
 import sbd_ext.metadata
-from sbd_ext import adapters
+from sbd_ext import adapters, artifact_checks
 from sbd_ext.training import sbd_loss, train_loop
 
 V, MASK = 64, 63
@@ -359,9 +359,9 @@ def test_unknown_base_loaders_are_refused_unless_trusted(tmp_path, monkeypatch):
     with pytest.raises(adapters.ArtifactError, match=r"base loader 'sbd_test_loaders:exits' exited"):
         adapters.load_artifact(folder, trust_base_loader=True)
 
-    monkeypatch.setattr(adapters, "KNOWN_BASE_LOADERS", set(adapters.KNOWN_BASE_LOADERS))
+    monkeypatch.setattr(artifact_checks, "KNOWN_BASE_LOADERS", set(artifact_checks.KNOWN_BASE_LOADERS))
     _edit_config(folder, base_loader="sbd_test_loaders:base")
-    adapters.register_base_loader("sbd_test_loaders:base")
+    artifact_checks.register_base_loader("sbd_test_loaders:base")
     adapters.load_artifact(folder)
     assert len(ran) == 2
 
