@@ -174,13 +174,16 @@ def test_artifact_round_trip_and_refusals(tmp_path):
         (broken(lambda c: c.update(lora_alpha=float("nan"))), "lora_alpha"),
         (broken(lambda c: c["sbd"].pop("sbd_block_size_range")), "sbd_block_size_range"),
         (broken(lambda c: c["sbd"].update(mask_token_id=10**6)), "mask_token_id"),
-        (broken(edit_tensors=lambda t: t.pop(next(k for k in t if k.endswith("lora_B.weight")))), "missing"),
+        (broken(edit_tensors=lambda t: t.pop(next(k for k in t if k.endswith("lora_B.weight")))), "lora_B"),
         (broken(edit_tensors=lambda t: t.update({k: t[k] * float("nan") for k in list(t)[:1]})), "NaN"),
         (broken(edit_tensors=lambda t: t.pop("sbd_mask_row")), "sbd_mask_row"),
     ]
     for folder, word in cases:
+        target = copy.deepcopy(base)
         with pytest.raises(ValueError, match=word):
-            drafter.load_weights(copy.deepcopy(base), folder)
+            drafter.load_weights(target, folder)
+        assert drafter.get_drafter(target) is None  # a refused artifact leaves the model as it was
+        assert set(target.state_dict()) == set(base.state_dict())
     bad = broken(lambda c: c["sbd"].update(base_loader="sbd_ext.demo.__main__:main"))
     with pytest.raises(ValueError, match="base_loader"):
         drafter.load_drafter(bad)

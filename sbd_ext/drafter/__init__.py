@@ -47,7 +47,7 @@ from .artifact import (
     read_drafter_config,
     save_drafter,
 )
-from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, gate_rows, get_drafter, unwrapped
+from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, detach, gate_rows, get_drafter, unwrapped
 from .loss import distill_loss
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "GatedMaskRow",
     "Drafter",
     "attach",
+    "detach",
     "get_drafter",
     "gate_rows",
     "unwrapped",

@@ -4,16 +4,26 @@
 from __future__ import annotations
 
 import json
-import math
 import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..adapters import resolve_base_loader
+from ..artifact_checks import (
+    ArtifactError,
+    Field,
+    check_config,
+    check_finite,
+    check_lora_factors,
+    check_token_id,
+    load_tensor_file,
+    lora_pairs,
+    read_json_config,
+    resolve_base_loader,
+)
 from ..metadata import set_sbd_metadata
-from .gate import attach, get_drafter
+from .gate import attach, detach, get_drafter
 
 PEFT_TYPE = "SBD_GATED_LORA"
 CONFIG_FILE = "adapter_config.json"
@@ -71,91 +81,78 @@ def is_drafter(folder: str | Path) -> bool:
         return False
 
 
+_CONFIG_FIELDS = {
+    "peft_type": Field("choice", choices=(PEFT_TYPE,)),
+    "r": Field("int", minimum=1),
+    "lora_alpha": Field("number"),
+    "target_modules": Field("str_list"),
+    "sbd": Field("dict"),
+}
+_SBD_FIELDS = {
+    "gated": Field("choice", choices=(True,)),
+    "mask_token_id": Field("int", minimum=0),
+    "sbd_block_size_range": Field("range", minimum=1),
+    "base_loader": Field("loader", required=False),
+    "generation": Field("dict", required=False),
+}
+
+
 def read_drafter_config(folder: str | Path) -> dict:
-    """The drafter's ``adapter_config.json``, checked field by field (errors name the file and the field)."""
+    """The drafter's ``adapter_config.json``, checked field by field (:class:`ArtifactError` names the file and the
+    field)."""
     path = Path(folder) / CONFIG_FILE
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{folder} is not a drafter folder: {CONFIG_FILE} is missing") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    if cfg.get("peft_type") != PEFT_TYPE:
-        raise ValueError(f"{path}: peft_type is {cfg.get('peft_type')!r}, not {PEFT_TYPE!r}")
-    r = cfg.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise ValueError(f"{path}: field 'r' must be an int >= 1, got {r!r}")
-    a = cfg.get("lora_alpha")
-    if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a):
-        raise ValueError(f"{path}: field 'lora_alpha' must be a finite number, got {a!r}")
-    t = cfg.get("target_modules")
-    if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
-        raise ValueError(f"{path}: field 'target_modules' must be a non-empty list of names, got {t!r}")
-    sbd = cfg.get("sbd")
-    if not isinstance(sbd, dict) or sbd.get("gated") is not True:
-        raise ValueError(f"{path}: field 'sbd' must be an object with \"gated\": true")
-    m = sbd.get("mask_token_id")
-    if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-        raise ValueError(f"{path}: field 'sbd.mask_token_id' must be an int >= 0, got {m!r}")
-    rng = sbd.get("sbd_block_size_range")
-    if (
-        not isinstance(rng, list)
-        or len(rng) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in rng)
-        or not 1 <= rng[0] <= rng[1]
-    ):
-        raise ValueError(f"{path}: field 'sbd.sbd_block_size_range' must be [lo, hi] with 1 <= lo <= hi, got {rng!r}")
+    cfg = check_config(read_json_config(path, "a drafter folder"), path, _CONFIG_FIELDS)
+    if not cfg["target_modules"]:
+        raise ArtifactError(f"{path}: field 'target_modules' must name at least one projection")
+    check_config(cfg["sbd"], f"{path} (object 'sbd')", _SBD_FIELDS)
     return cfg
 
 
 @torch.no_grad()
 def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) -> dict:
-    """Attach a drafter to ``model`` (the base, mask token in its vocabulary) from ``folder``; returns the config."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """Attach a drafter to ``model`` (the base, mask token in its vocabulary) from ``folder``; returns the config.
+    Everything is checked before the model is touched: the factors (pairs, one rank equal to ``r``, finite), the
+    layers they adapt against the model's, the mask row ([hidden], finite), the mask id within the vocabulary."""
     folder = Path(folder)
     cfg = read_drafter_config(folder) if cfg is None else cfg
-    path = folder / WEIGHTS_FILE
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: cannot read the drafter's weights ({e})") from None
+    path, cfg_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
+    tensors = load_tensor_file(path)
+    row = tensors.pop(_MASK_ROW_KEY, None)
+    emb = model.get_input_embeddings().weight
+    check_token_id(cfg["sbd"]["mask_token_id"], emb.shape[0], cfg_path)
+    if row is None or row.dim() != 1 or row.shape[0] != emb.shape[1]:
+        got = "missing" if row is None else f"of shape {tuple(row.shape)}"
+        raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{emb.shape[1]}] (the hidden size), {got}")
+    check_finite({_MASK_ROW_KEY: row}, path)
+    unknown = sorted(k for k in tensors if not k.startswith(_PREFIX))
+    if unknown:
+        raise ArtifactError(f"{path}: unexpected tensor(s) {unknown[:3]}")
+    suffixes = (".lora_A.weight", ".lora_B.weight")
+    pairs = lora_pairs({k[len(_PREFIX) :]: t for k, t in tensors.items()}, path, *suffixes)
+    check_lora_factors(pairs, path, cfg["r"], "r", cfg_path, suffixes)
     sbd = cfg["sbd"]
     attach(model, sbd["mask_token_id"], rank=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"])
     drafter = get_drafter(model)
     mods = dict(drafter.lora_modules(model))
-    names = {k[len(_PREFIX) :].rsplit(".", 2)[0] for k in tensors if k.startswith(_PREFIX)}
-    if names != set(mods):
-        raise ValueError(
-            f"{path}: adapts {len(names)} layers, the model has {len(mods)} for targets "
-            f"{cfg['target_modules']} (missing: {sorted(set(mods) - names)[:3]}, "
-            f"unknown: {sorted(names - set(mods))[:3]})"
-        )
-    for name, m in mods.items():
-        for part in ("lora_A", "lora_B"):
-            key = f"{_PREFIX}{name}.{part}.weight"
-            src, dst = tensors.get(key), getattr(m, part)
-            if src is None:
-                raise ValueError(f"{path}: tensor {key} is missing")
-            if src.shape != dst.shape:
-                raise ValueError(
-                    f"{path}: {key} is {tuple(src.shape)}, the model needs {tuple(dst.shape)} "
-                    f"(rank 'r' = {cfg['r']} in {CONFIG_FILE})"
-                )
-            if not torch.isfinite(src).all():
-                raise ValueError(f"{path}: {key} holds NaN or inf")
-            dst.copy_(src.to(dst.dtype))
-    row = tensors.get(_MASK_ROW_KEY)
-    if row is None or row.shape != drafter.mask_row.row.shape:
-        raise ValueError(
-            f"{path}: {_MASK_ROW_KEY} must be a [{drafter.mask_row.row.shape[0]}] tensor, got "
-            f"{None if row is None else tuple(row.shape)}"
-        )
-    if not torch.isfinite(row).all():
-        raise ValueError(f"{path}: {_MASK_ROW_KEY} holds NaN or inf")
+    try:
+        if set(pairs) != set(mods):
+            raise ArtifactError(
+                f"{path}: adapts {len(pairs)} layers, the model has {len(mods)} for target_modules "
+                f"{cfg['target_modules']} (missing: {sorted(set(mods) - set(pairs))[:3]}, unknown: "
+                f"{sorted(set(pairs) - set(mods))[:3]})"
+            )
+        for name, m in mods.items():
+            for part, src in zip(("lora_A", "lora_B"), pairs[name], strict=True):
+                dst = getattr(m, part)
+                if src.shape != dst.shape:
+                    raise ArtifactError(
+                        f"{path}: {_PREFIX}{name}.{part}.weight is {tuple(src.shape)}, the model "
+                        f"needs {tuple(dst.shape)}"
+                    )
+                dst.copy_(src.to(dst.dtype))
+    except ArtifactError:
+        detach(model)  # leave the model as it was
+        raise
     drafter.mask_row.row.copy_(row.to(drafter.mask_row.row.dtype))
     for p in model.parameters():
         p.requires_grad_(False)

@@ -152,6 +152,29 @@ def attach(
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _remove(model: nn.Module, drafter: Drafter) -> list:
+    """Put the wrapped layers back, remove the hooks and ``model.sbd_drafter``; returns what :func:`unwrapped`
+    needs to restore them."""
+    wrapped = []
+    for name, m in drafter.lora_modules(model):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, m.base)
+        wrapped.append((owner, child, m))
+    drafter.mask_row.remove()
+    drafter._hook.remove()
+    drafter._post.remove()
+    del model.sbd_drafter
+    return wrapped
+
+
+def detach(model: nn.Module) -> None:
+    """Remove the drafter from ``model`` for good (the base as it was); nothing when it has none."""
+    drafter = get_drafter(model)
+    if drafter is not None:
+        _remove(model, drafter)
+
+
 @contextlib.contextmanager
 def unwrapped(model: nn.Module):
     """Inside the block ``model`` is its plain base (the wrapped layers put back, the hooks removed, no
@@ -161,17 +184,8 @@ def unwrapped(model: nn.Module):
     if drafter is None:
         yield model
         return
-    wrapped = []
-    for name, m in drafter.lora_modules(model):
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, m.base)
-        wrapped.append((owner, child, m))
     row = drafter.mask_row.row.detach().clone()
-    drafter.mask_row.remove()
-    drafter._hook.remove()
-    drafter._post.remove()
-    del model.sbd_drafter
+    wrapped = _remove(model, drafter)
     try:
         yield model
     finally:
