@@ -267,8 +267,10 @@ def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], 
     return rows
 
 
-def ship(out: Path, dest: Path, generation: dict) -> Path:
-    """Copy ``out/artifact`` to ``dest`` with the recommended ``generation`` settings."""
+def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_tokens: int = 64) -> Path:
+    """Copy ``out/artifact`` to ``dest`` with the recommended ``generation`` settings, then measure its record
+    (``ship_check.json``: tokens per forward of verify at those settings on the first ``check_n`` held-out prompts,
+    and how many answers equal the base's NTP decoding), which the tests re-measure."""
     import shutil
 
     src = out / "artifact"
@@ -277,6 +279,24 @@ def ship(out: Path, dest: Path, generation: dict) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / drafter_mod.WEIGHTS_FILE, dest / drafter_mod.WEIGHTS_FILE)
     (dest / drafter_mod.CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
+    kw = dict(
+        block_size=generation["sbd_block_size"],
+        sampler=generation["sbd_sampler"],
+        threshold=generation["sbd_threshold"],
+        verify=True,
+    )
+    ntp, row = evaluate(dest, check_n, max_new_tokens, [kw])
+    record = {
+        "n": check_n,
+        "max_new_tokens": max_new_tokens,
+        **generation,
+        "ntp_tokens": ntp["tokens"],
+        "verify_nfe": row["nfe"],
+        "verify_tokens_per_forward": row["tokens_per_forward"],
+        "verify_equal_to_ntp": row["equal_to_ntp"],
+        "threads": torch.get_num_threads(),
+    }
+    (dest / "ship_check.json").write_text(json.dumps(record, indent=1) + "\n")
     return dest
 
 
@@ -310,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=8)
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
+    s.add_argument("--check-n", type=int, default=8)
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -336,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             "sbd_threshold": args.threshold,
             "sbd_verify": True,
         }
-        print(ship(out, Path(args.dest), gen))
+        print(ship(out, Path(args.dest), gen, args.check_n))
     return 0
 
 
