@@ -294,3 +294,14 @@ def test_unwrapped_saves_the_base_and_a_checkpoint_reattaches_its_drafter(tmp_pa
     assert drafter.attach_from_checkpoint(loaded) and drafter.attach_from_checkpoint(loaded)
     assert torch.equal(sbd_ext.generate(loaded, ids, att, **kw).sequences, before.sequences)
     assert not drafter.attach_from_checkpoint(base)  # no checkpoint folder: nothing attached
+
+
+def test_full_block_prob_masks_every_position_of_a_sequence():
+    _, model = _with_drafter(seed=20, attn="sdpa")
+    x = torch.randint(0, MASK_ID, (4, 16), generator=torch.Generator().manual_seed(1))
+    lm = torch.ones_like(x, dtype=torch.bool)
+    g = torch.Generator().manual_seed(2)
+    _, parts = drafter.distill_loss(model, x, lm, 4, generator=g, full_block_prob=1.0, return_parts=True)
+    assert int(parts["num_masked"]) == 4 * 15  # every position with loss (t >= 1) of every sequence is masked
+    _, parts = drafter.distill_loss(model, x, lm, 4, generator=g, full_block_prob=0.0, return_parts=True)
+    assert int(parts["num_masked"]) < 4 * 15

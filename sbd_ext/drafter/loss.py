@@ -24,6 +24,7 @@ def distill_loss(
     attention_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     eta: torch.Tensor | None = None,
+    full_block_prob: float = 0.0,
     return_parts: bool = False,
 ):
     """The drafter's loss on x [B, L]: the SBD layout of Alg. 1 with the clean half run by the frozen base.
@@ -32,7 +33,8 @@ def distill_loss(
        the base's next-token logits at the rows the loss needs (the teacher);
     2. noisy half, gate on: x with each token replaced by the mask token with probability eta ~ U(0, 1) per
        sequence, position ids 0..L-1, attending to its own block bidirectionally and to strictly earlier clean
-       blocks (the SBD mask's noisy rows);
+       blocks (the SBD mask's noisy rows); with probability ``full_block_prob`` a sequence has every token masked
+       instead (eta = 1), the block verify decoding drafts: all its positions unknown when it is drafted;
     3. loss: mean over masked positions t with ``loss_mask[b, t]`` (and t >= 1) of KL(p_base(. | x_<t) ||
        q_drafter), the mask token excluded from both.
     ``attention_mask`` [B, L]: right padding (1 = token). Returns the loss, or ``(loss, parts)`` with
@@ -69,7 +71,11 @@ def distill_loss(
 
     # 2. the noisy half with the adapter
     if eta is None:
-        eta = torch.rand(B, 1, generator=generator, device="cpu").to(device)
+        eta = torch.rand(B, 1, generator=generator, device="cpu")
+        if full_block_prob > 0:  # every block of the sequence fully masked: how verify decoding drafts
+            full = torch.rand(B, 1, generator=generator, device="cpu") < full_block_prob
+            eta = torch.where(full, torch.full_like(eta, 2.0), eta)
+        eta = eta.to(device)
     noise = torch.rand(B, L, generator=generator, device="cpu").to(device)
     valid = pos < lengths.view(B, 1)
     masked = (noise < eta.view(B, 1)) & valid

@@ -47,6 +47,7 @@ class DrafterConfig:
     lr: float = 2e-3
     warmup: int = 20
     rank: int = 16
+    full_block_prob: float = 0.5  # sequences with every block fully masked (verify drafts such blocks)
     block_size_range: tuple[int, int] = (2, 16)
     seed: int = 0
     log_every: int = 5
@@ -161,6 +162,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             k,
             attention_mask=b["attention_mask"],
             generator=gen,
+            full_block_prob=cfg.full_block_prob,
             return_parts=True,
         )
 
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("steps", "batch_size", "max_len", "rank", "warmup", "seed", "checkpoint_every", "log_every"):
         t.add_argument("--" + f.replace("_", "-"), type=int)
     t.add_argument("--lr", type=float)
+    t.add_argument("--full-block-prob", type=float)
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
     e.add_argument("--n", type=int, default=16)
