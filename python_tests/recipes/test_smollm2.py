@@ -373,3 +373,83 @@ def test_finetune_config_rejects_bad_rehearsal():
 def test_old_recipe_module_names_the_new_command():
     with pytest.raises(ImportError, match="python -m sbd_ext.recipes.smollm2 train"):
         import sbd_ext.recipes.finetune_smollm2  # noqa: F401
+
+
+def test_drafter_recipe_smoke(converted, tmp_path, monkeypatch):
+    """The gated-drafter recipe end to end on a few samples: data (the base's own greedy answers, resumable), two
+    training steps (the loss falls on repeated data; resume refuses other settings), a continuation (--init-from),
+    and ship: a drafter folder that loads attached to the unmodified base and records its check."""
+    from sbd_ext import drafter
+    from sbd_ext.demo import models
+    from sbd_ext.recipes.smollm2 import drafter as recipe
+
+    monkeypatch.setenv(smollm2.ENV_DIR, str(converted[0]))
+    out = tmp_path / "run"
+    recipe.main(["data", "--out", str(out), "--n", "4", "--max-new-tokens", "12", "--batch-size", "4"])
+    samples = torch.load(out / recipe.SAMPLES_FILE, weights_only=True)
+    assert len(samples) == 4 and all(1 <= len(s["answer_ids"]) <= 12 for s in samples)
+    base, tok = checkpoint.load_base(path=converted[0])
+    first = samples[0]
+    ref = sbd_ext.generate(
+        base,
+        torch.tensor([first["prompt_ids"]]),
+        mode="ntp",
+        max_new_tokens=12,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    assert first["answer_ids"] == ref.sequences[0, len(first["prompt_ids"]) :].tolist()[: len(first["answer_ids"])]
+
+    args = [
+        "train",
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--max-len",
+        "40",
+        "--warmup",
+        "1",
+        "--log-every",
+        "1",
+        "--lr",
+        "5e-3",
+    ]
+    recipe.main(args)
+    hist = json.loads((out / "train_log.json").read_text())["history"]
+    assert [h["step"] for h in hist] == [1, 2, 3] and hist[-1]["loss"] < hist[0]["loss"]
+    with pytest.raises(FileExistsError, match="--resume"):
+        recipe.main(args)
+    with pytest.raises(ValueError, match="other settings"):
+        recipe.main([*args, "--resume", "--rank", "8"])
+    cont = tmp_path / "cont"
+    (cont).mkdir()
+    (cont / recipe.SAMPLES_FILE).write_bytes((out / recipe.SAMPLES_FILE).read_bytes())
+    recipe.main(
+        [
+            "train",
+            "--out",
+            str(cont),
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--max-len",
+            "40",
+            "--warmup",
+            "1",
+            "--init-from",
+            str(out / "artifact"),
+        ]
+    )
+    assert "continuing the drafter 'artifact'" in drafter.read_drafter_config(cont / "artifact")["sbd"]["training"]
+
+    dest = tmp_path / "shipped"
+    recipe.main(
+        ["ship", "--out", str(out), "--dest", str(dest), "--block-size", "4", "--threshold", "100", "--check-n", "2"]
+    )
+    model, _ = models.load(dest)
+    assert drafter.get_drafter(model) is not None and model.generation_config.sbd_block_size == 4
+    check = json.loads((dest / "ship_check.json").read_text())
+    assert check["verify_equal_to_ntp"] == "2/2"

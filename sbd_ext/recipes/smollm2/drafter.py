@@ -52,6 +52,7 @@ class DrafterConfig:
     seed: int = 0
     log_every: int = 5
     checkpoint_every: int = 10
+    init_from: str = ""  # a drafter folder of the same rank: continue that drafter (fresh optimizer and schedule)
 
 
 def _prompt_ids(tok, text: str) -> list[int]:
@@ -148,7 +149,15 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     torch.manual_seed(cfg.seed)
     model, tok = checkpoint.load_base(attn_implementation="sdpa")
     mask_id = tok.convert_tokens_to_ids("<|mask|>")
-    params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
+    if cfg.init_from:
+        drafter_mod.load_weights(model, cfg.init_from)
+        if drafter_mod.get_drafter(model).rank != cfg.rank:
+            raise ValueError(f"--init-from {cfg.init_from}: rank {drafter_mod.get_drafter(model).rank}, not {cfg.rank}")
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name or "mask_row" in name)
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
     model.train()
     batches = make_batches(samples, cfg.batch_size, cfg.max_len, tok.pad_token_id or 0, cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -215,7 +224,9 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "generation": generation
         or {"sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
         "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
-        f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, on {n_samples} self-distilled answers",
+        f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, seed {cfg.seed}, on "
+        f"{n_samples} self-distilled answers"
+        + (f", continuing the drafter {Path(cfg.init_from).name!r}" if cfg.init_from else ""),
     }
 
 
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         t.add_argument("--" + f.replace("_", "-"), type=int)
     t.add_argument("--lr", type=float)
     t.add_argument("--full-block-prob", type=float)
+    t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
     e.add_argument("--n", type=int, default=16)
@@ -334,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
     s.add_argument("--check-n", type=int, default=8)
+    s.add_argument("--threads", type=int)
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
