@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sbd_ext
-from sbd_ext import adapters
+from sbd_ext import adapters, drafter
 from sbd_ext.demo import cli, models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
 from sbd_ext.metadata import get_sbd_metadata
@@ -36,6 +36,8 @@ def test_embedded_models_present_and_small():
         folder = models.path(name)
         if adapters.is_artifact(folder):  # an adapter over a base model from a package (smollm2-sbd)
             files = (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE, adapters.CONFIG_FILE, "sbd_demo.json")
+        elif drafter.is_drafter(folder):  # a gated drafter over an unmodified base from a package (smollm2)
+            files = (drafter.CONFIG_FILE, drafter.WEIGHTS_FILE, "ship_check.json")
         else:
             files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sbd_demo.json")
         for f in files:
