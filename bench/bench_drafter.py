@@ -135,7 +135,7 @@ def test_hf(benchmark, setup, threads, impl):
 
 
 ROWS = {
-    "sbd_ntp": dict(mode="ntp"),
+    "sbd_ntp": dict(mode="ntp", verify=False),
     "sbd_verify": dict(verify=True),
     "sbd_verify_compiled": dict(verify=True, compile=True),
     "sbd_verify_two_forward": dict(verify=True, step_cls=TwoForwardStep),
