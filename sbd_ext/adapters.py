@@ -40,12 +40,11 @@ from .artifact_checks import (
     check_lora_factors,
     check_mask_rows,
     check_token_id,
+    load_on_base,
     load_tensor_file,
     lora_pairs,
     read_json_config,
-    resolve_base_loader,
 )
-from .metadata import set_sbd_metadata
 
 __all__ = [
     "LORA_TARGETS",
@@ -401,16 +400,12 @@ def load_artifact(
     meta = read_artifact_config(folder)
     cfg_path = folder / CONFIG_FILE
     check_config(meta, cfg_path, {"base_loader": Field("loader"), "sbd_block_size_range": Field("range", minimum=1)})
-    loader = resolve_base_loader(meta["base_loader"], cfg_path, trust=trust_base_loader)
-    try:
-        model, tok = loader(attn_implementation=attn_implementation)
-    except SystemExit as e:  # a loader that exits must not end the caller
-        raise ArtifactError(f"{cfg_path}: base loader {meta['base_loader']!r} exited ({e})") from None
-    apply_artifact(model, folder)
-    set_sbd_metadata(model, int(meta["mask_token_id"]), tuple(meta["sbd_block_size_range"]))
-    for key, value in meta.get("generation", {}).items():  # the recommended SBD settings: sbd_block_size, ...
-        setattr(model.generation_config, key, value)
-    model.to(dtype)
-    if device is not None:
-        model.to(device)
-    return model.eval(), tok
+    return load_on_base(
+        meta,
+        cfg_path,
+        lambda model: apply_artifact(model, folder),
+        dtype,
+        attn_implementation,
+        device,
+        trust_base_loader,
+    )

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 
+from .metadata import set_sbd_metadata
+
 __all__ = [
     "ArtifactError",
     "Field",
     "KNOWN_BASE_LOADERS",
+    "load_on_base",
     "check_config",
     "check_finite",
     "check_lora_factors",
@@ -284,3 +287,32 @@ def resolve_base_loader(name: str, path: str | Path, trust: bool = False) -> Cal
     if not callable(fn):
         raise ArtifactError(f"{path}: field 'base_loader' {name!r} is not a function")
     return fn
+
+
+def load_on_base(
+    meta: dict,
+    cfg_path: Path,
+    apply,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    device,
+    trust_base_loader: bool,
+):
+    """``(model, tokenizer)`` of an artifact over a base model (the LoRA artifact here, the gated drafter in
+    :mod:`sbd_ext.drafter`): the base from ``meta["base_loader"]`` (resolved by :func:`resolve_base_loader`; a loader
+    that exits is an :class:`ArtifactError`), ``apply(model)``, the SBD metadata (``mask_token_id``,
+    ``sbd_block_size_range``), the recommended settings (``generation``) on ``model.generation_config``, ``dtype`` /
+    ``device``, eval mode."""
+    loader = resolve_base_loader(meta.get("base_loader", ""), cfg_path, trust=trust_base_loader)
+    try:
+        model, tok = loader(attn_implementation=attn_implementation)
+    except SystemExit as e:  # a loader that exits must not end the caller
+        raise ArtifactError(f"{cfg_path}: base loader {meta.get('base_loader')!r} exited ({e})") from None
+    apply(model)
+    set_sbd_metadata(model, int(meta["mask_token_id"]), tuple(meta["sbd_block_size_range"]))
+    for key, value in meta.get("generation", {}).items():  # the recommended SBD settings: sbd_block_size, ...
+        setattr(model.generation_config, key, value)
+    model.to(dtype)
+    if device is not None:
+        model.to(device)
+    return model.eval(), tok

@@ -17,12 +17,11 @@ from ..artifact_checks import (
     check_finite,
     check_lora_factors,
     check_token_id,
+    load_on_base,
     load_tensor_file,
     lora_pairs,
     read_json_config,
-    resolve_base_loader,
 )
-from ..metadata import set_sbd_metadata
 from .gate import attach, detach, get_drafter
 
 PEFT_TYPE = "SBD_GATED_LORA"
@@ -171,17 +170,15 @@ def load_drafter(
     (gated, not merged), the SBD metadata set, its recommended decoding settings on ``model.generation_config``."""
     folder = Path(folder)
     cfg = read_drafter_config(folder)
-    sbd = cfg["sbd"]
-    loader = resolve_base_loader(sbd.get("base_loader", ""), folder / CONFIG_FILE, trust=trust_base_loader)
-    model, tok = loader(attn_implementation=attn_implementation)
-    load_weights(model, folder, cfg)
-    set_sbd_metadata(model, int(sbd["mask_token_id"]), tuple(sbd["sbd_block_size_range"]))
-    for key, value in sbd.get("generation", {}).items():
-        setattr(model.generation_config, key, value)
-    model.to(dtype)
-    if device is not None:
-        model.to(device)
-    return model.eval(), tok
+    return load_on_base(
+        cfg["sbd"],
+        folder / CONFIG_FILE,
+        lambda model: load_weights(model, folder, cfg),
+        dtype,
+        attn_implementation,
+        device,
+        trust_base_loader,
+    )
 
 
 _ATTACH_LOCK = threading.Lock()
