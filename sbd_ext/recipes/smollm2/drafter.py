@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
-    s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2"))
+    s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter"))
     s.add_argument("--block-size", type=int, default=8)
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)

@@ -6,8 +6,8 @@ request a chat model gets -- explanations, how-to, lists, short creative writing
 arithmetic and small talk -- from templates filled with subjects, so the set is large, varied and reproducible
 (:func:`training_prompts` is deterministic for a seed).
 
-The held-out evaluation prompts (``bench/prompts/general.json``) were written by hand apart from this generator;
-:func:`training_prompts` never returns one of them (checked by the tests and filtered here as a guard).
+The held-out evaluation prompts (``general_prompts.json`` beside this module, package data) were written by hand apart
+from this generator; :func:`training_prompts` never returns one of them (checked by the tests, and filtered here).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 __all__ = ["KINDS", "training_prompts", "eval_prompts", "EVAL_PROMPTS_FILE"]
 
-EVAL_PROMPTS_FILE = Path(__file__).resolve().parents[3] / "bench" / "prompts" / "general.json"
+# Package data (installed with the wheel), so the held-out check and the benchmark work from any install.
+EVAL_PROMPTS_FILE = Path(__file__).resolve().parent / "general_prompts.json"
 
 _SCIENCE = [
     "gravity",
@@ -381,7 +382,7 @@ def _kind_prompts(kind: str, rng: random.Random) -> str:
 
 
 def eval_prompts(path: str | Path = EVAL_PROMPTS_FILE) -> list[dict]:
-    """The held-out prompts ``[{"kind", "text"}, ...]`` of ``bench/prompts/general.json``."""
+    """The held-out prompts ``[{"kind", "text"}, ...]`` of ``sbd_ext/recipes/smollm2/general_prompts.json``."""
     return json.loads(Path(path).read_text())["prompts"]
 
 
