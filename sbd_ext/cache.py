@@ -210,7 +210,9 @@ class SBDCache(Cache):
         device = self.layers[0].keys.device
         try:
             meta = torch.tensor([self.seq_lens, n_commit, n_valid], dtype=torch.int32).to(device, non_blocking=True)
-            plan = SBDForwardPlan(self, meta[0], meta[1], meta[2])
+            spans = [(c, v) for c, v in zip(n_commit, n_valid, strict=True) if v > c]
+            block_rows = (min(c for c, _ in spans), max(v for _, v in spans)) if spans else (0, 0)
+            plan = SBDForwardPlan(self, meta[0], meta[1], meta[2], block_rows=block_rows)
             yield plan
         finally:
             self._planned = False
@@ -254,6 +256,9 @@ class SBDForwardPlan:
     n_commit: torch.Tensor  # [B] int32
     n_valid: torch.Tensor  # [B] int32
     layers_done: int = 0
+    # Host hint (eager plans): rows [lo, hi) hold every set-block row of the forward ((0, 0): none). None when the
+    # plan is built from device tensors (compiled step); readers then use n_commit / n_valid.
+    block_rows: tuple[int, int] | None = None
 
     def attend(
         self,

@@ -305,3 +305,41 @@ def test_full_block_prob_masks_every_position_of_a_sequence():
     assert int(parts["num_masked"]) == 4 * 15  # every position with loss (t >= 1) of every sequence is masked
     _, parts = drafter.distill_loss(model, x, lm, 4, generator=g, full_block_prob=0.0, return_parts=True)
     assert int(parts["num_masked"]) < 4 * 15
+
+
+@pytest.mark.parametrize("counts", [([9], [13]), ([9, 6], [13, 6]), ([3, 9], [7, 11])])
+def test_block_row_slice_equals_the_gate_over_every_row(counts):
+    """Eager decoding gives the drafter a host range of the block rows (the adapter runs on that slice only);
+    the compiled step's device plan gates every row. Both give the same logits, ragged batches included."""
+    _, model = _with_drafter(seed=4)
+    n_commit, n_valid = counts
+    B, T = len(n_commit), max(n_valid)
+    ids, _ = random_prompts([T] * B, seed=5)
+    ids[:, -2:] = MASK_ID
+    pos = torch.arange(T).expand(B, -1)
+    outs = []
+    for hinted in (True, False):
+        cache = SBDCache(model.config, B, 32, torch.float32, "cpu")
+        with torch.no_grad(), cache.forward_plan(n_commit, n_valid) as plan:
+            if not hinted:
+                plan.block_rows = None  # as a device plan: no host range
+            out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, sbd_plan=plan)
+        outs.append(out.logits)
+    # fp32 rounding only (the slice path folds the LoRA scale into B and accumulates with addmm); a wrong gate moves
+    # block-row logits by more than 0.1 at these factor sizes
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+
+
+def test_a_forward_without_block_rows_is_the_base_exactly():
+    """NTP forwards and prefill have no set-block rows: the drafter adds nothing (no adapter, no mask row), so every
+    logit, the mask column included, is the base's, bit for bit."""
+    base, model = _with_drafter(seed=6)
+    ids, _ = random_prompts([7, 7], seed=7)
+    pos = torch.arange(7).expand(2, -1)
+    outs = []
+    for m in (base, model):
+        cache = SBDCache(m.config, 2, 32, torch.float32, "cpu")
+        with torch.no_grad(), cache.forward_plan([7, 7], [7, 7]) as plan:
+            outs.append(m(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, sbd_plan=plan))
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert not drafter.get_drafter(model).holder.on

@@ -15,10 +15,23 @@ from ..adapters import LORA_TARGETS, MaskRow
 
 
 class RowGate:
-    """The per-row gate shared by every adapter of one model: ``None`` (adapter off) or a [B, T, 1] tensor."""
+    """The per-row gate shared by every adapter of one model.
+
+    ``gate``: None or a float 0/1 tensor [B, T, 1] (T: the forward's rows, or ``hi - lo`` with ``rows``; None with
+    ``rows`` set: every row of the slice is a block row). ``rows``: a host range ``(lo, hi)`` of the forward's rows
+    that holds every block row (eager decoding knows it): the adapters then run on that slice only. Both None:
+    adapters and mask row off, the base's forward exactly (e.g. an NTP forward, which has no block rows)."""
 
     def __init__(self):
         self.gate: torch.Tensor | None = None
+        self.rows: tuple[int, int] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.gate is not None or self.rows is not None
+
+    def clear(self) -> None:
+        self.gate, self.rows = None, None
 
 
 class GatedLoRALinear(nn.Module):
@@ -48,13 +61,38 @@ class GatedLoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A^T`` and ``scale · B^T`` (contiguous, in ``dtype``) for decoding, cached until a factor changes (an
+        in-place update bumps its version: an optimizer step, a load)."""
+        key = (self.lora_A._version, self.lora_B._version, dtype, self.lora_A.data_ptr(), self.lora_B.data_ptr())
+        cached = getattr(self, "_cached_factors", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                a_t = self.lora_A.to(dtype).t().contiguous()
+                b_t = (self.lora_B.to(dtype) * self.scale).t().contiguous()
+            cached = self._cached_factors = (key, a_t, b_t)
+        return cached[1], cached[2]
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        gate = self.holder.gate
+        gate, rows = self.holder.gate, self.holder.rows
+        if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
+            lo, hi = rows
+            a_t, b_t = self._factors(x.dtype)
+            xs = x[:, lo:hi].reshape(-1, x.shape[-1])
+            ys = y[:, lo:hi]
+            if gate is None and ys.is_contiguous():  # one sequence: two GEMMs, the second accumulating into y
+                ys.view(-1, ys.shape[-1]).addmm_(torch.mm(xs, a_t), b_t)
+            else:
+                delta = torch.mm(torch.mm(xs, a_t), b_t).view(ys.shape)
+                ys += delta if gate is None else delta * gate.to(y.dtype)
+            return y
         if gate is None:
             return y
-        delta = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
-        return y + delta * gate.to(y.dtype)
+        return y + self._delta(x) * gate.to(y.dtype)
 
 
 class GatedMaskRow(MaskRow):
@@ -65,10 +103,10 @@ class GatedMaskRow(MaskRow):
         self.holder = holder
 
     def _embed_hook(self, module, args, out):
-        return None if self.holder.gate is None else super()._embed_hook(module, args, out)
+        return super()._embed_hook(module, args, out) if self.holder.on else None
 
     def _head_hook(self, module, args, out):
-        return None if self.holder.gate is None else super()._head_hook(module, args, out)
+        return super()._head_hook(module, args, out) if self.holder.on else None
 
 
 class Drafter(nn.Module):
@@ -91,12 +129,23 @@ class Drafter(nn.Module):
             ids = kwargs.get("inputs_embeds")
         if ids is None and args:
             ids = args[0]
-        self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, ids.shape[1], ids.device)
+        self.holder.clear()  # nothing left over from a forward that raised
+        hint = getattr(plan, "block_rows", None)
+        if hint is None:  # a device plan (compiled step): the gate over every row, traceable
+            self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, ids.shape[1], ids.device)
+            return None
+        lo, hi = hint
+        if lo >= hi:  # no block rows (NTP forwards, prefill): the base alone, nothing added
+            self.holder.clear()
+            return None
+        self.holder.rows = (lo, hi)
+        if ids.shape[0] > 1:  # sequences' blocks differ: the 0/1 gate within the slice
+            self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device)
         return None
 
     def _clear_plan_gate(self, module, args, kwargs, output):
         if kwargs.get("sbd_plan") is not None:
-            self.holder.gate = None
+            self.holder.clear()
         return None
 
     def lora_modules(self, model: nn.Module) -> list[tuple[str, GatedLoRALinear]]:
