@@ -251,7 +251,7 @@ def test_stream_is_one_chunk_per_token(client, local):
     visible = [t for t in gen if t not in tok.all_special_ids]
     assert len(pieces) == len(visible) > 1  # one chunk per token (the EOS ends the stream)
     assert max(len(o) for o in _final_runs(model, ids)) > 1  # though SBD finalises several tokens at once
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "transformers.md").read_text()  # the manual
     assert "each newly final run of tokens becomes a chunk" not in readme
     assert "one chunk per token" in readme
 

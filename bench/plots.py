@@ -1,0 +1,119 @@
+"""The plots of the README and the docs, drawn from the committed benchmark results (nothing is re-measured here).
+
+    python bench/plots.py            # writes bench/results/plots/*.png (needs matplotlib: pip install ".[docs]")
+
+* ``tokens_per_s.png``: tokens/s per decoding mode against HF ``generate``, two panels: the embedded arithmetic
+  model (``bench/results/e2e_cpu.csv``, rows of the newest commit) and SmolLM2-135M-Instruct with its gated drafter on
+  held-out general prompts (``bench/results/drafter/bench_1thread.json``). No llama.cpp bar: it has not been
+  measured in the project's benches yet (the CPU issue's peer bench).
+* ``forward_cost.png``: the cost of one SmolLM2-135M forward against its number of new rows (the per-forward cost
+  curve that decides what tokens/forward buy), sbd_ext's forward and HF's, per cache length
+  (``bench/results/smollm2_cpu.csv``, ``test_forward_rows`` rows of the newest commit).
+
+Each plot's title names its machine, threads and commit (read from the result file).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "plots"
+
+
+def _newest(rows: list[dict], pred) -> list[dict]:
+    rows = [r for r in rows if pred(r)]
+    if not rows:
+        return []
+    last = max(r["date"] for r in rows)
+    commit = next(r["commit"] for r in rows if r["date"] == last)
+    return [r for r in rows if r["commit"] == commit]
+
+
+def e2e_rows() -> tuple[list[tuple[str, float]], str]:
+    """(label, tokens/s) of the embedded arithmetic e2e bench and a caption."""
+    rows = _newest(list(csv.DictReader((RESULTS / "e2e_cpu.csv").open())), lambda r: "e2e arith" in r["group"])
+    out = []
+    for r in rows:
+        m = re.match(r"([\d.]+) tok/s", r["note"])
+        if m:
+            out.append((r["name"].removeprefix("test_"), float(m.group(1))))
+    r0 = rows[0]
+    return out, f"embedded arithmetic model, {r0['cpu']} {r0['cpu_isa']}, {r0['threads']} thread, {r0['commit']}"
+
+
+def drafter_rows() -> tuple[list[tuple[str, float]], str]:
+    d = json.loads((RESULTS / "drafter" / "bench_1thread.json").read_text())
+    out = [(b["name"].split("[")[1].rsplit("-", 1)[0], b["extra_info"]["tokens_per_s"]) for b in d["benchmarks"]]
+    cpu = d["machine_info"].get("cpu", {}).get("brand_raw", "CPU")
+    commit = d["commit_info"].get("id", "")[:7]
+    return out, f"SmolLM2-135M + gated drafter, general prompts, {cpu}, 1 thread, {commit}"
+
+
+def forward_rows() -> tuple[dict[tuple[str, int], list[tuple[int, float]]], str]:
+    rows = _newest(
+        list(csv.DictReader((RESULTS / "smollm2_cpu.csv").open())), lambda r: "test_forward_rows" in r["name"]
+    )
+    curves: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    for r in rows:
+        m = re.search(r"C(\d+)-T(\d+)-(\w+)", r["name"])
+        cache, t, path = int(m.group(1)), int(m.group(2)), m.group(3)
+        curves[(path, cache)].append((t, float(r["median_ms"])))
+    r0 = rows[0]
+    return curves, f"SmolLM2-135M forward, fp32, {r0['cpu']} {r0['cpu_isa']}, {r0['threads']} thread, {r0['commit']}"
+
+
+def main() -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: pip install matplotlib (or the docs extra)", file=sys.stderr)
+        return 1
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, (rows, caption) in zip(axes, (e2e_rows(), drafter_rows()), strict=True):
+        base = next(v for n, v in rows if "hf_generate" in n)
+        names = [n for n, _ in rows]
+        vals = [v for _, v in rows]
+        colors = ["#999999" if n.startswith("hf") else "#2a6fbb" for n in names]
+        ax.barh(names, vals, color=colors)
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.0f} ({v / base:.2f}x)", va="center", fontsize=8)
+        ax.set_xlabel("tokens/s (grey: HF transformers; blue: sbd_ext)")
+        ax.set_title(caption, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(vals) * 1.35)
+    fig.tight_layout()
+    fig.savefig(OUT / "tokens_per_s.png", dpi=110)
+    plt.close(fig)
+
+    curves, caption = forward_rows()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (path, cache), pts in sorted(curves.items()):
+        pts.sort()
+        style = "-" if path == "ours" else "--"
+        label = f"{'sbd_ext' if path == 'ours' else 'HF (sdpa, torch linears)'}, cache {cache}"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
+    ax.set_xlabel("new rows in the forward (1 = NTP; 1 + k or 2k = an SBD forward)")
+    ax.set_ylabel("ms per forward")
+    ax.set_title(caption, fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(OUT / "forward_cost.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {OUT / 'tokens_per_s.png'} and {OUT / 'forward_cost.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
