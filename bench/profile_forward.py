@@ -1,0 +1,167 @@
+"""Where one SmolLM2-135M forward's time goes (issue 36 item 2), with the roofline arithmetic.
+
+    python bench/profile_forward.py [--rows 1 16] [--threads 1] [--json PATH]
+
+One eager sbd_ext forward (the ``"sbd"`` backend over an :class:`SBDCache` of 256 tokens, row_linear, logits for
+every new row) is run under ``torch.profiler``; each operator's self time goes to a phase: linears (the 210
+projections), head (the 49153-row output layer), attention (``block_attention``), norms / RoPE / activations
+(elementwise), sampling is not part of a forward. What the operators do not account for is Python and dispatch
+(the wall time of the un-profiled forward minus the operators' self time measured under the profiler, scaled).
+
+Roofline: bytes = the fp32 weights streamed once (every linear + head) + the KV cache read; FLOPs = 2 x parameters x
+rows (+ attention). The bandwidth floor is bytes / the core's streaming rate (measured here by a copy of a 256 MB
+buffer), the FMA floor FLOPs / the peak (8 fp32 lanes x 2 FMA units x 2 flops x clock for AVX2; printed, not
+measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sbd_ext.cache import SBDCache
+from sbd_ext.linear import use_row_linear
+from sbd_ext.recipes.smollm2 import checkpoint
+
+CACHE = 256
+PHASES = {
+    "linears": ("sbd_ext::row_linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
+    "attention": ("sbd_ext::block_attention",),
+    "norms/rope/act": (
+        "aten::pow",
+        "aten::mean",
+        "aten::rsqrt",
+        "aten::mul",
+        "aten::add",
+        "aten::silu",
+        "aten::neg",
+        "aten::cat",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::copy_",
+        "aten::div",
+        "aten::add_",
+        "aten::sum",
+        "aten::div_",
+    ),
+}
+
+
+def stream_rate_gbs() -> float:
+    a = torch.empty(64 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = max(best, 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = checkpoint.load_smollm2(attn_implementation="sbd")
+    use_row_linear(model, True)
+    head = model.get_output_embeddings().weight
+    n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding is the head
+    gbs = stream_rate_gbs()
+    out = {"threads": args.threads, "stream_gbs": round(gbs, 1), "rows": {}}
+    cache = SBDCache(model.config, 1, CACHE + 64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), cache.forward_plan([CACHE], [CACHE]) as plan:
+        model(
+            input_ids=torch.randint(0, 49152, (1, CACHE), generator=g),
+            position_ids=torch.arange(CACHE)[None],
+            past_key_values=cache,
+            use_cache=True,
+            sbd_plan=plan,
+            logits_to_keep=1,
+        )
+    for rows in args.rows:
+        ids = torch.randint(0, 49152, (1, rows), generator=g)
+        pos = torch.arange(CACHE, CACHE + rows)[None]
+
+        def fwd(ids=ids, pos=pos, rows=rows):
+            with torch.no_grad(), cache.forward_plan([0], [rows]) as plan:
+                model(
+                    input_ids=ids,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    sbd_plan=plan,
+                    logits_to_keep=rows,
+                )
+
+        for _ in range(3):
+            fwd()
+        times = []
+        for _ in range(9):
+            t = time.perf_counter()
+            fwd()
+            times.append(time.perf_counter() - t)
+        wall = sorted(times)[len(times) // 2] * 1e3
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(3):
+                fwd()
+        phase = {k: 0.0 for k in (*PHASES, "head", "other ops")}
+        head_ms = 0.0
+        for e in prof.key_averages(group_by_input_shape=True):
+            ms = e.self_cpu_time_total / 1e3 / 3
+            shapes = str(e.input_shapes)
+            if e.key in ("sbd_ext::row_linear", "aten::mm", "aten::linear") and str(head.shape[0]) in shapes:
+                head_ms += ms
+                continue
+            for name, keys in PHASES.items():
+                if e.key in keys:
+                    phase[name] += ms
+                    break
+            else:
+                if e.key.startswith(("aten::", "sbd_ext::")) and e.key not in ("aten::empty", "aten::view"):
+                    phase["other ops"] += ms
+        phase["head"] = head_ms
+        profiled = sum(phase.values())
+        phase["python/dispatch"] = max(wall - profiled, 0.0)
+        weight_bytes = n_params * 4
+        kv_bytes = (
+            2
+            * model.config.num_hidden_layers
+            * model.config.num_key_value_heads
+            * (model.config.hidden_size // model.config.num_attention_heads)
+            * CACHE
+            * 4
+        )
+        flops = 2 * n_params * rows
+        row = {
+            "wall_ms": round(wall, 1),
+            "phases_ms": {k: round(v, 2) for k, v in phase.items()},
+            "bytes_mb": round((weight_bytes + kv_bytes) / 1e6, 1),
+            "bandwidth_floor_ms": round((weight_bytes + kv_bytes) / gbs / 1e6, 1),
+            "gflop": round(flops / 1e9, 2),
+            "achieved_gbs": round((weight_bytes + kv_bytes) / wall / 1e6, 1),
+            "achieved_gflops": round(flops / wall / 1e6, 1),
+        }
+        out["rows"][rows] = row
+        print(f"\n{rows} new row(s) over a {CACHE}-token cache, {args.threads} thread(s): {wall:.1f} ms per forward")
+        for k, v in row["phases_ms"].items():
+            print(f"  {k:16s} {v:7.2f} ms  {100 * v / wall:5.1f} %")
+        print(
+            f"  roofline: {row['bytes_mb']} MB at {gbs:.1f} GB/s (copy rate) = {row['bandwidth_floor_ms']} ms floor; "
+            f"{row['gflop']} GFLOP; achieved {row['achieved_gbs']} GB/s, {row['achieved_gflops']} GFLOP/s"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
