@@ -6,9 +6,12 @@
   model (``bench/results/e2e_cpu.csv``, rows of the newest commit) and SmolLM2-135M-Instruct with its gated drafter on
   held-out general prompts (``bench/results/drafter/bench_1thread.json``). No llama.cpp bar: it has not been
   measured in the project's benches yet (the CPU issue's peer bench).
+  A third panel, when ``bench/results/cpu_peers/bench.json`` exists: SmolLM2 greedy tokens/s of llama.cpp F32 and
+  Q8_0, HF ``generate``, sbd_ext NTP and verify in one run (``bench/bench_cpu_peers.py``).
 * ``forward_cost.png``: the cost of one SmolLM2-135M forward against its number of new rows (the per-forward cost
-  curve that decides what tokens/forward buy), sbd_ext's forward and HF's, per cache length
-  (``bench/results/smollm2_cpu.csv``, ``test_forward_rows`` rows of the newest commit).
+  curve that decides what tokens/forward buy): from ``bench/results/cpu_peers/bench.json`` (llama.cpp F32 / Q8_0,
+  sbd_ext, HF, one run, 256-token cache) when it exists, else ``bench/results/smollm2_cpu.csv`` (sbd_ext and HF per
+  cache length, ``test_forward_rows`` rows of the newest commit).
 
 Each plot's title names its machine, threads and commit (read from the result file).
 """
@@ -55,7 +58,39 @@ def drafter_rows() -> tuple[list[tuple[str, float]], str]:
     return out, f"SmolLM2-135M + gated drafter, general prompts, {cpu}, 1 thread, {commit}"
 
 
+def _peers() -> dict | None:
+    f = RESULTS / "cpu_peers" / "bench.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def _caption(d: dict, what: str) -> str:
+    cpu = d["machine_info"].get("cpu", {}).get("brand_raw", "CPU")
+    commit = d["commit_info"].get("id", "")[:7]
+    machine = d["benchmarks"][0]["extra_info"].get("machine", "")
+    return f"{what}, {cpu}, {machine.split('(')[1].split(')')[0] if '(' in machine else ''}, {commit}"
+
+
+def peers_generate_rows() -> tuple[list[tuple[str, float]], str] | None:
+    d = _peers()
+    if d is None:
+        return None
+    rows = [
+        (b["name"].split("[")[1].rstrip("]"), b["extra_info"]["tokens_per_s"])
+        for b in d["benchmarks"]
+        if b["name"].startswith("test_generate")
+    ]
+    return rows, _caption(d, "SmolLM2-135M greedy, general prompts, vs llama.cpp")
+
+
 def forward_rows() -> tuple[dict[tuple[str, int], list[tuple[int, float]]], str]:
+    d = _peers()
+    if d is not None:
+        curves: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+        for b in d["benchmarks"]:
+            m = re.match(r"test_forward\[(\w+)-(\d+)\]", b["name"])
+            if m:
+                curves[(m.group(1), 256)].append((int(m.group(2)), b["stats"]["median"] * 1e3))
+        return curves, _caption(d, "SmolLM2-135M forward over a 256-token cache, logits for every row")
     rows = _newest(
         list(csv.DictReader((RESULTS / "smollm2_cpu.csv").open())), lambda r: "test_forward_rows" in r["name"]
     )
@@ -79,16 +114,19 @@ def main() -> int:
         return 1
     OUT.mkdir(parents=True, exist_ok=True)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, (rows, caption) in zip(axes, (e2e_rows(), drafter_rows()), strict=True):
+    panels = [e2e_rows(), drafter_rows()]
+    if (peers := peers_generate_rows()) is not None:
+        panels.append(peers)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2))
+    for ax, (rows, caption) in zip(axes, panels, strict=True):
         base = next(v for n, v in rows if "hf_generate" in n)
         names = [n for n, _ in rows]
         vals = [v for _, v in rows]
-        colors = ["#999999" if n.startswith("hf") else "#2a6fbb" for n in names]
+        colors = ["#999999" if n.startswith("hf") else "#d98c1f" if n.startswith("llama") else "#2a6fbb" for n in names]
         ax.barh(names, vals, color=colors)
         for i, v in enumerate(vals):
             ax.text(v, i, f" {v:.0f} ({v / base:.2f}x)", va="center", fontsize=8)
-        ax.set_xlabel("tokens/s (grey: HF transformers; blue: sbd_ext)")
+        ax.set_xlabel("tokens/s (grey: HF transformers; orange: llama.cpp; blue: sbd_ext)")
         ax.set_title(caption, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, max(vals) * 1.35)
@@ -98,10 +136,12 @@ def main() -> int:
 
     curves, caption = forward_rows()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    names = {"ours": "sbd_ext", "sbd_ext": "sbd_ext", "baseline": "HF (sdpa, torch linears)", "hf": "HF (sdpa)"}
+    names.update(llama_f32="llama.cpp F32", llama_q8_0="llama.cpp Q8_0")
     for (path, cache), pts in sorted(curves.items()):
         pts.sort()
-        style = "-" if path == "ours" else "--"
-        label = f"{'sbd_ext' if path == 'ours' else 'HF (sdpa, torch linears)'}, cache {cache}"
+        style = "-" if path in ("ours", "sbd_ext") else "--"
+        label = f"{names.get(path, path)}, cache {cache}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
     ax.set_xlabel("new rows in the forward (1 = NTP; 1 + k or 2k = an SBD forward)")
     ax.set_ylabel("ms per forward")
