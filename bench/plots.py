@@ -4,7 +4,7 @@
 
 * ``tokens_per_s.png``: tokens/s per decoding mode against HF ``generate``, two panels: the embedded arithmetic
   model (``bench/results/e2e_cpu.csv``, rows of the newest commit) and SmolLM2-135M-Instruct with its gated drafter on
-  held-out general prompts (``bench/results/drafter/bench_1thread.json``). No llama.cpp bar: it has not been
+  held-out general prompts (the newest ``bench/results/drafter/bench_*.json``). No llama.cpp bar: it has not been
   measured in the project's benches yet (the CPU issue's peer bench).
   A third panel, when ``bench/results/cpu_peers/bench.json`` exists: SmolLM2 greedy tokens/s of llama.cpp F32 and
   Q8_0, HF ``generate``, sbd_ext NTP and verify in one run (``bench/bench_cpu_peers.py``).
@@ -51,7 +51,8 @@ def e2e_rows() -> tuple[list[tuple[str, float]], str]:
 
 
 def drafter_rows() -> tuple[list[tuple[str, float]], str]:
-    d = json.loads((RESULTS / "drafter" / "bench_1thread.json").read_text())
+    runs = [json.loads(f.read_text()) for f in (RESULTS / "drafter").glob("bench_*.json")]
+    d = max(runs, key=lambda r: r["datetime"])  # the newest run
     out = [(b["name"].split("[")[1].rsplit("-", 1)[0], b["extra_info"]["tokens_per_s"]) for b in d["benchmarks"]]
     cpu = d["machine_info"].get("cpu", {}).get("brand_raw", "CPU")
     commit = d["commit_info"].get("id", "")[:7]
