@@ -33,7 +33,6 @@ import pytest
 import torch
 
 import sbd_ext
-from sbd_ext.cache import SBDCache
 from sbd_ext.demo import models
 from sbd_ext.linear import use_row_linear
 from sbd_ext.recipes import smollm2
@@ -46,6 +45,7 @@ if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
 import llama_cpp  # noqa: E402
+from sbd_forward import block_forward, prefilled_cache  # noqa: E402  (bench/)
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
@@ -126,28 +126,7 @@ def test_forward(benchmark, setup, impl, rows):
         model = base
         model.set_attn_implementation("sbd")
         use_row_linear(model, True)  # what sbd_ext.generate does for an fp32 CPU model
-        cache = SBDCache(model.config, 1, CACHE + 64)
-        with torch.no_grad(), cache.forward_plan([CACHE], [CACHE]) as plan:
-            model(
-                input_ids=torch.tensor([prefix]),
-                position_ids=torch.arange(CACHE)[None],
-                past_key_values=cache,
-                use_cache=True,
-                sbd_plan=plan,
-                logits_to_keep=1,
-            )
-        ids, pos = torch.tensor([new]), torch.arange(CACHE, CACHE + rows)[None]
-
-        def run():
-            with torch.no_grad(), cache.forward_plan([0], [rows]) as plan:  # nothing committed: the cache stays
-                model(
-                    input_ids=ids,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    sbd_plan=plan,
-                    logits_to_keep=rows,
-                )
+        run = block_forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
 
     else:
         from transformers import DynamicCache

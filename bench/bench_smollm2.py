@@ -52,6 +52,7 @@ from sbd_ext.recipes import smollm2
 if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
+from sbd_forward import block_forward  # noqa: E402  (bench/)
 from transformers import CompileConfig, DynamicCache  # noqa: E402
 
 from sbd_ext.decoding import SBDCache  # noqa: E402
@@ -221,17 +222,7 @@ def test_forward_rows(benchmark, smol, forward_table, cache_len, rows, path):
             layer.keys[:, :, :cache_len] = k
             layer.values[:, :, :cache_len] = v
         cache.seq_lens = [cache_len]
-
-        def step():
-            with torch.no_grad(), cache.forward_plan([0], [rows]) as plan:
-                return model(
-                    input_ids=ids,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    sbd_plan=plan,
-                    logits_to_keep=rows,
-                ).logits
+        step = block_forward(model, cache, ids)
 
         model.set_attn_implementation("sbd")
         use_row_linear(model)

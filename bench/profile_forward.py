@@ -21,9 +21,9 @@ import json
 import time
 
 import torch
+from sbd_forward import block_forward, prefilled_cache  # bench/
 from torch.profiler import ProfilerActivity, profile
 
-from sbd_ext.cache import SBDCache
 from sbd_ext.linear import use_row_linear
 from sbd_ext.recipes.smollm2 import checkpoint
 
@@ -75,32 +75,10 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding is the head
     gbs = stream_rate_gbs()
     out = {"threads": args.threads, "stream_gbs": round(gbs, 1), "rows": {}}
-    cache = SBDCache(model.config, 1, CACHE + 64)
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad(), cache.forward_plan([CACHE], [CACHE]) as plan:
-        model(
-            input_ids=torch.randint(0, 49152, (1, CACHE), generator=g),
-            position_ids=torch.arange(CACHE)[None],
-            past_key_values=cache,
-            use_cache=True,
-            sbd_plan=plan,
-            logits_to_keep=1,
-        )
+    cache = prefilled_cache(model, torch.randint(0, 49152, (1, CACHE), generator=g))
     for rows in args.rows:
-        ids = torch.randint(0, 49152, (1, rows), generator=g)
-        pos = torch.arange(CACHE, CACHE + rows)[None]
-
-        def fwd(ids=ids, pos=pos, rows=rows):
-            with torch.no_grad(), cache.forward_plan([0], [rows]) as plan:
-                model(
-                    input_ids=ids,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    sbd_plan=plan,
-                    logits_to_keep=rows,
-                )
-
+        fwd = block_forward(model, cache, torch.randint(0, 49152, (1, rows), generator=g))
         for _ in range(3):
             fwd()
         times = []

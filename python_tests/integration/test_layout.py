@@ -154,11 +154,11 @@ def test_recipes_do_not_import_each_other_upwards():
         assert not hits, f"{p} imports {hits}"
 
 
-def test_ops_stay_importable_when_the_hf_layer_cannot_load(tmp_path):
-    # A transformers release whose internals moved (simulated: a name sbd_ext.hf imports is gone) must not take the
-    # ops down with the attention backend; the HF names then raise an error that says why.
+def _hf_layer_refused(tmp_path, setup: str) -> str:
+    """Run ``setup`` (a line that breaks the HF layer), then import sbd_ext: the ops still work (mask_replace checked
+    against its expected result) and ``sbd_ext.generate`` raises an ImportError, whose text is returned."""
     code = (
-        "import torch, transformers.utils.import_utils as iu; del iu.is_tracing\n"
+        setup + "\n"
         "import sbd_ext\n"
         "t = torch.tensor([[5, 1, 5]]); p = torch.tensor([[7, 8, 9]]); e = torch.zeros(1, 3)\n"
         "rev, rem = sbd_ext.mask_replace(t, p, e, e, 5, 'eb', 0.1)\n"
@@ -170,25 +170,20 @@ def test_ops_stay_importable_when_the_hf_layer_cannot_load(tmp_path):
     )
     r = _run_python(code, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "sbd_ext.generate could not be loaded with transformers" in r.stdout, r.stdout
-    assert "is_tracing" in r.stdout and "The ops (sbd_ext.block_attention" in r.stdout, r.stdout
+    return r.stdout
+
+
+def test_ops_stay_importable_when_the_hf_layer_cannot_load(tmp_path):
+    # A transformers release whose internals moved (simulated: a name sbd_ext.hf imports is gone) must not take the
+    # ops down with the attention backend; the HF names then raise an error that says why.
+    out = _hf_layer_refused(tmp_path, "import torch, transformers.utils.import_utils as iu; del iu.is_tracing")
+    assert "sbd_ext.generate could not be loaded with transformers" in out, out
+    assert "is_tracing" in out and "The ops (sbd_ext.block_attention" in out, out
 
 
 def test_a_too_new_transformers_is_named_not_crashed_into(tmp_path):
     # transformers 5.24 renamed past_key_values to cache; with it installed the HF names raise an error naming the
     # supported range and the pip command (simulated by the version string), and the ops still work.
-    code = (
-        "import torch, transformers; transformers.__version__ = '5.24.0'\n"
-        "import sbd_ext\n"
-        "t = torch.tensor([[5, 1]]); p = torch.tensor([[7, 8]]); e = torch.zeros(1, 2)\n"
-        "sbd_ext.mask_replace(t, p, e, e, 5, 'eb', 0.1)\n"
-        "assert t.tolist() == [[7, 1]], t\n"
-        "try:\n"
-        "    sbd_ext.generate\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
-    )
-    r = _run_python(code, tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "transformers 5.24.0 is newer than sbd_ext supports" in r.stdout, r.stdout
-    assert "pip install 'transformers>=5.17,<5.24'" in r.stdout, r.stdout
+    out = _hf_layer_refused(tmp_path, "import torch, transformers; transformers.__version__ = '5.24.0'")
+    assert "transformers 5.24.0 is newer than sbd_ext supports" in out, out
+    assert "pip install 'transformers>=5.17,<5.24'" in out, out

@@ -130,13 +130,11 @@ class Drafter(nn.Module):
         if ids is None and args:
             ids = args[0]
         self.holder.clear()  # nothing left over from a forward that raised
-        hint = getattr(plan, "block_rows", None)
-        if hint is None:  # a device plan (compiled step): the gate over every row, traceable
+        if plan.block_rows is None:  # a device plan (compiled step): the gate over every row, traceable
             self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, ids.shape[1], ids.device)
             return None
-        lo, hi = hint
-        if lo >= hi:  # no block rows (NTP forwards, prefill): the base alone, nothing added
-            self.holder.clear()
+        lo, hi = plan.block_rows
+        if lo >= hi:  # no block rows (NTP forwards, prefill): the base alone, nothing added (cleared above)
             return None
         self.holder.rows = (lo, hi)
         if ids.shape[0] > 1:  # sequences' blocks differ: the 0/1 gate within the slice
