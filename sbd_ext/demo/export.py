@@ -25,7 +25,7 @@ import torch
 from .. import adapters, drafter
 from ..integration import save_pretrained
 from ..integration.chat import chat_template_for
-from ..metadata import MASK_TOKEN_ATTR
+from ..metadata import MASK_TOKEN_ATTR, set_sbd_metadata
 from . import models
 
 __all__ = ["export", "recommended_settings"]
@@ -155,6 +155,18 @@ def _drafter_fields(name_or_path) -> dict:
     return sbd
 
 
+def _base_vocabulary(model) -> None:
+    """Detach ``model``'s gated drafter (already saved) and give the base its original vocabulary back: the mask
+    token's row, appended after the vocabulary when the drafter was made, lives in the drafter (its mask row), so
+    the checkpoint is the unmodified model, which any Llama runtime (vLLM included) serves as it is. Loading the
+    drafter onto it appends the row again (:func:`sbd_ext.drafter.load_weights`)."""
+    mask_id = drafter.get_drafter(model).mask_token_id
+    drafter.detach(model)
+    if mask_id == model.get_input_embeddings().weight.shape[0] - 1:
+        model.resize_token_embeddings(mask_id, mean_resizing=False)
+        set_sbd_metadata(model, None, None)  # a plain config: the drafter carries the mask id and block sizes
+
+
 def export(name_or_path: str | Path, dest: str | Path, plain: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """Save the embedded model ``name_or_path`` (or a model folder / SBD artifact) to ``dest`` as described in the
     module docstring; returns ``dest``. ``dest`` must be a new or empty folder; without ``plain`` the model must be
@@ -182,15 +194,16 @@ def export(name_or_path: str | Path, dest: str | Path, plain: bool = False, dtyp
     gated = drafter.get_drafter(model) is not None
     if gated and not plain:  # the drafter's recommended settings (its adapter_config.json)
         fields = dict(drafter.read_drafter_config(models.path(name_or_path))["sbd"].get("generation", {}))
-    with drafter.unwrapped(model) as base:  # a gated drafter is saved beside the base, never merged into it
-        if plain:
-            base.save_pretrained(dest)
-        else:
-            for key, value in fields.items():
-                setattr(gc, key, value)
-            save_pretrained(base, dest)
-    if gated and not plain:
+    if gated and not plain:  # saved beside the base, never merged into it
         drafter.save_drafter(model, dest / drafter.CHECKPOINT_SUBFOLDER, _drafter_fields(name_or_path))
+    if gated:
+        _base_vocabulary(model)
+    if plain:
+        model.save_pretrained(dest)
+    else:
+        for key, value in fields.items():
+            setattr(gc, key, value)
+        save_pretrained(model, dest)
     tok.save_pretrained(dest)
     if info:  # the prompt format, task and settings, for sbd-ext generate --model DEST
         (dest / "sbd_demo.json").write_text(json.dumps(info, indent=1) + "\n")

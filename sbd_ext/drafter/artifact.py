@@ -22,6 +22,7 @@ from ..artifact_checks import (
     lora_pairs,
     read_json_config,
 )
+from ..metadata import set_sbd_metadata
 from .gate import attach, detach, get_drafter
 
 PEFT_TYPE = "SBD_GATED_LORA"
@@ -118,7 +119,10 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
     tensors = load_tensor_file(path)
     row = tensors.pop(_MASK_ROW_KEY, None)
     emb = model.get_input_embeddings().weight
-    check_token_id(cfg["sbd"]["mask_token_id"], emb.shape[0], cfg_path)
+    # A base with its original vocabulary (an exported checkpoint): the mask token's row is appended once the
+    # artifact is checked (its value is the drafter's mask row, spliced in by the gate).
+    grow = cfg["sbd"]["mask_token_id"] == emb.shape[0]
+    check_token_id(cfg["sbd"]["mask_token_id"], emb.shape[0] + grow, cfg_path)
     if row is None or row.dim() != 1 or row.shape[0] != emb.shape[1]:
         got = "missing" if row is None else f"of shape {tuple(row.shape)}"
         raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{emb.shape[1]}] (the hidden size), {got}")
@@ -130,6 +134,8 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
     pairs = lora_pairs({k[len(_PREFIX) :]: t for k, t in tensors.items()}, path, *suffixes)
     check_lora_factors(pairs, path, cfg["r"], "r", cfg_path, suffixes)
     sbd = cfg["sbd"]
+    if grow:
+        model.resize_token_embeddings(emb.shape[0] + 1, mean_resizing=False)
     attach(model, sbd["mask_token_id"], rank=cfg["r"], alpha=cfg["lora_alpha"], targets=cfg["target_modules"])
     drafter = get_drafter(model)
     mods = dict(drafter.lora_modules(model))
@@ -153,6 +159,8 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
         detach(model)  # leave the model as it was
         raise
     drafter.mask_row.row.copy_(row.to(drafter.mask_row.row.dtype))
+    if grow:  # the base's config is a plain one (an exported checkpoint): the SBD fields come from the drafter
+        set_sbd_metadata(model, sbd["mask_token_id"], tuple(sbd["sbd_block_size_range"]))
     for p in model.parameters():
         p.requires_grad_(False)
     return cfg

@@ -10,8 +10,11 @@ Nothing is fetched: the server runs with ``HF_HUB_OFFLINE=1`` and no update chec
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["TransformersServer", "free_port"]
+__all__ = ["TransformersServer", "VLLMServer", "free_port"]
 
 HOST = "127.0.0.1"
 _LAUNCH = "from transformers.cli.transformers import main; main()"
@@ -45,6 +48,8 @@ class TransformersServer:
         ready_timeout: seconds to wait for ``/health`` (then the server is stopped and RuntimeError raised).
     """
 
+    name = "transformers serve"
+
     def __init__(
         self,
         model: str | os.PathLike,
@@ -63,6 +68,7 @@ class TransformersServer:
         self.command = [sys.executable, "-c", _LAUNCH, "serve", *args]
         self.threads = threads
         self.ready_timeout = ready_timeout
+        self.env: dict[str, str] = {}  # more environment for the server process
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._cwd: str | None = None
@@ -94,16 +100,20 @@ class TransformersServer:
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        env.update(self.env)
         self._log = tempfile.NamedTemporaryFile("w+b", prefix="transformers-serve-", suffix=".log", delete=False)
         # An empty working folder: ``python -c`` puts the working folder on sys.path, and a source checkout there
         # (its un-built sbd_ext) would shadow the installed package in the server.
         self._cwd = tempfile.mkdtemp(prefix="transformers-serve-")
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self._cwd)
+        # A session of its own: stop() reaches the processes the server starts (vLLM's engine core).
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self._cwd, start_new_session=True
+        )
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
-                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}:\n{self.log_text[-4000:]}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text[-4000:]}")
             try:
                 with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -112,17 +122,20 @@ class TransformersServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"transformers serve not ready after {self.ready_timeout:.0f} s:\n{self.log_text[-4000:]}")
+        raise RuntimeError(f"{self.name} not ready after {self.ready_timeout:.0f} s:\n{self.log_text[-4000:]}")
 
     def stop(self) -> None:
-        """Terminate the server (kill it after 10 s); idempotent."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """Terminate the server and what it started (kill them after 10 s); idempotent."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)  # the session start() made: the server and its children
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=wait)
+                break
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+                continue
 
     def close(self) -> None:
         """Stop the server and delete its log."""
@@ -140,3 +153,35 @@ class TransformersServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class VLLMServer(TransformersServer):
+    """``vllm serve MODEL --host 127.0.0.1 --port <free>`` (vLLM's OpenAI server, its CPU build) in a subprocess,
+    fp32, eager; ``speculative_config``: e.g. ``{"method": "custom_class", "model":
+    "sbd_ext.integration.vllm.SBDProposer", "num_speculative_tokens": 4}`` (:mod:`sbd_ext.integration.vllm`).
+    ``threads``: the CPU threads of vLLM's engine (bound to cores ``0..threads-1``); ``env``: more environment
+    (e.g. ``SBD_EXT_VLLM_STATS``). Needs vLLM installed (``tools/vllm_env.sh``)."""
+
+    name = "vllm serve"
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        speculative_config: dict | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
+        threads: int = 1,
+        ready_timeout: float = 600.0,
+        max_model_len: int = 1024,
+        max_num_seqs: int = 4,
+        env: dict[str, str] | None = None,
+    ):
+        super().__init__(model, threads=threads, ready_timeout=ready_timeout)
+        args = ["--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+        args += ["--enforce-eager", *extra_args]
+        if speculative_config is not None:
+            args += ["--speculative-config", json.dumps(speculative_config)]
+        launch = "from sbd_ext.integration.vllm import vllm_cli; vllm_cli()"  # vLLM's CLI (see vllm_cli)
+        self.command = [sys.executable, "-c", launch, "serve", self.model, "--host", HOST, "--port", str(self.port)]
+        self.command += args
+        self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1
+                    else "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}  # fmt: skip

@@ -1,0 +1,177 @@
+""":class:`sbd_ext.integration.vllm.SBDProposer` without vLLM (issue 37): the calls vLLM makes (``cls(vllm_config)``,
+``load_model``, ``propose`` with its arrays) on exported checkpoints. The proposer's incremental KV cache (a slot per
+request, matched by content, rolled back to the longest common prefix) must draft exactly what a fresh proposer
+drafts from the whole sequence in one forward, whatever the batch order; bad settings are refused with clear errors.
+The served path (vllm serve) is python_tests/vllm/test_vllm_serve.py, run in vLLM's venv."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+from sbd_models import one_thread
+
+import sbd_ext
+from sbd_ext import drafter
+from sbd_ext.demo import export, models
+from sbd_ext.integration.vllm import FILL_FORWARDS_ENV, ProposerError, SBDProposer
+from sbd_ext.recipes.smollm2 import checkpoint as smollm2
+
+K = 4
+MAX_LEN = 256
+
+
+def _config(path, k=K, max_len=MAX_LEN, seqs=4):
+    return types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=k),
+        model_config=types.SimpleNamespace(model=str(path), max_model_len=max_len, dtype=torch.float32),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
+    )
+
+
+def _proposer(path, **kw):
+    p = SBDProposer(_config(path, **kw))
+    p.load_model(None)
+    return p
+
+
+@pytest.fixture(scope="module")
+def arith(tmp_path_factory):
+    """The embedded SBD model (ungated: it drafts with its own weights) as an exported checkpoint."""
+    return export.export(models.DEFAULT_MODEL, tmp_path_factory.mktemp("vllm") / "sbd-arith")
+
+
+def _sequences(seed=0, n=3, length=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 20, (length + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _propose(p, rows: list[list[int]], sampled=None):
+    arr = np.zeros((len(rows), MAX_LEN), dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    sampled = sampled if sampled is not None else [[r[-1]] for r in rows]
+    return p.propose(sampled, np.array([len(r) for r in rows]), arr)
+
+
+def _block_fill(model, ids: list[int]) -> list[int]:
+    """The reference: sbd_ext's own SBD decoding of one block after ``ids``, every position revealed by the first
+    forward (the prompt committed, k mask rows), i.e. each position's most likely token."""
+    t = torch.tensor([ids])
+    out = sbd_ext.generate(
+        model, t, mode="sbd", verify=False, block_size=K, sampler="eb", threshold=1e9, max_new_tokens=K, eos_token_id=()
+    )
+    assert out.nfe[0] == 1
+    return out.sequences[0, len(ids) :].tolist()
+
+
+def test_draft_equals_sbd_block_fill(arith):
+    with one_thread():
+        p = _proposer(arith)
+        for s in _sequences(4):
+            assert _propose(p, [s])[0] == _block_fill(p.model, s)
+
+
+def test_incremental_drafts_equal_fresh_drafts(arith):
+    """Three requests grown step by step (accepted tokens appended, rows shuffled each step) draft what a fresh
+    proposer drafts from each whole sequence."""
+    seqs = _sequences()
+    with one_thread():
+        inc = _proposer(arith)
+        rng = np.random.default_rng(0)
+        grown = [s[:20] for s in seqs]
+        for step in range(6):
+            order = rng.permutation(len(grown))
+            drafts = _propose(inc, [grown[j] for j in order])
+            for pos, j in enumerate(order):
+                fresh = _propose(_proposer(arith), [grown[j]])[0]
+                assert drafts[pos] == fresh, (step, j)
+                assert len(drafts[pos]) == K and inc.settings["mask_id"] not in drafts[pos]
+                grown[j] = seqs[j][: len(grown[j]) + 1 + step % 3]  # 1-3 accepted tokens
+    assert inc.stats["drafts"] == 18 and len(inc.slots) == 3
+    # each request prefilled once; later steps commit only the new tokens
+    assert inc.stats["prefill_rows"] == 3 * 20 + sum(1 + s % 3 for s in range(5)) * 3
+
+
+def test_new_request_reuses_a_shared_prefix_and_rolls_back(arith):
+    seqs = _sequences(1, n=2)
+    with one_thread():
+        p = _proposer(arith, seqs=1)
+        _propose(p, [seqs[0]])
+        other = seqs[0][:25] + seqs[1][25:]  # same first 25 tokens, then different
+        d = _propose(p, [other])[0]
+        assert p.stats["prefill_rows"] == len(seqs[0]) + len(other) - 25
+        assert d == _propose(_proposer(arith), [other])[0]
+
+
+def test_rows_without_sampled_tokens_or_room_get_no_draft(arith):
+    with one_thread():
+        p = _proposer(arith)
+        s = _sequences(2, n=1)[0]
+        assert _propose(p, [s], sampled=[[]]) == [[]]  # a partial prefill: nothing sampled this step
+        near_end = (s * 10)[: MAX_LEN - K + 1]
+        assert _propose(p, [near_end]) == [[]]
+        assert p.stats["forwards"] == 0
+
+
+def test_fill_forwards_reveal_more_with_more_forwards(arith, monkeypatch):
+    s = _sequences(3, n=1)[0]
+    with one_thread():
+        one = _proposer(arith)
+        d1 = _propose(one, [s])[0]
+        monkeypatch.setenv(FILL_FORWARDS_ENV, "3")
+        three = _proposer(arith)
+        d3 = _propose(three, [s])[0]
+    assert len(d1) == len(d3) == K
+    assert 1 <= three.stats["forwards"] <= 3 and one.stats["forwards"] == 1
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-2"])
+def test_bad_fill_forwards_is_refused(arith, monkeypatch, value):
+    monkeypatch.setenv(FILL_FORWARDS_ENV, value)
+    with pytest.raises(ProposerError, match=FILL_FORWARDS_ENV):
+        SBDProposer(_config(arith))
+
+
+def test_block_size_outside_the_trained_range_is_refused(arith):
+    lo, hi = json.loads((arith / "config.json").read_text())["sbd_block_size_range"]
+    with pytest.raises(ProposerError, match=f"trained for block sizes {lo}..{hi}"):
+        _proposer(arith, k=hi + 1)
+    with pytest.raises(ProposerError, match="num_speculative_tokens must be >= 1"):
+        SBDProposer(_config(arith, k=0))
+
+
+def test_a_model_without_drafter_or_mask_is_refused(tmp_path):
+    plain = export.export("ntp-arith", tmp_path / "plain", plain=True)
+    with pytest.raises(ProposerError, match="has no drafter"):
+        _proposer(plain)
+    with pytest.raises(ProposerError, match="local checkpoint folder"):
+        _proposer(tmp_path / "missing")
+
+
+def test_propose_before_load_model_is_refused(arith):
+    with pytest.raises(RuntimeError, match="before load_model"):
+        _propose(SBDProposer(_config(arith)), [[1, 2, 3]])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.INSTALL_HINT)
+def test_gated_export_is_the_plain_base_and_drafts(tmp_path):
+    """``sbd-ext export --model smollm2-drafter``: the base with its original vocabulary and a plain config (what
+    vLLM serves), the drafter beside it; the proposer attaches it and drafts from the block rows."""
+    dest = export.export("smollm2-drafter", tmp_path / "ckpt")
+    cfg = json.loads((dest / "config.json").read_text())
+    assert cfg["vocab_size"] == 49152 and "mask_token_id" not in cfg and "sbd_block_size_range" not in cfg
+    assert drafter.is_drafter(dest / drafter.CHECKPOINT_SUBFOLDER)
+    with one_thread():
+        p = _proposer(dest)
+        assert p.settings["gated"] and p.settings["mask_id"] == 49152
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(dest)
+        msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
+        d = _propose(p, [ids])[0]
+        assert d == _block_fill(p.model, ids)
+    assert len(d) == K and all(0 <= t < 49152 for t in d)
