@@ -175,3 +175,23 @@ def test_gated_export_is_the_plain_base_and_drafts(tmp_path):
         d = _propose(p, [ids])[0]
         assert d == _block_fill(p.model, ids)
     assert len(d) == K and all(0 <= t < 49152 for t in d)
+
+
+def test_cli_serve_refuses_a_non_checkpoint_and_a_missing_vllm(tmp_path, capsys, monkeypatch):
+    from sbd_ext.demo import cli
+
+    assert cli.main(["serve", str(tmp_path)]) == 1
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["serve", str(tmp_path)]) == 1
+    assert "tools/vllm_env.sh" in capsys.readouterr().err
+
+
+def test_speculative_config_names_the_proposer():
+    from sbd_ext.integration import vllm
+
+    spec = vllm.speculative_config(6)
+    assert spec == {"method": "custom_class", "model": f"{vllm.__name__}.SBDProposer", "num_speculative_tokens": 6}
+    module, _, name = spec["model"].rpartition(".")
+    assert getattr(__import__(module, fromlist=[name]), name) is SBDProposer

@@ -6,6 +6,7 @@ is lossless) and :func:`sbd_ext.generate` on the same checkpoint; the proposer m
 some of its drafts. Runs in the vLLM venv (tools/vllm_env.sh --test; CI's vLLM step)."""
 
 import json
+import sys
 import urllib.request
 
 import pytest
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.slow
 
 N_PROMPTS = 3
 MAX_TOKENS = 32
-SPEC = {"method": "custom_class", "model": "sbd_ext.integration.vllm.SBDProposer", "num_speculative_tokens": 4}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,12 @@ def plain_answers(exported):
 def sbd_served(exported, tmp_path_factory):
     """The answers through vLLM with the SBD proposer, the proposer's counters and vLLM's acceptance counters."""
     stats = tmp_path_factory.mktemp("stats") / "proposer.json"
-    with VLLMServer(exported, speculative_config=SPEC, env={STATS_ENV: str(stats)}) as server:
+    server = VLLMServer(exported, env={STATS_ENV: str(stats)})
+    # The documented command: sbd-ext serve DIR -k 4 -- <vllm serve options> (it adds the proposer).
+    vllm_args = server.command[server.command.index("--dtype") :]
+    launch = [sys.executable, "-m", "sbd_ext.demo.cli", "serve", server.model, "-k", "4"]
+    server.command = [*launch, "--port", str(server.port), "--", *vllm_args]
+    with server:
         answers = [_chat(server, q) for q in _questions()]
         accepted = _metric(server, "vllm:spec_decode_num_accepted_tokens_total")
         drafted = _metric(server, "vllm:spec_decode_num_draft_tokens_total")

@@ -25,6 +25,8 @@ tokenizer cannot encode are named in a warning (they become its unknown token).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import math
 import os
 import sys
@@ -33,6 +35,7 @@ import time
 import torch
 
 from ..decoding.gen_config import sbd_fields
+from ..integration import vllm as vllm_integration
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
 from .tokenizer import unknown_characters
@@ -272,6 +275,19 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """vLLM's OpenAI server for an exported checkpoint with SBD as its speculative proposer."""
+    folder = os.path.abspath(args.checkpoint)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"{args.checkpoint} is not a checkpoint folder (no config.json): make one with sbd-ext export")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed here: make its venv with `bash tools/vllm_env.sh` (vLLM's CPU build)")
+    rest = list(args.vllm_args)
+    spec = json.dumps(vllm_integration.speculative_config(args.num_speculative_tokens))
+    argv = ["serve", folder, "--host", args.host, "--port", str(args.port), "--dtype", "float32"]
+    return vllm_integration.vllm_cli([*argv, "--speculative-config", spec, *rest]) or 0
+
+
 def cmd_models(args) -> int:
     for name in models.available():
         p = models.path(name)
@@ -415,12 +431,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--plain", action="store_true", help="no custom_generate/ and no SBD settings: served as any NTP model"
     )
     x.set_defaults(func=cmd_export)
+
+    v = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server (its CPU build: tools/vllm_env.sh) for an exported checkpoint, SBD as its "
+        "speculative proposer; arguments after -- go to vllm serve",
+    )
+    v.add_argument("checkpoint", help="a folder from sbd-ext export (the drafter in its sbd_drafter/, or an SBD model)")
+    v.add_argument(
+        "-k", "--num-speculative-tokens", type=positive, default=4, help="the SBD block size k (default: %(default)s)"
+    )
+    v.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    v.add_argument("--port", type=_int_in(1, 65535), default=8000, help="default: %(default)s")
+    v.set_defaults(func=cmd_serve, vllm_args=[])  # main() takes what follows -- as vllm serve options
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    vllm_args = []
+    if argv[:1] == ["serve"] and "--" in argv:  # sbd-ext serve DIR [options] -- <vllm serve options>
+        cut = argv.index("--")
+        argv, vllm_args = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if vllm_args:
+        args.vllm_args = vllm_args
     _check_models(parser, args)
     try:
         return args.func(args)
