@@ -169,6 +169,26 @@ class SBDCache(Cache):
             raise ValueError(f"SBDCache.rollback: sequence {b} holds {self.seq_lens[b]} rows, cannot keep {length}")
         self.seq_lens[b] = int(length)
 
+    def batch_view(self, lo: int, hi: int) -> SBDCache:
+        """Sequences ``[lo, hi)`` as a cache of their own that shares this cache's K/V buffers (views: a forward
+        over the view appends its committed rows here). Its lengths start as a copy of this cache's: after the
+        forwards, write them back with ``cache.seq_lens[lo:hi] = view.seq_lens``. No plan may be active here."""
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= self.batch_size):
+            raise ValueError(f"SBDCache.batch_view: need 0 <= lo < hi <= {self.batch_size}, got {lo!r}, {hi!r}")
+        if self._planned:
+            raise RuntimeError("SBDCache.batch_view: a forward plan is active on this cache")
+        view = SBDCache.__new__(SBDCache)
+        view.seq_lens, view._max_cache_len, view._planned = self.seq_lens[lo:hi], self._max_cache_len, False
+        layers = []
+        for layer in self.layers:
+            v = SBDLayer.__new__(SBDLayer)
+            CacheLayerMixin.__init__(v)
+            v._owner, v.max_cache_len, v.dtype, v.device = view, layer.max_cache_len, layer.dtype, layer.device
+            v.keys, v.values, v.is_initialized = layer.keys[lo:hi], layer.values[lo:hi], True
+            layers.append(v)
+        Cache.__init__(view, layers=layers)
+        return view
+
     def check_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]) -> tuple[list[int], list[int]]:
         """Validate one forward's plan against the host lengths (no overflow) -> (n_commit, n_valid) as int lists.
 

@@ -340,6 +340,28 @@ def test_error_overflow(model):
             pass
 
 
+def test_batch_view_forward_writes_the_parent_cache(model):
+    """A forward over ``cache.batch_view(1, 3)`` appends into rows 1-2 of the parent's buffers (row 0 and 3
+    untouched) and gives the logits a batch-2 cache of its own gives."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, MASK_ID, (2, 6))
+    pos = torch.arange(6)[None].expand(2, 6)
+    parent = SBDCache(model.config, batch_size=4, max_cache_len=16)
+    alone = SBDCache(model.config, batch_size=2, max_cache_len=16)
+    view = parent.batch_view(1, 3)
+    outs = []
+    for cache in (view, alone):
+        with torch.no_grad(), cache.forward_plan([4, 5], [6, 6]) as plan:
+            outs.append(model(input_ids=ids, position_ids=pos, past_key_values=cache, sbd_plan=plan).logits)
+    assert torch.equal(outs[0], outs[1])
+    assert view.seq_lens == [4, 5] and parent.seq_lens == [0, 0, 0, 0]
+    for pl, al in zip(parent.layers, alone.layers, strict=True):
+        assert torch.equal(pl.keys[1:3], al.keys) and torch.equal(pl.values[1:3], al.values)
+        assert not pl.keys[0].any() and not pl.keys[3].any()
+    with pytest.raises(ValueError, match="batch_view"):
+        parent.batch_view(2, 5)
+
+
 @pytest.mark.parametrize(
     "ids,mask,match",
     [

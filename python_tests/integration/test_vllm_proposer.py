@@ -15,7 +15,7 @@ from sbd_models import one_thread
 import sbd_ext
 from sbd_ext import drafter
 from sbd_ext.demo import export, models
-from sbd_ext.integration.vllm import FILL_FORWARDS_ENV, ProposerError, SBDProposer
+from sbd_ext.integration.vllm import FILL_FORWARDS_ENV, SLOTS_ENV, ProposerError, SBDProposer
 from sbd_ext.recipes.smollm2 import checkpoint as smollm2
 
 K = 4
@@ -89,7 +89,8 @@ def test_incremental_drafts_equal_fresh_drafts(arith):
                 assert drafts[pos] == fresh, (step, j)
                 assert len(drafts[pos]) == K and inc.settings["mask_id"] not in drafts[pos]
                 grown[j] = seqs[j][: len(grown[j]) + 1 + step % 3]  # 1-3 accepted tokens
-    assert inc.stats["drafts"] == 18 and len(inc.slots) == 3
+    assert inc.stats["drafts"] == 18 and inc.stats["forwards"] == 6  # one batched forward per step
+    assert sorted(len(s.tokens) > 0 for s in inc.slots) == [False, True, True, True]
     # each request prefilled once; later steps commit only the new tokens
     assert inc.stats["prefill_rows"] == 3 * 20 + sum(1 + s % 3 for s in range(5)) * 3
 
@@ -103,6 +104,16 @@ def test_new_request_reuses_a_shared_prefix_and_rolls_back(arith):
         d = _propose(p, [other])[0]
         assert p.stats["prefill_rows"] == len(seqs[0]) + len(other) - 25
         assert d == _propose(_proposer(arith), [other])[0]
+
+
+def test_more_requests_than_slots_get_no_draft(arith, monkeypatch):
+    monkeypatch.setenv(SLOTS_ENV, "2")
+    seqs = _sequences(5, n=3)
+    with one_thread():
+        p = _proposer(arith)
+        drafts = _propose(p, seqs)
+        assert [len(d) for d in drafts] == [K, K, 0]
+        assert drafts[:2] == [_propose(_proposer(arith), [s])[0] for s in seqs[:2]]
 
 
 def test_rows_without_sampled_tokens_or_room_get_no_draft(arith):
@@ -127,10 +138,11 @@ def test_fill_forwards_reveal_more_with_more_forwards(arith, monkeypatch):
     assert 1 <= three.stats["forwards"] <= 3 and one.stats["forwards"] == 1
 
 
+@pytest.mark.parametrize("env", [FILL_FORWARDS_ENV, SLOTS_ENV])
 @pytest.mark.parametrize("value", ["0", "x", "-2"])
-def test_bad_fill_forwards_is_refused(arith, monkeypatch, value):
-    monkeypatch.setenv(FILL_FORWARDS_ENV, value)
-    with pytest.raises(ProposerError, match=FILL_FORWARDS_ENV):
+def test_bad_environment_setting_is_refused(arith, monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ProposerError, match=env):
         SBDProposer(_config(arith))
 
 

@@ -27,7 +27,7 @@ vllm/v1/worker/gpu_model_runner.py ``propose_draft_token_ids``, 0.32):
 * **Its own weights.** vLLM's CPU linears keep their weights only packed for oneDNN / its GEMM kernels and drop the
   plain tensors (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm(remove_weight=True)``), so
   there is no tensor to share; the proposer loads the checkpoint's weights once more (HF's Llama with
-  ``attn_implementation="sbd"``, 540 MB in fp32 for SmolLM2-135M).
+  ``attn_implementation="sbd"`` and sbd_ext's row_linear layers, 540 MB in fp32 for SmolLM2-135M).
 * **No request ids.** ``propose`` sees batch rows, whose order changes as requests come and go. The proposer keys
   its caches by content: a request continues the cache slot whose tokens are the longest prefix of its own (a new
   request reuses a shared prompt prefix), and the slot rolls back to that prefix.
@@ -35,7 +35,6 @@ vllm/v1/worker/gpu_model_runner.py ``propose_draft_token_ids``, 0.32):
 
 from __future__ import annotations
 
-import atexit
 import importlib.metadata
 import json
 import os
@@ -50,6 +49,7 @@ from .. import drafter as drafter_mod
 from .. import hf  # noqa: F401  (registers attn_implementation="sbd")
 from ..cache import SBDCache
 from ..decoding.sampling import sample_block
+from ..linear import ensure_row_linear
 from ..metadata import get_sbd_metadata
 from ..samplers import check_threshold, get_sampler
 
@@ -57,13 +57,15 @@ __all__ = [
     "SBDProposer",
     "ProposerError",
     "FILL_FORWARDS_ENV",
+    "SLOTS_ENV",
     "STATS_ENV",
     "load_drafting_model",
     "speculative_config",
     "vllm_cli",
 ]
 
-FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"
+FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"  # forwards per draft (default 1)
+SLOTS_ENV = "SBD_EXT_VLLM_SLOTS"  # sequences the proposer's KV cache holds (default 8, at most max_num_seqs)
 STATS_ENV = "SBD_EXT_VLLM_STATS"  # a JSON file the proposer writes its counters to (forwards, time), for benches
 
 
@@ -71,14 +73,14 @@ class ProposerError(ValueError):
     """The served model cannot draft with SBD (no drafter, a block size it was not trained for, ...)."""
 
 
-def _fill_forwards() -> int:
-    raw = os.environ.get(FILL_FORWARDS_ENV, "1")
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
-        raise ProposerError(f"{FILL_FORWARDS_ENV} must be an integer >= 1 (forwards per draft), got {raw!r}")
+        raise ProposerError(f"{name} must be an integer >= 1, got {raw!r}")
     return n
 
 
@@ -97,6 +99,7 @@ def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="sbd", local_files_only=True
     ).eval()
+    ensure_row_linear(model, torch.device("cpu"), dtype)  # as sbd_ext.generate: few-row forwards on row_linear
     generation = {}
     if gated:
         cfg = drafter_mod.load_weights(model, path / drafter_mod.CHECKPOINT_SUBFOLDER)
@@ -120,12 +123,12 @@ def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 class _Slot:
-    """One request's KV cache (batch 1) and the tokens committed to it."""
+    """One batch row of the proposer's KV cache and the tokens committed to it."""
 
-    def __init__(self, config, rows: int, dtype: torch.dtype):
-        self.cache = SBDCache(config, 1, rows, dtype=dtype)
+    def __init__(self, b: int):
+        self.b = b
         self.tokens: list[int] = []
-        self.row = -1  # the batch row it served last step
+        self.row = -1  # the vLLM batch row it served last step
 
     def common_prefix(self, tokens: list[int]) -> int:
         n = min(len(self.tokens), len(tokens))
@@ -146,24 +149,25 @@ class SBDProposer:
         self.k = int(spec.num_speculative_tokens)
         self.path = Path(str(mc.model))
         self.max_model_len = int(mc.max_model_len)
-        self.max_slots = max(1, int(getattr(vllm_config.scheduler_config, "max_num_seqs", 1) or 1))
+        seqs = max(1, int(getattr(vllm_config.scheduler_config, "max_num_seqs", 1) or 1))
+        self.n_slots = min(seqs, _env_int(SLOTS_ENV, 8))
         self.dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.float32
-        self.fill_forwards = _fill_forwards()
+        self.fill_forwards = _env_int(FILL_FORWARDS_ENV, 1)
         if self.k < 1:
             raise ProposerError(f"num_speculative_tokens must be >= 1, got {self.k}")
         self.model = None
+        self.cache: SBDCache | None = None
         self.settings: dict = {}
-        self.slots: list[_Slot] = []
+        self.slots = [_Slot(b) for b in range(self.n_slots)]
         self.stats = {"calls": 0, "drafts": 0, "forwards": 0, "draft_s": 0.0, "prefill_rows": 0}
         self._stats_path = os.environ.get(STATS_ENV)
         self._lock = threading.Lock()
-        if self._stats_path:
-            atexit.register(self._write_stats)
 
     # ----------------------------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
         """Load the drafting model from the served checkpoint (``target_model``, vLLM's module, has no plain weights
-        to share on the CPU: see the module doc) and check the block size."""
+        to share on the CPU: see the module doc), check the block size, allocate the KV cache (``n_slots``
+        sequences of ``max_model_len + k`` rows)."""
         model, settings = load_drafting_model(self.path, self.dtype)
         lo, hi = settings["block_range"]
         if not lo <= self.k <= hi:
@@ -176,79 +180,107 @@ class SBDProposer:
         if target_vocab is not None and int(target_vocab) not in (vocab, vocab - int(settings["gated"])):
             raise ProposerError(f"the served model's vocabulary ({target_vocab}) is not the drafter's ({vocab})")
         self.model, self.settings = model, settings
+        self.cache = SBDCache(model.config, self.n_slots, self.max_model_len + self.k, dtype=self.dtype)
 
-    def _slot_for(self, row: int, tokens: list[int], taken: set[int]) -> _Slot:
-        """The slot that continues ``tokens`` (longest common prefix; the slot of the same batch row first on a
-        tie), rolled back to that prefix. A new slot while fewer than max_num_seqs exist."""
+    def _slot_for(self, row: int, tokens: list[int], taken: set[int]) -> _Slot | None:
+        """The free slot that continues ``tokens`` (longest common prefix; the slot of the same vLLM row first on a
+        tie), rolled back to that prefix; None when every slot is taken this step."""
         best, best_len = None, -1
-        for j, s in enumerate(self.slots):
-            if j in taken:
+        for s in self.slots:
+            if s.b in taken:
                 continue
             n = s.common_prefix(tokens)
             if n > best_len or (n == best_len and s.row == row):
-                best, best_len = j, n
-        if (best is None or best_len == 0) and len(self.slots) < self.max_slots:
-            self.slots.append(_Slot(self.model.config, self.max_model_len + self.k, self.dtype))
-            best, best_len = len(self.slots) - 1, 0
-        taken.add(best)
-        slot = self.slots[best]
-        slot.cache.rollback(0, best_len)
-        del slot.tokens[best_len:]
-        slot.row = row
-        return slot
+                best, best_len = s, n
+        if best is None:
+            return None
+        taken.add(best.b)
+        self.cache.rollback(best.b, best_len)
+        del best.tokens[best_len:]
+        best.row = row
+        return best
 
-    def _forward(self, slot: _Slot, ids: list[int], start: int, n_commit: int) -> torch.Tensor:
-        """One forward of ``ids`` at positions ``start..``: the first ``n_commit`` rows committed, the rest a set
-        block; returns the block rows' logits [1, len(ids) - n_commit, V]."""
-        t = torch.tensor([ids], dtype=torch.int64)
-        pos = torch.arange(start, start + len(ids), dtype=torch.int64)[None]
-        with slot.cache.forward_plan([n_commit], [len(ids)]) as plan:
+    def _forward(self, view: SBDCache, ids, pos, n_commit: list[int], n_valid: list[int], keep: int) -> torch.Tensor:
+        with view.forward_plan(n_commit, n_valid) as plan:
             out = self.model(
-                input_ids=t, position_ids=pos, past_key_values=slot.cache, use_cache=True, sbd_plan=plan,
-                logits_to_keep=len(ids) - n_commit,
+                input_ids=ids, position_ids=pos, past_key_values=view, use_cache=True, sbd_plan=plan,
+                logits_to_keep=keep,
             )  # fmt: skip
         self.stats["forwards"] += 1
         return out.logits
 
     @torch.inference_mode()
-    def _draft(self, slot: _Slot, tokens: list[int]) -> list[int]:
+    def _draft(self, work: list[tuple[_Slot, list[int]]]) -> list[list[int]]:
+        """Drafts for ``work`` (slot, tokens) in one batched forward (+ fill forwards) over the slots' rows."""
         k, mask = self.k, self.settings["mask_id"]
         rule = (self.settings["sampler"], self.settings["threshold"])
-        new = tokens[len(slot.tokens) :]
-        self.stats["prefill_rows"] += len(new)
-        logits = self._forward(slot, new + [mask] * k, len(slot.tokens), len(new))
-        slot.tokens.extend(new)
-        n = len(tokens)
-        block = torch.full((1, k), mask, dtype=torch.int64)
-        for f in range(self.fill_forwards):
-            _, n_rem, _, _, tok = sample_block(logits, block, mask, *rule)
-            if int(n_rem[0]) == 0:
-                break
-            if f + 1 == self.fill_forwards:
-                block = torch.where(block == mask, tok, block)
-                break
-            logits = self._forward(slot, block[0].tolist(), n, 0)
-        return block[0].tolist()
+        lo, hi = min(s.b for s, _ in work), max(s.b for s, _ in work) + 1
+        B = hi - lo  # slots between the active ones ride along as padding rows (n_valid 0)
+        news = [tokens[len(s.tokens) :] for s, tokens in work]
+        T = max(len(n) for n in news) + k
+        ids = torch.zeros((B, T), dtype=torch.int64)
+        pos = torch.zeros((B, T), dtype=torch.int64)
+        n_commit, n_valid = [0] * B, [0] * B
+        for (s, _), new in zip(work, news, strict=True):
+            r = s.b - lo
+            ids[r, : len(new) + k] = torch.tensor(new + [mask] * k)
+            pos[r] = torch.arange(len(s.tokens), len(s.tokens) + T)
+            n_commit[r], n_valid[r] = len(new), len(new) + k
+            self.stats["prefill_rows"] += len(new)
+        rows = [s.b - lo for s, _ in work]
+        first = min(n_commit[r] for r in rows)
+        view = self.cache.batch_view(lo, hi)
+        try:
+            out = self._forward(view, ids, pos, n_commit, n_valid, T - first)
+            logits = torch.stack([out[r, n_commit[r] - first : n_commit[r] - first + k] for r in rows])
+            for (s, _), new in zip(work, news, strict=True):
+                s.tokens.extend(new)
+            block = torch.full((len(work), k), mask, dtype=torch.int64)
+            for f in range(self.fill_forwards):
+                _, n_rem, _, _, tok = sample_block(logits, block, mask, *rule)
+                if int(n_rem.max()) == 0:
+                    break
+                if f + 1 == self.fill_forwards:
+                    block = torch.where(block == mask, tok, block)
+                    break
+                ids = torch.zeros((B, k), dtype=torch.int64)
+                pos = torch.zeros((B, k), dtype=torch.int64)
+                n_valid = [0] * B
+                for a, (s, _) in enumerate(work):
+                    r = s.b - lo
+                    ids[r], pos[r], n_valid[r] = block[a], torch.arange(len(s.tokens), len(s.tokens) + k), k
+                out = self._forward(view, ids, pos, [0] * B, n_valid, k)
+                logits = out[rows]
+        finally:
+            self.cache.seq_lens[lo:hi] = view.seq_lens
+        return block.tolist()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_) -> list[list[int]]:
         """k draft tokens for every batch row that sampled tokens this step (an empty list for the others: a
-        partial prefill, or a request too close to ``max_model_len``)."""
+        partial prefill, a request too close to ``max_model_len``, or more running requests than slots)."""
         if self.model is None:
             raise RuntimeError("SBDProposer.propose before load_model")
         t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         taken: set[int] = set()
         with self._lock:
+            work, where = [], []
             for i, sampled in enumerate(sampled_token_ids):
                 n = int(num_tokens_no_spec[i])
                 if not sampled or n < 1 or n + self.k > self.max_model_len:
                     continue
                 tokens = [int(x) for x in token_ids_cpu[i, :n]]
-                drafts[i] = self._draft(self._slot_for(i, tokens, taken), tokens)
-                self.stats["drafts"] += 1
+                slot = self._slot_for(i, tokens, taken)
+                if slot is not None:
+                    work.append((slot, tokens))
+                    where.append(i)
+            if work:
+                for i, d in zip(where, self._draft(work), strict=True):
+                    drafts[i] = d
+                self.stats["drafts"] += len(work)
             self.stats["calls"] += 1
             self.stats["draft_s"] += time.perf_counter() - t0
-            if self._stats_path and self.stats["calls"] % 8 == 0:
+            if self._stats_path:
                 self._write_stats()
         return drafts
 
