@@ -19,14 +19,19 @@ Rows:
   ``"sbd"`` backend over an :class:`SBDCache`, row_linear), HF's forward (sdpa, DynamicCache cropped back to 256).
 - ``generate[<impl>]``: greedy end to end on the held-out general prompts (SmolLM2's chat template, token ids shared
   by every row): llama.cpp F32 / Q8_0 (``Llama.generate`` with top_k=1), HF ``generate``, sbd_ext NTP, sbd_ext
-  verify with the shipped gated drafter. extra_info: tokens/s and how many answers equal HF ``generate``'s.
+  verify with the shipped gated drafter; and, when vLLM's venv exists (``tools/vllm_env.sh``: ``.venv-vllm``, or
+  ``SBD_BENCH_VLLM_PYTHON``), vLLM's CPU build serving the same checkpoint (``vllm serve`` in a subprocess of that
+  venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
+  extra_info: tokens/s and how many answers equal HF ``generate``'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,7 @@ import torch
 
 import sbd_ext
 from sbd_ext.demo import models
+from sbd_ext.integration.server import VLLMServer
 from sbd_ext.linear import use_row_linear
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import checkpoint
@@ -55,6 +61,11 @@ ROWS = [1, 2, 4, 8, 16, 32]
 GGUF_DIR = Path(os.environ.get("SBD_GGUF_DIR", Path.home() / ".cache" / "sbd_ext" / "gguf"))
 FTYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 _results: dict[str, dict] = {}
+_VLLM_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+_VLLM_PYTHON = Path(os.environ.get("SBD_BENCH_VLLM_PYTHON", _VLLM_VENV_PYTHON))
+GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify"]
+if _VLLM_PYTHON.exists():
+    GENERATE_IMPLS.append("vllm")
 
 
 def gguf(kind: str) -> Path:
@@ -157,11 +168,35 @@ def _cut(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-@pytest.mark.parametrize("impl", ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify"])
+def _vllm_one(server, eos: int):
+    """Greedy completion of token ids through vLLM's server, as token ids (EOS included where it stopped)."""
+
+    def one(p):
+        body = {"model": server.model, "prompt": p, "max_tokens": MAX_NEW, "temperature": 0.0,
+                "stop_token_ids": [eos], "return_token_ids": True}  # fmt: skip
+        req = urllib.request.Request(
+            f"{server.base_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=900) as r:
+            choice = json.loads(r.read())["choices"][0]
+        out = list(choice["token_ids"])
+        if choice.get("finish_reason") == "stop" and (not out or out[-1] != eos):
+            out.append(eos)
+        return out
+
+    return one
+
+
+@pytest.mark.parametrize("impl", GENERATE_IMPLS)
 def test_generate(benchmark, setup, impl):
     base, drafted, tok, eos, prompts = setup
     benchmark.group = f"generate: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy"
-    if impl.startswith("llama"):
+    server = None
+    if impl == "vllm":
+        server = VLLMServer(checkpoint.ensure_checkpoint(), threads=THREADS, python=_VLLM_PYTHON).start()
+        one = _vllm_one(server, eos)
+        one(prompts[0][:8])  # warm-up
+    elif impl.startswith("llama"):
         llm = _llama(impl.removeprefix("llama_"), logits_all=False)
 
         def one(p):
@@ -189,7 +224,11 @@ def test_generate(benchmark, setup, impl):
             out = sbd_ext.generate(drafted, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
             return _cut(out.sequences[0, len(p) :].tolist(), eos)
 
-    answers = benchmark.pedantic(lambda: [one(p) for p in prompts], rounds=2, warmup_rounds=0, iterations=1)
+    try:
+        answers = benchmark.pedantic(lambda: [one(p) for p in prompts], rounds=2, warmup_rounds=0, iterations=1)
+    finally:
+        if server is not None:
+            server.close()
     med = benchmark.stats.stats.median
     n_tok = sum(len(a) for a in answers)
     ref = _results.get("generate[hf_generate]", {}).get("answers")

@@ -160,7 +160,8 @@ class VLLMServer(TransformersServer):
     fp32, eager; ``speculative_config``: e.g. ``{"method": "custom_class", "model":
     "sbd_ext.integration.vllm.SBDProposer", "num_speculative_tokens": 4}`` (:mod:`sbd_ext.integration.vllm`).
     ``threads``: the CPU threads of vLLM's engine (bound to cores ``0..threads-1``); ``env``: more environment
-    (e.g. ``SBD_EXT_VLLM_STATS``). Needs vLLM installed (``tools/vllm_env.sh``)."""
+    (e.g. ``SBD_EXT_VLLM_STATS``); ``python``: the interpreter that runs it (default: this one), e.g.
+    ``.venv-vllm/bin/python`` from another venv. Needs vLLM (and sbd_ext) installed there (``tools/vllm_env.sh``)."""
 
     name = "vllm serve"
 
@@ -174,6 +175,7 @@ class VLLMServer(TransformersServer):
         max_model_len: int = 1024,
         max_num_seqs: int = 4,
         env: dict[str, str] | None = None,
+        python: str | os.PathLike | None = None,
     ):
         super().__init__(model, threads=threads, ready_timeout=ready_timeout)
         args = ["--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
@@ -181,7 +183,8 @@ class VLLMServer(TransformersServer):
         if speculative_config is not None:
             args += ["--speculative-config", json.dumps(speculative_config)]
         launch = "from sbd_ext.integration.vllm import vllm_cli; vllm_cli()"  # vLLM's CLI (see vllm_cli)
-        self.command = [sys.executable, "-c", launch, "serve", self.model, "--host", HOST, "--port", str(self.port)]
+        exe = str(python) if python is not None else sys.executable  # e.g. vLLM's own venv (tools/vllm_env.sh)
+        self.command = [exe, "-c", launch, "serve", self.model, "--host", HOST, "--port", str(self.port)]
         self.command += args
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1
                     else "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}  # fmt: skip
