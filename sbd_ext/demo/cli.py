@@ -25,7 +25,6 @@ tokenizer cannot encode are named in a warning (they become its unknown token).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -280,7 +279,7 @@ def cmd_serve(args) -> int:
     folder = os.path.abspath(args.checkpoint)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(f"{args.checkpoint} is not a checkpoint folder (no config.json): make one with sbd-ext export")
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_integration.vllm_installed():
         raise ValueError("vLLM is not installed here: make its venv with `bash tools/vllm_env.sh` (vLLM's CPU build)")
     rest = list(args.vllm_args)
     spec = json.dumps(vllm_integration.speculative_config(args.num_speculative_tokens))

