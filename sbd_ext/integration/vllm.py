@@ -42,16 +42,19 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from .. import drafter as drafter_mod
 from .. import hf  # noqa: F401  (registers attn_implementation="sbd")
 from ..cache import SBDCache
+from ..decoding.gen_config import layered_settings, sbd_fields
 from ..decoding.sampling import sample_block
 from ..linear import ensure_row_linear
 from ..metadata import get_sbd_metadata
-from ..samplers import check_threshold, get_sampler
+from ..samplers import DEFAULT_THRESHOLDS
 
 __all__ = [
     "SBDProposer",
@@ -111,15 +114,16 @@ def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32):
             f"{path} has no drafter ({drafter_mod.CHECKPOINT_SUBFOLDER}/) and is not an SBD model (no mask_token_id "
             "in its config): export one with `sbd-ext export --model smollm2-drafter DIR` (or an SBD model)"
         )
-    gc = model.generation_config
-    sampler = getattr(gc, "sbd_sampler", None) or generation.get("sbd_sampler") or "eb"
-    get_sampler(sampler, "SBDProposer: sbd_sampler")
-    threshold = getattr(gc, "sbd_threshold", None)
-    if threshold is None:
-        threshold = generation.get("sbd_threshold", get_sampler(sampler).default_threshold)
-    threshold = check_threshold(sampler, threshold, "SBDProposer: sbd_threshold")
-    settings = {"mask_id": int(mask_id), "block_range": tuple(block_range or (1, 1)), "sampler": sampler,
-                "threshold": threshold, "gated": gated}  # fmt: skip
+    # The checkpoint's generation config over the drafter's recommended settings over the defaults, layered and
+    # validated as sbd_ext.generate does.
+    chosen = layered_settings(
+        {},
+        sbd_fields(model.generation_config, f"{path}/generation_config.json"),
+        sbd_fields(SimpleNamespace(**generation), "the drafter's generation settings"),
+    )
+    threshold = DEFAULT_THRESHOLDS[chosen.sampler] if chosen.threshold is None else chosen.threshold
+    settings = {"mask_id": int(mask_id), "block_range": tuple(block_range or (1, 1)), "sampler": chosen.sampler,
+                "threshold": float(threshold), "gated": gated}  # fmt: skip
     return model, settings
 
 
@@ -128,15 +132,13 @@ class _Slot:
 
     def __init__(self, b: int):
         self.b = b
-        self.tokens: list[int] = []
+        self.tokens = np.zeros(0, dtype=np.int64)  # a copy: vLLM reuses its token buffer
         self.row = -1  # the vLLM batch row it served last step
 
-    def common_prefix(self, tokens: list[int]) -> int:
+    def common_prefix(self, tokens: np.ndarray) -> int:
         n = min(len(self.tokens), len(tokens))
-        i = 0
-        while i < n and self.tokens[i] == tokens[i]:
-            i += 1
-        return i
+        differ = np.flatnonzero(self.tokens[:n] != tokens[:n])
+        return int(differ[0]) if differ.size else n
 
 
 class SBDProposer:
@@ -183,7 +185,7 @@ class SBDProposer:
         self.model, self.settings = model, settings
         self.cache = SBDCache(model.config, self.n_slots, self.max_model_len + self.k, dtype=self.dtype)
 
-    def _slot_for(self, row: int, tokens: list[int], taken: set[int]) -> _Slot | None:
+    def _slot_for(self, row: int, tokens: np.ndarray, taken: set[int]) -> _Slot | None:
         """The free slot that continues ``tokens`` (longest common prefix; the slot of the same vLLM row first on a
         tie), rolled back to that prefix; None when every slot is taken this step."""
         best, best_len = None, -1
@@ -197,7 +199,7 @@ class SBDProposer:
             return None
         taken.add(best.b)
         self.cache.rollback(best.b, best_len)
-        del best.tokens[best_len:]
+        best.tokens = best.tokens[:best_len]
         best.row = row
         return best
 
@@ -211,13 +213,13 @@ class SBDProposer:
         return out.logits
 
     @torch.inference_mode()
-    def _draft(self, work: list[tuple[_Slot, list[int]]]) -> list[list[int]]:
+    def _draft(self, work: list[tuple[_Slot, np.ndarray]]) -> list[list[int]]:
         """Drafts for ``work`` (slot, tokens) in one batched forward (+ fill forwards) over the slots' rows."""
         k, mask = self.k, self.settings["mask_id"]
         rule = (self.settings["sampler"], self.settings["threshold"])
         lo, hi = min(s.b for s, _ in work), max(s.b for s, _ in work) + 1
         B = hi - lo  # slots between the active ones ride along as padding rows (n_valid 0)
-        news = [tokens[len(s.tokens) :] for s, tokens in work]
+        news = [tokens[len(s.tokens) :].tolist() for s, tokens in work]
         T = max(len(n) for n in news) + k
         ids = torch.zeros((B, T), dtype=torch.int64)
         pos = torch.zeros((B, T), dtype=torch.int64)
@@ -234,8 +236,8 @@ class SBDProposer:
         try:
             out = self._forward(view, ids, pos, n_commit, n_valid, T - first)
             logits = torch.stack([out[r, n_commit[r] - first : n_commit[r] - first + k] for r in rows])
-            for (s, _), new in zip(work, news, strict=True):
-                s.tokens.extend(new)
+            for s, tokens in work:
+                s.tokens = tokens.copy()
             block = torch.full((len(work), k), mask, dtype=torch.int64)
             for f in range(self.fill_forwards):
                 _, n_rem, _, _, tok = sample_block(logits, block, mask, *rule)
@@ -270,7 +272,7 @@ class SBDProposer:
                 n = int(num_tokens_no_spec[i])
                 if not sampled or n < 1 or n + self.k > self.max_model_len:
                     continue
-                tokens = [int(x) for x in token_ids_cpu[i, :n]]
+                tokens = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
                 slot = self._slot_for(i, tokens, taken)
                 if slot is not None:
                     work.append((slot, tokens))
