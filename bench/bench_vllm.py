@@ -117,17 +117,6 @@ def _complete(server: VLLMServer, ids: list[int]) -> tuple[str, int]:
     return out["choices"][0]["text"], int(out["usage"]["completion_tokens"])
 
 
-def _metrics(server: VLLMServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    out = {}
-    for n in names:
-        prefix = f"vllm:spec_decode_{n}_total"
-        out[n] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
-    return out
-
-
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -176,7 +165,7 @@ def test_vllm_serving(benchmark, workloads, task, threads, method, concurrency):
     folder, prompts = workloads[task]
     server = _server(folder, task, method, threads)
     _complete(server, prompts[0][:8])  # warm-up (first request, allocator)
-    before = _metrics(server)
+    before = server.spec_decode_counters()
     stats_before = json.loads(_state["stats"].read_text()) if method == "sbd" and _state["stats"].exists() else {}
 
     def run():
@@ -186,7 +175,7 @@ def test_vllm_serving(benchmark, workloads, task, threads, method, concurrency):
     t0 = time.perf_counter()
     out = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     wall = time.perf_counter() - t0
-    after = _metrics(server)
+    after = server.spec_decode_counters()
     tokens = sum(n for _, n in out)
     d = {k: after[k] - before[k] for k in after}
     row = {"task": task, "method": method, "threads": threads, "concurrency": concurrency, "tokens": tokens,

@@ -50,12 +50,6 @@ def _chat(server, question: str) -> str:
         return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
-def _metric(server, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 @pytest.fixture(scope="module")
 def plain_answers(exported):
     """vLLM's own greedy answers, no proposer."""
@@ -74,8 +68,8 @@ def sbd_served(exported, tmp_path_factory):
     server.command = [*launch, "--port", str(server.port), "--", *vllm_args]
     with server:
         answers = [_chat(server, q) for q in _questions()]
-        accepted = _metric(server, "vllm:spec_decode_num_accepted_tokens_total")
-        drafted = _metric(server, "vllm:spec_decode_num_draft_tokens_total")
+        counters = server.spec_decode_counters()
+        accepted, drafted = counters["num_accepted_tokens"], counters["num_draft_tokens"]
     return answers, json.loads(stats.read_text()), accepted, drafted
 
 

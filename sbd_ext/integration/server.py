@@ -188,3 +188,14 @@ class VLLMServer(TransformersServer):
         self.command += args
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1
                     else "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}  # fmt: skip
+
+    def spec_decode_counters(self) -> dict[str, float]:
+        """vLLM's speculative-decoding counters from its ``/metrics`` (summed over labels): ``num_drafts``,
+        ``num_draft_tokens``, ``num_accepted_tokens`` (mean tokens per cycle = 1 + accepted / drafts)."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.port}/metrics", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        out = {}
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            prefix = f"vllm:spec_decode_{name}_total"
+            out[name] = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+        return out
