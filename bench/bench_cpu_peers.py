@@ -28,10 +28,8 @@ Rows:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import platform
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -172,13 +170,7 @@ def _vllm_one(server, eos: int):
     """Greedy completion of token ids through vLLM's server, as token ids (EOS included where it stopped)."""
 
     def one(p):
-        body = {"model": server.model, "prompt": p, "max_tokens": MAX_NEW, "temperature": 0.0,
-                "stop_token_ids": [eos], "return_token_ids": True}  # fmt: skip
-        req = urllib.request.Request(
-            f"{server.base_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=900) as r:
-            choice = json.loads(r.read())["choices"][0]
+        choice = server.complete(p, MAX_NEW, stop_token_ids=[eos], return_token_ids=True)["choices"][0]
         out = list(choice["token_ids"])
         if choice.get("finish_reason") == "stop" and (not out or out[-1] != eos):
             out.append(eos)

@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,12 +107,7 @@ def _server(folder, task: str, method: str, threads: int) -> VLLMServer:
 
 
 def _complete(server: VLLMServer, ids: list[int]) -> tuple[str, int]:
-    body = {"model": server.model, "prompt": ids, "max_tokens": MAX_NEW, "temperature": 0.0}
-    req = urllib.request.Request(
-        f"{server.base_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=900) as r:
-        out = json.loads(r.read())
+    out = server.complete(ids, MAX_NEW)
     return out["choices"][0]["text"], int(out["usage"]["completion_tokens"])
 
 

@@ -189,6 +189,16 @@ class VLLMServer(TransformersServer):
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1
                     else "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}  # fmt: skip
 
+    def complete(self, prompt_ids: list[int], max_tokens: int, **body) -> dict:
+        """A greedy ``/v1/completions`` request with the prompt as token ids (``body``: more request fields, e.g.
+        ``return_token_ids=True``); returns the response as JSON."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0, **body}
+        req = urllib.request.Request(
+            f"{self.base_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=900) as r:
+            return json.loads(r.read())
+
     def spec_decode_counters(self) -> dict[str, float]:
         """vLLM's speculative-decoding counters from its ``/metrics`` (summed over labels): ``num_drafts``,
         ``num_draft_tokens``, ``num_accepted_tokens`` (mean tokens per cycle = 1 + accepted / drafts)."""
