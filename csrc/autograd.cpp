@@ -3,23 +3,26 @@
 // backward leaves the inputs' .grad None (the autograd fallback's silent answer). sbd_ext/ops.py's wrappers refuse
 // them too, with the same message; this covers a direct torch.ops call.
 //
-// row_linear: x and weight are differentiable (it is a linear layer). block_attention, entropy_sample and
+// row_linear: x, weight and scale are differentiable (it is a linear layer). block_attention, entropy_sample and
 // mask_replace are not covered here (sbd_ext/ops.py refuses their differentiable inputs).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 
 namespace sbd_ext {
 namespace {
 
-at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& scale) {
   if (c10::GradMode::is_enabled()) {
     std::string grads;
     if (x.defined() && x.requires_grad()) grads = "x";
     if (weight.defined() && weight.requires_grad()) grads += grads.empty() ? "weight" : ", weight";
+    if (scale.has_value() && scale->defined() && scale->requires_grad()) grads += grads.empty() ? "scale" : ", scale";
     TORCH_CHECK(grads.empty(), "row_linear has no backward, but ", grads,
                 " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs "
                 "(for training use torch.nn.functional.linear)");
@@ -27,8 +30,8 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::row_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, weight);
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  return op.call(x, weight, scale);
 }
 
 }  // namespace

@@ -29,9 +29,11 @@ TORCH_LIBRARY(sbd_ext, m) {
   m.def(
       "mask_replace(Tensor(a!) tokens, Tensor proposals, Tensor entropy, Tensor max_prob, int mask_id, str rule, "
       "float threshold) -> (Tensor, Tensor)");
-  // x [M, K], weight [N, K] fp32 (nn.Linear's layout), each contiguous along K -> x @ weight^T [M, N] fp32. No
-  // backward. The CPU kernel is for the few rows of a decoding forward (sbd_ext.linear puts it in a model).
-  m.def("row_linear(Tensor x, Tensor weight) -> Tensor");
+  // x [M, K] fp32, weight [N, K] (nn.Linear's layout), each contiguous along K -> x @ weight^T [M, N] fp32. weight
+  // fp32 with scale None, or int8 with scale [N] fp32 (weight-only quantisation: (x @ weight^T) * scale). No
+  // backward. The CPU kernel is for the few rows of a decoding forward (sbd_ext.linear / sbd_ext.quantize put it in
+  // a model).
+  m.def("row_linear(Tensor x, Tensor weight, Tensor? scale=None) -> Tensor");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

@@ -1,22 +1,38 @@
 // Argument checks of row_linear, shared by its CPU and CUDA bindings.
 #pragma once
 
+#include <optional>
+
 #include "checks.h"
 
 namespace sbd_ext {
 
-// x [M, K] and weight [N, K] fp32 on one device, each contiguous along K, and M * N (the output's size) within
-// int64.
-inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight) {
+// x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
+// int64. weight is fp32 with no scale, or int8 (weight-only quantisation) with scale [N] fp32 (one per weight row),
+// contiguous, on the same device.
+inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
   constexpr const char* op = "row_linear";
   check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kChar});
   check_dim(op, "x", x, 2, "[M, K]");
   check_dim(op, "weight", weight, 2, "[N, K]");
   check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
   check_same_device(op, "weight", weight, x, "x");
   check_inner_contiguous(op, "x", x);
   check_inner_contiguous(op, "weight", weight);
+  const bool has_scale = scale.has_value() && scale->defined();
+  if (weight.scalar_type() == at::kChar) {
+    TORCH_CHECK_VALUE(has_scale, op, ": an int8 weight needs scale [N] fp32 (one scale per weight row), got None");
+    const at::Tensor& s = *scale;
+    check_dtype(op, "scale", s, {at::kFloat});
+    check_dim(op, "scale", s, 1, "[N]");
+    check_size(op, "scale", s, 0, weight.size(0), "weight.size(0) (N)");
+    check_same_device(op, "scale", s, x, "x");
+    check_inner_contiguous(op, "scale", s);
+  } else {
+    TORCH_CHECK_VALUE(!has_scale, op, ": scale is for an int8 weight; weight has dtype ", weight.scalar_type(),
+                      " (pass scale=None)");
+  }
   checked_mul(op, "the output size M * N", {x.size(0), weight.size(0)});
 }
 

@@ -211,20 +211,25 @@ def mask_replace(
     return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, threshold)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for the few rows of a decoding forward: what ``torch.nn.functional.linear(x, weight)``
     computes, with a CPU kernel that reads the weight once for all rows (see csrc/cpu/row_linear_kernel.cpp).
 
     Args:
         x: [M, K] fp32, contiguous along K (rows may be strided).
-        weight: [N, K] fp32 (``nn.Linear.weight``'s layout), contiguous along K, on x's device.
+        weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, or int8 for
+            weight-only quantisation (:func:`sbd_ext.quantize`).
+        scale: None for an fp32 weight; [N] fp32 for an int8 one (one scale per weight row): the result is then
+            ``(x @ weight.float().T) * scale``.
 
     Returns:
         [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
-        fp32 rounding. No backward (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS.
+        fp32 rounding. No backward (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS
+        (an int8 weight is widened to fp32 first).
     """
-    _check_tensors("row_linear", dict(x=x, weight=weight), ("x", "weight"))
-    return torch.ops.sbd_ext.row_linear(x, weight)
+    named = dict(x=x, weight=weight) if scale is None else dict(x=x, weight=weight, scale=scale)
+    _check_tensors("row_linear", named, tuple(named))
+    return torch.ops.sbd_ext.row_linear(x, weight, scale)
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
@@ -248,20 +253,37 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
 
 
 @torch.library.register_fake("sbd_ext::row_linear")
-def _row_linear_fake(x, weight):
-    # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, device. This is
-    # also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
+def _row_linear_fake(x, weight, scale=None):
+    # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This
+    # is also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
+    allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8)}
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"row_linear: {name} must have dtype Float, got {t.dtype}")
+        if t.dtype not in allowed[name]:
+            names = ", ".join({torch.float32: "Float", torch.int8: "Char"}[d] for d in allowed[name])
+            raise TypeError(f"row_linear: {name} must have dtype {names}, got {t.dtype}")
         if t.dim() != 2:
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
-    if weight.device != x.device:
-        raise RuntimeError(
-            f"row_linear: weight is on {weight.device} but x is on {x.device}; all tensors must be on the same device"
-        )
+    for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
+        if t.device != x.device:
+            raise RuntimeError(
+                f"row_linear: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
+            )
     torch._check_value(
         weight.shape[1] == x.shape[1],
         lambda: f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}",
     )
+    if weight.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("row_linear: an int8 weight needs scale [N] fp32 (one scale per weight row), got None")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"row_linear: scale must have dtype Float, got {scale.dtype}")
+        if scale.dim() != 1:
+            raise ValueError(f"row_linear: scale must be 1-D [N], got shape {tuple(scale.shape)}")
+        torch._check_value(
+            scale.shape[0] == weight.shape[0],
+            lambda: f"row_linear: scale.size(0) must equal weight.size(0) (N) = {weight.shape[0]}, got "
+            f"shape {tuple(scale.shape)}",
+        )
+    elif scale is not None:
+        raise ValueError(f"row_linear: scale is for an int8 weight; weight has dtype {weight.dtype} (pass scale=None)")
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -256,8 +256,14 @@ def mask_replace(
 # --------------------------------------------------------------------------------------------------------
 # row_linear
 # --------------------------------------------------------------------------------------------------------
-def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T, accumulated in float64 and returned as fp32 [M, N]."""
+def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (an int8 weight: times scale [N] per output column), accumulated in float64 and
+    returned as fp32 [M, N]."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row_linear: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    return (x.double() @ weight.double().t()).float()
+    if (weight.dtype == torch.int8) != (scale is not None):
+        raise ValueError("row_linear: an int8 weight takes scale [N]; an fp32 weight takes none")
+    out = x.double() @ weight.double().t()
+    if scale is not None:
+        out = out * scale.double()
+    return out.float()

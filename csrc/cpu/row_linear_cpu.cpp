@@ -11,14 +11,24 @@
 
 namespace sbd_ext {
 
-at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
-  check_row_linear(x, weight);
+at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
+  check_row_linear(x, weight, scale);
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  const sbd_cpu::RowLinearParams p{x.data_ptr<float>(), x.stride(0),         weight.data_ptr<float>(),
-                                   weight.stride(0),    out.data_ptr<float>(), out.stride(0), M, N, K};
+  const bool q8 = weight.scalar_type() == at::kChar;
+  const sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
+                                   x.stride(0),
+                                   q8 ? nullptr : weight.data_ptr<float>(),
+                                   weight.stride(0),
+                                   q8 ? weight.data_ptr<int8_t>() : nullptr,
+                                   q8 ? scale->data_ptr<float>() : nullptr,
+                                   out.data_ptr<float>(),
+                                   out.stride(0),
+                                   M,
+                                   N,
+                                   K};
   const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t n1 = std::min(N, c1 * sbd_cpu::kRowLinearChunk);

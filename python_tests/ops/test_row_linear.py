@@ -162,6 +162,110 @@ def test_fake_kernel_checks_what_the_binding_checks():
         op(meta, torch.empty(5, 63, device="meta"))
 
 
+# ---- int8 weights (weight-only quantisation) ------------------------------------------------------------------
+def _case_int8(M, N, K, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.rand(N, generator=g) * 0.02 + 1e-3
+    return x.to(device), q.to(device), scale.to(device)
+
+
+def _check_int8(y, x, q, scale, msg=""):
+    """|y - (x @ q^T) * scale| within K * eps * (|x| @ |q|^T) * scale (+ the scale's rounding), float64 reference."""
+    x, q, scale = x.cpu(), q.cpu(), scale.cpu()
+    ref = R.row_linear(x, q, scale).double()
+    exact = (x.double() @ q.double().t()) * scale.double()
+    bound = (x.double().abs() @ q.double().abs().t()) * scale.double() * (x.shape[1] + 3) * EPS32 + 1e-30
+    assert y.shape == ref.shape and y.dtype == torch.float32, msg
+    err = (y.cpu().double() - exact).abs()
+    assert bool((err <= bound).all()), f"{msg}: max err {err.max().item():.3g}, worst {(err / bound).max():.3g}"
+    assert bool(((ref.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16, 17, 33])
+@pytest.mark.parametrize("N, K", [(1, 1), (2, 7), (3, 8), (4, 9), (5, 17), (7, 31), (65, 576), (130, 1537)])
+def test_int8_matches_reference(device, cpu_isa, M, N, K):
+    """K: the int8 vector tails (8 lanes on AVX2, 16 on AVX-512); N: weight tile and chunk edges."""
+    x, q, s = _case_int8(M, N, K, seed=M * 10000 + N * 10 + K, device=device)
+    _check_int8(sbd_ext.row_linear(x, q, s), x, q, s, f"M={M} N={N} K={K}")
+
+
+def test_int8_equals_the_dequantised_fp32_product(device):
+    """The int8 path computes what an fp32 weight q * scale would give, to fp32 rounding (SmolLM2's head shape)."""
+    x, q, s = _case_int8(5, 4099, 576, seed=11, device=device)
+    _check_int8(sbd_ext.row_linear(x, q, s), x, q, s)
+    _check_int8(sbd_ext.row_linear(x, (q.float() * s[:, None]).contiguous()), x, q, s)
+
+
+def test_int8_strided_rows_and_thread_count(device):
+    x, q, s = _case_int8(9, 70, 100, seed=5, device=device)
+    xs, qs = x[::2, 3:60], q[1::3, 3:60]
+    ss = s[1::3].contiguous()
+    _check_int8(sbd_ext.row_linear(xs, qs, ss), xs, qs, ss)
+    if device == "cpu":
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = sbd_ext.row_linear(x, q, s)
+            torch.set_num_threads(2)
+            assert torch.equal(one, sbd_ext.row_linear(x, q, s))
+        finally:
+            torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x, q, s: (x, q, None), "an int8 weight needs scale"),
+        (lambda x, q, s: (x, q.float(), s), "scale is for an int8 weight"),
+        (lambda x, q, s: (x, q, s.double()), "scale must have dtype Float"),
+        (lambda x, q, s: (x, q, s[None]), "scale must be 1-D"),
+        (lambda x, q, s: (x, q, s[:-1]), r"scale.size\(0\) must equal weight.size\(0\) \(N\)"),
+        (lambda x, q, s: (x, q, torch.stack([s, s], 1)[:, 0]), "scale must be contiguous"),
+        (lambda x, q, s: (x, q, s.to("meta")), "scale is on meta"),
+        (lambda x, q, s: (x, q.to(torch.uint8), s), "weight must have dtype Float, Char"),
+        (lambda x, q, s: (x, q[:, :-1], s), r"weight.size\(1\) must equal x.size\(1\)"),
+    ],
+)
+def test_int8_bad_inputs(device, change, match):
+    """Through the wrapper and past it (torch.ops directly: the binding's own checks, on every device present)."""
+    x, q, s = change(*_case_int8(4, 6, 8, seed=2, device=device))
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        sbd_ext.row_linear(x, q, s)
+    if not (isinstance(s, torch.Tensor) and s.device.type == "meta"):
+        with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+            torch.ops.sbd_ext.row_linear(x, q, s)
+
+
+def test_int8_scale_requiring_grad_is_refused():
+    x, q, s = _case_int8(2, 3, 4, seed=4, device="cpu")
+    s.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="has no backward, but scale require"):
+        sbd_ext.row_linear(x, q, s)
+    with pytest.raises(RuntimeError, match="has no backward, but scale require"):
+        torch.ops.sbd_ext.row_linear(x, q, s)
+    with torch.no_grad():
+        _check_int8(sbd_ext.row_linear(x, q, s), x, q, s.detach())
+
+
+def test_int8_fake_kernel_checks_what_the_binding_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.sbd_ext.row_linear
+    with FakeTensorMode():
+        x, q, s = torch.empty(4, 64), torch.empty(5, 64, dtype=torch.int8), torch.empty(5)
+        assert op(x, q, s).shape == (4, 5) and op(x, q, s).dtype == torch.float32
+        with pytest.raises(ValueError, match="an int8 weight needs scale"):
+            op(x, q)
+        with pytest.raises(ValueError, match="scale is for an int8 weight"):
+            op(x, torch.empty(5, 64), s)
+        with pytest.raises(ValueError, match=r"scale.size\(0\) must equal weight.size\(0\)"):
+            op(x, q, torch.empty(4))
+        with pytest.raises(TypeError, match="scale must have dtype Float"):
+            op(x, q, torch.empty(5, dtype=torch.float16))
+
+
 # ---- RowLinear in a model -------------------------------------------------------------------------------------
 class _Quantised(nn.Linear):
     """A subclass of nn.Linear with its own forward: use_row_linear must leave it alone."""

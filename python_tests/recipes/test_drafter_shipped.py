@@ -1,5 +1,5 @@
-"""The embedded general drafter (``smollm2-drafter``: a gated drafter over the unmodified SmolLM2-135M-Instruct): it loads
-offline, decodes exactly as the base does (NTP, verify; against HF ``generate`` on the original checkpoint), in fewer
+"""The embedded general drafter (``smollm2-drafter``: a gated drafter over the unmodified SmolLM2-135M-Instruct): it
+loads offline, decodes exactly as the base does (NTP, verify; against HF ``generate`` on the original checkpoint), in fewer
 forwards as its ship record states, and reaches transformers through ``sbd-ext export``."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from sbd_models import single_thread  # noqa: F401  (fixture)
 import sbd_ext
 from sbd_ext import drafter
 from sbd_ext.demo import cli, models
+from sbd_ext.drafter.gate import GatedLoRALinear
+from sbd_ext.quantize import Int8Linear
 from sbd_ext.recipes.smollm2 import checkpoint
 from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
@@ -111,3 +113,18 @@ def test_export_decodes_with_its_drafter_through_transformers(shipped, tmp_path)
     n = ref.sequences.shape[1]
     assert out.sequences[0, :n].tolist() == ref.sequences[0].tolist()
     assert float(out.tokens_per_forward.mean()) > 1.0
+
+
+def test_int8_weights_keep_verify_lossless():
+    """sbd_ext.quantize after the drafter is attached: the base projections inside its gated adapters turn int8 and
+    verify still returns the (now int8) base's own NTP tokens, in fewer forwards."""
+    model, tok = models.load(NAME)
+    sbd_ext.quantize(model, "int8")
+    gated = [m for m in model.modules() if isinstance(m, GatedLoRALinear)]
+    assert gated and all(type(m.base) is Int8Linear for m in gated)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = _prompt(tok, 0)
+    ntp = sbd_ext.generate(model, ids, mode="ntp", verify=False, max_new_tokens=32, eos_token_id=eos)
+    ver = sbd_ext.generate(model, ids, max_new_tokens=32, eos_token_id=eos)
+    assert ver.sequences.tolist() == ntp.sequences.tolist()
+    assert int(ver.nfe.sum()) < int(ntp.nfe.sum())

@@ -14,6 +14,7 @@ import torch
 from .. import families, ops
 from ..cache import SBDCache
 from ..linear import row_linear_state
+from ..quantize import quantized_scheme
 from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
@@ -38,7 +39,7 @@ _FALLBACK_WARNED = False
 
 def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
     key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
-    return key + (row_linear_state(model),)  # the linear layers' class: its own graph
+    return key + (row_linear_state(model), quantized_scheme(model))  # the linear layers' class: its own graph
 
 
 def _compiled_variant_ok(key: tuple) -> bool:

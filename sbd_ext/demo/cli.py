@@ -35,6 +35,7 @@ import torch
 
 from ..decoding.gen_config import sbd_fields
 from ..integration import vllm as vllm_integration
+from ..quantize import SCHEMES
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
 from .tokenizer import unknown_characters
@@ -97,7 +98,7 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
-    model, tok = models.load(args.model)
+    model, tok = models.load(args.model, quantize=args.quantize)
     info = _model_info(args.model, model)
     t_load = time.perf_counter() - t_load
 
@@ -383,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_in(0, MAX_EXAMPLE),
         default=0,
         help=f"which held-out problem (0-{MAX_EXAMPLE}) when no prompt is given",
+    )
+    g.add_argument(
+        "--quantize",
+        choices=SCHEMES,
+        default=None,
+        help="weights in 8 bits for the decoding forward (sbd_ext.quantize; CPU, fp32 activations); default: fp32",
     )
     threads = _int_in(0, MAX_THREADS)
     g.add_argument(

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from ... import adapters, drafter
+from ...quantize import SCHEMES
+from ...quantize import quantize as quantize_model
 
 __all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
 
@@ -63,8 +65,10 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sbd",
+    quantize: str | None = None,
 ):
-    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode.
+    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode; ``quantize="int8"``:
+    the linear weights in int8 (:func:`sbd_ext.quantize`, after the drafter or adapter is applied).
 
     An adapter artifact (``smollm2-sbd``) is applied to the base model it names (merged: the converted model); a
     gated drafter (``smollm2-drafter``) is attached to its base, not merged (the base's own answers, fewer forwards).
@@ -72,16 +76,23 @@ def load(
     it is missing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if quantize is not None and quantize not in SCHEMES:  # before the load, not after it
+        raise ValueError(f"unknown quantize scheme {quantize!r}; supported: {', '.join(SCHEMES)} (or None)")
     folder = path(name_or_path)
+    kw = dict(dtype=dtype, attn_implementation=attn_implementation, device=device)
     if drafter.is_drafter(folder):
-        return drafter.load_drafter(folder, dtype=dtype, attn_implementation=attn_implementation, device=device)
-    if adapters.is_artifact(folder):
-        return adapters.load_artifact(folder, dtype=dtype, attn_implementation=attn_implementation, device=device)
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
-    )
-    return model.to(device).eval(), tok
+        model, tok = drafter.load_drafter(folder, **kw)
+    elif adapters.is_artifact(folder):
+        model, tok = adapters.load_artifact(folder, **kw)
+    else:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+        )
+        model = model.to(device).eval()
+    if quantize is not None:
+        quantize_model(model, quantize)
+    return model, tok
 
 
 def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

@@ -1,0 +1,125 @@
+"""sbd_ext.quantize(model, "int8"): weight-only int8 in place, against the same model with the dequantised weights in
+fp32 (the pure-PyTorch reference of what the int8 model computes), and decoding on it."""
+
+import copy
+
+import pytest
+import torch
+from sbd_models import tiny_llama
+from torch import nn
+
+import sbd_ext
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import format_prompt
+from sbd_ext.linear import RowLinear, use_row_linear
+from sbd_ext.quantize import Int8Linear, quantize_weight, quantized_scheme
+
+
+def test_quantize_weight_round_trip():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 53, generator=g)
+    w[3] = 0.0
+    q, s = quantize_weight(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (37,)
+    assert int(q.abs().max()) == 127 and s[3] == 1.0 and not bool(q[3].any())
+    err = (q.float() * s[:, None] - w).abs()
+    assert bool((err <= s[:, None] / 2 * (1 + 1e-5)).all())  # round to nearest: half a step per entry
+    w[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize_weight(w)
+
+
+def _dequantised_copy(model: nn.Module) -> nn.Module:
+    """The reference: a copy of the fp32 model whose linear weights are q * scale in fp32 (what int8 stands for)."""
+    ref = copy.deepcopy(model)
+    use_row_linear(ref, False)  # F.linear: the reference does not run the kernel under test
+    with torch.no_grad():
+        for m in ref.modules():
+            if type(m) is nn.Linear:
+                q, s = quantize_weight(m.weight)
+                m.weight = nn.Parameter(q.float() * s[:, None], requires_grad=False)
+    return ref
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantize_switches_every_linear_in_place(tie):
+    model = tiny_llama(tie=tie)
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    emb = model.get_input_embeddings().weight
+    fired = []
+    model.lm_head.register_forward_hook(lambda *a: fired.append(1))
+    assert sbd_ext.quantize(model, "int8") is model and quantized_scheme(model) == "int8"
+    for name, m in model.named_modules():
+        if name in linears:
+            assert m is linears[name] and type(m) is Int8Linear  # same objects: references and hooks stay
+            assert m.weight_int8.dtype == torch.int8 and m.weight_scale.shape == (m.out_features,)
+    head = model.lm_head
+    if tie:
+        assert head.weight is emb  # the embedding keeps the shared fp32 tensor
+    else:
+        assert "weight" not in head._parameters  # the fp32 weight is freed
+        q, s = head.weight_int8, head.weight_scale
+        assert torch.equal(head.weight, q.float() * s[:, None])
+    model(torch.tensor([[1, 2, 3]]))
+    assert fired == [1]
+    sbd_ext.quantize(model, "int8")  # again: nothing left to switch
+    assert all(type(m) is not nn.Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 40])  # 40 > ROW_LIMIT: the dequantised F.linear path (a prefill)
+def test_int8_forward_equals_the_dequantised_fp32_model(rows):
+    model = tiny_llama(tie=True)
+    ref = _dequantised_copy(model)
+    use_row_linear(model)  # RowLinear layers are quantised too
+    assert any(type(m) is RowLinear for m in model.modules())
+    sbd_ext.quantize(model)
+    ids = torch.randint(0, 90, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown scheme 'int4'"):
+        sbd_ext.quantize(tiny_llama(), "int4")
+    with pytest.raises(ValueError, match=r"for fp32 models .* torch.bfloat16: call model.float\(\) first"):
+        sbd_ext.quantize(tiny_llama(dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        sbd_ext.quantize(torch.zeros(3))
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        sbd_ext.quantize(model)
+
+
+# ---- decoding on int8 weights ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def arith():
+    model, tok = models.load(models.DEFAULT_MODEL)
+    info = models.demo_info(models.DEFAULT_MODEL)
+    probs = list(tasks.problems("test", 4))
+    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    ref = _dequantised_copy(model)
+    sbd_ext.quantize(model, "int8")
+    kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return model, ref, enc.input_ids, enc.attention_mask, info, kw
+
+
+def test_ntp_and_verify_on_int8_weights(arith):
+    """NTP on the int8 model == NTP on the dequantised fp32 copy; verify on it == its own NTP (lossless holds)."""
+    model, ref, ids, mask, info, kw = arith
+    ntp = sbd_ext.generate(model, ids, mask, mode="ntp", **kw)
+    assert torch.equal(ntp.sequences, sbd_ext.generate(ref, ids, mask, mode="ntp", **kw).sequences)
+    ver = sbd_ext.generate(model, ids, mask, mode="sbd", verify=True, block_size=info["block_size"], **kw)
+    assert torch.equal(ver.sequences, ntp.sequences)
+    assert int(ver.nfe.max()) < int(ntp.nfe.max())
+
+
+def test_compiled_step_on_int8_weights(arith):
+    model, _, ids, mask, info, kw = arith
+    s = dict(mode="sbd", block_size=info["block_size"], sampler=info["sampler"], threshold=info["gamma_high"], **kw)
+    eager = sbd_ext.generate(model, ids, mask, **s)
+    compiled = sbd_ext.generate(model, ids, mask, compile=True, **s)
+    assert torch.equal(compiled.sequences, eager.sequences) and torch.equal(compiled.nfe, eager.nfe)

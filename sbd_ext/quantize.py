@@ -1,0 +1,131 @@
+"""Weight-only int8 for the decoding forward: ``sbd_ext.quantize(model, "int8")``.
+
+Why: on a CPU a decoding forward of a few rows is a pass over the weights, and fp32 weights are four bytes each. With
+int8 weights and one fp32 scale per output row (symmetric, per channel: ``scale = max|w_row| / 127``,
+``q = round(w / scale)``) the pass reads a quarter of the bytes, and :func:`sbd_ext.ops.row_linear` widens them to
+fp32 in registers (csrc/cpu/row_linear_kernel.cpp): activations, sums, norms, attention and logits stay fp32.
+
+:func:`quantize` turns every plain ``nn.Linear`` of an fp32 model (and :class:`~sbd_ext.linear.RowLinear`; the
+frozen base projection inside a gated drafter's adapter too) into :class:`Int8Linear` **in place**, by class, as
+:func:`sbd_ext.linear.use_row_linear` does: the module objects, their hooks and every reference to them stay, so a
+drafter attached before or after keeps working and NTP, SBD and verify decoding all run on int8 weights. A weight
+tied to the input embedding (SmolLM2's output head) keeps the shared fp32 tensor for the embedding lookup and gets an
+int8 copy for the head; every other fp32 weight is freed. The embedding itself stays fp32 (a lookup reads one row).
+
+It is one-way and for inference: gradients do not flow through an int8 weight, and the int8 tensors are buffers
+(``weight_int8``, ``weight_scale``), not a checkpoint format; quantize after loading, every time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .linear import ROW_LIMIT, RowLinear
+from .ops import row_linear
+
+__all__ = ["SCHEMES", "Int8Linear", "quantize", "quantize_weight", "quantized_scheme"]
+
+SCHEMES = ("int8",)
+_STATE = "_sbd_quantized"
+_LOCK = threading.Lock()
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of a 2-D fp32 weight [N, K]: ``(q int8 [N, K], scale fp32 [N])`` with
+    ``weight ≈ q * scale[:, None]``, ``|q| <= 127``. An all-zero row gets scale 1 (and q 0). Non-finite weights are
+    refused (a NaN would quantise to a silent 0)."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize: a linear weight is 2-D [N, K], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"quantize: the weight must be floating point, got {weight.dtype}")
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("quantize: the weight has NaN or infinite entries")
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
+def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
+    return module.weight_int8.to(dtype) * module.weight_scale.to(dtype)[:, None]
+
+
+class Int8Linear(nn.Linear):
+    """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
+    (``weight_scale`` [N]). Up to :data:`~sbd_ext.linear.ROW_LIMIT` fp32 rows without an autograd graph run
+    :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens the weight); more rows
+    (a prefill) run ``F.linear`` on the weight dequantised for that call. ``.weight`` is the tied fp32 tensor where
+    the layer shares the embedding's, else the dequantised weight (computed on each access, for inspection)."""
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        tied = self._parameters.get("weight")
+        return tied if tied is not None else _dequantized(self, self.weight_scale.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self.weight_int8, self.weight_scale
+        rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+        if (
+            0 < rows <= ROW_LIMIT
+            and x.dtype == torch.float32
+            and x.device == q.device
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        ):
+            x2 = x.reshape(rows, x.shape[-1])
+            if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            out = row_linear(x2, q, scale).view(*x.shape[:-1], q.shape[0])
+        else:
+            out = F.linear(x, _dequantized(self, x.dtype))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight=int8 per-row"
+
+
+def _tied_ids(model: nn.Module) -> set[int]:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    return {id(w)} if isinstance(w, torch.Tensor) else set()
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
+    """Weight-only ``scheme`` ("int8") for every plain ``nn.Linear`` / ``RowLinear`` of an fp32 ``model``, in place
+    (see the module doc); returns ``model``. Calling it again is a no-op. Raises ValueError for an unknown scheme or
+    a model whose linear weights are not fp32 (the kernel's activations are fp32: convert with ``model.float()``
+    first), TypeError for a non-module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize: unknown scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
+    with _LOCK:
+        targets = [m for m in model.modules() if type(m) in (nn.Linear, RowLinear)]
+        bad = sorted({str(m.weight.dtype) for m in targets if m.weight.dtype != torch.float32})
+        if bad:
+            raise ValueError(
+                f"quantize: int8 weight-only quantisation is for fp32 models (the kernel's activations are fp32); "
+                f"this model has linear weights in {', '.join(bad)}: call model.float() first"
+            )
+        tied = _tied_ids(model)
+        for m in targets:
+            w = m.weight
+            q, scale = quantize_weight(w)
+            if id(w) not in tied:
+                del m.weight  # frees the fp32 weight (the module's parameter; nothing else holds it)
+            m.register_buffer("weight_int8", q.to(w.device))
+            m.register_buffer("weight_scale", scale.to(w.device))
+            m.__class__ = Int8Linear
+        setattr(model, _STATE, scheme)
+    return model
+
+
+def quantized_scheme(model: nn.Module) -> str | None:
+    """The scheme :func:`quantize` applied to ``model`` ("int8"), or None: part of a compiled variant's key."""
+    return getattr(model, _STATE, None)
