@@ -22,23 +22,34 @@ Rows:
   verify with the shipped gated drafter; and, when vLLM's venv exists (``tools/vllm_env.sh``: ``.venv-vllm``, or
   ``SBD_BENCH_VLLM_PYTHON``), vLLM's CPU build serving the same checkpoint (``vllm serve`` in a subprocess of that
   venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
-  extra_info: tokens/s and how many answers equal HF ``generate``'s.
+  extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
+  :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's).
+- ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
+  tokens, with the converted SBD model ``smollm2-sbd`` on every side: llama.cpp F32 / Q8_0 on a GGUF of its merged
+  weights (:mod:`gguf_weights`: llama.cpp's own F32 file of the base with the tensors replaced; checked to reproduce
+  that file byte for byte from the base first), sbd_ext NTP, verify (the shipped settings, k = 8), verify compiled,
+  and the int8 verify rows. extra_info: tokens/s, accuracy, and equality with llama.cpp F32's completions.
 """
 
 from __future__ import annotations
 
+import copy
+import filecmp
 import importlib.util
 import os
 import platform
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import sbd_ext
-from sbd_ext.demo import models
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import decode, format_prompt
 from sbd_ext.integration.server import VLLMServer
 from sbd_ext.linear import use_row_linear
+from sbd_ext.quantize import quantize
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import checkpoint
 from sbd_ext.recipes.smollm2.prompts import eval_prompts
@@ -49,6 +60,7 @@ if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
 import llama_cpp  # noqa: E402
+from gguf_weights import gguf_like  # noqa: E402  (bench/)
 from sbd_forward import block_forward, prefilled_cache  # noqa: E402  (bench/)
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
@@ -61,9 +73,45 @@ FTYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "q8_0": llama_cpp.LLAMA_FTYPE_MO
 _results: dict[str, dict] = {}
 _VLLM_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 _VLLM_PYTHON = Path(os.environ.get("SBD_BENCH_VLLM_PYTHON", _VLLM_VENV_PYTHON))
-GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify"]
+ARITH_N = int(os.environ.get("SBD_BENCH_ARITH_N", "8"))
+ARITH_MAX_NEW = 96
+SBD_MODEL = "smollm2-sbd"
+GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
+
+
+def _requantize(src: Path, out: Path, kind: str) -> None:
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    params.allow_requantize = True
+    params.nthread = THREADS
+    tmp = out.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to {kind} failed ({rc})")
+    tmp.rename(out)
+
+
+def gguf_sbd(kind: str) -> Path:
+    """``smollm2-sbd``'s merged weights as a GGUF of ``kind`` (cached): F32 by :func:`gguf_weights.gguf_like`, after
+    checking that the helper reproduces llama.cpp's own F32 file from the base; Q8_0 by llama.cpp from that F32."""
+    out = GGUF_DIR / f"smollm2-sbd.{kind}.gguf"
+    if out.exists():
+        return out
+    f32 = GGUF_DIR / "smollm2-sbd.f32.gguf"
+    if not f32.exists():
+        base, _ = checkpoint.load_smollm2(attn_implementation="sdpa")
+        check = gguf_like(gguf("f32"), base, GGUF_DIR / "base-rewritten.f32.gguf")
+        same = filecmp.cmp(check, gguf("f32"), shallow=False)
+        check.unlink()
+        if not same:
+            raise RuntimeError("gguf_weights does not reproduce llama.cpp's F32 file of the base; not using it")
+        model, _ = models.load(SBD_MODEL, attn_implementation="sdpa")
+        gguf_like(gguf("f32"), model, f32)
+    if kind != "f32":
+        _requantize(f32, out, kind)
+    return out
 
 
 def gguf(kind: str) -> Path:
@@ -71,21 +119,13 @@ def gguf(kind: str) -> Path:
     out = GGUF_DIR / f"SmolLM2-135M-Instruct.{kind}.gguf"
     if not out.exists():
         GGUF_DIR.mkdir(parents=True, exist_ok=True)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = FTYPES[kind]
-        params.allow_requantize = True
-        params.nthread = THREADS
-        tmp = out.with_suffix(".tmp")
-        rc = llama_cpp.llama_model_quantize(str(checkpoint.gguf_path()).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize to {kind} failed ({rc})")
-        tmp.rename(out)
+        _requantize(checkpoint.gguf_path(), out, kind)
     return out
 
 
-def _llama(kind: str, logits_all: bool):
+def _llama(kind: str, logits_all: bool, path: Path | None = None):
     return llama_cpp.Llama(
-        model_path=str(gguf(kind)),
+        model_path=str(path or gguf(kind)),
         n_ctx=1024,
         n_batch=512,
         n_threads=THREADS,
@@ -106,6 +146,15 @@ def setup():
     _summary()
 
 
+@pytest.fixture(scope="module")
+def int8_models(setup):
+    """Int8 copies (sbd_ext.quantize) of the base (sbd attention) and of the drafter model."""
+    base, drafted, *_ = setup
+    base8 = copy.deepcopy(base)
+    base8.set_attn_implementation("sbd")
+    return quantize(base8, "int8"), quantize(copy.deepcopy(drafted), "int8")
+
+
 def _machine() -> str:
     isa = sbd_ext.build_info().get("cpu_isa", "?")
     return f"{platform.processor() or platform.machine()} ({isa}), {THREADS} thread(s), torch {torch.__version__}"
@@ -115,8 +164,8 @@ def _machine() -> str:
 # the per-forward cost curve
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("impl", ["llama_f32", "llama_q8_0", "sbd_ext", "hf"])
-def test_forward(benchmark, setup, impl, rows):
+@pytest.mark.parametrize("impl", ["llama_f32", "llama_q8_0", "sbd_ext", "sbd_ext_int8", "hf"])
+def test_forward(benchmark, setup, int8_models, impl, rows):
     base, _, _, _, _ = setup
     g = torch.Generator().manual_seed(rows)
     prefix = torch.randint(0, 49152, (CACHE,), generator=g).tolist()
@@ -135,6 +184,10 @@ def test_forward(benchmark, setup, impl, rows):
         model = base
         model.set_attn_implementation("sbd")
         use_row_linear(model, True)  # what sbd_ext.generate does for an fp32 CPU model
+        run = block_forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
+
+    elif impl == "sbd_ext_int8":
+        model = int8_models[0]
         run = block_forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
 
     else:
@@ -180,7 +233,7 @@ def _vllm_one(server, eos: int):
 
 
 @pytest.mark.parametrize("impl", GENERATE_IMPLS)
-def test_generate(benchmark, setup, impl):
+def test_generate(benchmark, setup, int8_models, impl):
     base, drafted, tok, eos, prompts = setup
     benchmark.group = f"generate: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy"
     server = None
@@ -210,10 +263,11 @@ def test_generate(benchmark, setup, impl):
             return _cut(base.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p) :].tolist(), eos)
 
     else:
-        kw = dict(mode="ntp", verify=False) if impl == "sbd_ntp" else {}
+        kw = dict(mode="ntp", verify=False) if impl.startswith("sbd_ntp") else {}
+        model = int8_models[1] if impl.endswith("_int8") else drafted
 
         def one(p):
-            out = sbd_ext.generate(drafted, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
+            out = sbd_ext.generate(model, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
             return _cut(out.sequences[0, len(p) :].tolist(), eos)
 
     try:
@@ -226,8 +280,90 @@ def test_generate(benchmark, setup, impl):
     ref = _results.get("generate[hf_generate]", {}).get("answers")
     equal = None if ref is None else sum(a == r for a, r in zip(answers, ref, strict=True))
     info = dict(tokens=n_tok, tokens_per_s=round(n_tok / med, 2), equal_to_hf=equal, n=len(answers), machine=_machine())
+    ntp8 = _results.get("generate[sbd_ntp_int8]", {}).get("answers")
+    if impl == "sbd_verify_int8" and ntp8 is not None:  # lossless on the int8 model: its own NTP answers
+        info["equal_to_int8_ntp"] = sum(a == r for a, r in zip(answers, ntp8, strict=True))
     benchmark.extra_info.update(info)
     _results[f"generate[{impl}]"] = {**info, "answers": answers, "seconds": med}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arithmetic: the converted SBD model on every side
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def arith(setup):
+    model, tok = models.load(SBD_MODEL)
+    info = models.demo_info(SBD_MODEL)
+    probs = list(tasks.problems("test", ARITH_N))
+    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    return model, tok, info, probs, texts
+
+
+ARITH_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_verify_int8", "sbd_verify_compiled"]
+ARITH_IMPLS += ["sbd_verify_int8_compiled"]
+
+
+@pytest.mark.parametrize("impl", ARITH_IMPLS)
+def test_arith(benchmark, arith, impl):
+    model, tok, info, probs, texts = arith
+    benchmark.group = f"arith: {ARITH_N} held-out problems, {SBD_MODEL}, batch 1, greedy, max {ARITH_MAX_NEW} new"
+    eos = tok.eos_token_id
+    if impl.startswith("llama"):
+        llm = _llama(impl.removeprefix("llama_"), logits_all=False, path=gguf_sbd(impl.removeprefix("llama_")))
+        ids = [tok(t).input_ids for t in texts]
+
+        def run():
+            outs = []
+            for p in ids:
+                llm.reset()
+                out = []
+                for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+                    out.append(int(t))
+                    if t == eos or len(out) == ARITH_MAX_NEW:
+                        break
+                outs.append(out)
+            return outs
+
+        first = None
+    else:
+        if impl.startswith("sbd_verify_int8") and not getattr(model, "_bench_int8", None):
+            model._bench_int8 = quantize(copy.deepcopy(model), "int8")
+        m = model._bench_int8 if "int8" in impl else model
+        kw = dict(
+            block_size=info["block_size"],
+            sampler=info["sampler"],
+            threshold=info["gamma_low"],
+            verify="verify" in impl,
+            compile="compiled" in impl,
+            mode="ntp" if "ntp" in impl else "sbd",
+        )
+
+        def run(ts=texts):
+            res = decode(m, tok, ts, batch_size=1, max_new_tokens=ARITH_MAX_NEW, **kw)
+            return res["token_ids"]
+
+        first = None
+        if kw["compile"]:
+            t0 = time.perf_counter()
+            run(texts[:1])
+            first = time.perf_counter() - t0
+    outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    outs = [_cut(list(o), eos) for o in outs]
+    med = benchmark.stats.stats.median
+    n_tok = sum(len(o) for o in outs)
+    completions = [tok.decode(o, skip_special_tokens=True) for o in outs]
+    ref = _results.get("arith[llama_f32]", {}).get("answers")
+    r = dict(
+        tokens=n_tok,
+        tokens_per_s=round(n_tok / med, 2),
+        accuracy=tasks.accuracy(completions, probs),
+        equal_to_llama_f32=None if ref is None else sum(a == b for a, b in zip(outs, ref, strict=True)),
+        n=len(outs),
+        first_call_s=first,
+        machine=_machine(),
+    )
+    benchmark.extra_info.update(r)
+    _results[f"arith[{impl}]"] = {**r, "answers": outs, "seconds": med}
 
 
 def _summary() -> None:
@@ -246,3 +382,12 @@ def _summary() -> None:
         if name.startswith("generate"):
             vs = f"{r['tokens_per_s'] / f32['tokens_per_s']:.2f}x llama F32" if f32 else ""
             print(f"{name:24s} {r['tokens_per_s']:7.2f} tok/s  {vs}  equal to HF {r['equal_to_hf']}/{r['n']}")
+    f32, q8 = _results.get("arith[llama_f32]"), _results.get("arith[llama_q8_0]")
+    for name, r in sorted(_results.items()):
+        if name.startswith("arith"):
+            vs = f"{r['tokens_per_s'] / f32['tokens_per_s']:.2f}x llama F32" if f32 else ""
+            vs += f", {r['tokens_per_s'] / q8['tokens_per_s']:.2f}x Q8_0" if q8 else ""
+            print(
+                f"{name:28s} {r['tokens_per_s']:7.2f} tok/s  {vs}  accuracy {r['accuracy']:.3f}  "
+                f"equal to llama F32 {r['equal_to_llama_f32']}/{r['n']}"
+            )

@@ -1,6 +1,6 @@
 """Where one SmolLM2-135M forward's time goes (issue 36 item 2), with the roofline arithmetic.
 
-    python bench/profile_forward.py [--rows 1 16] [--threads 1] [--json PATH]
+    python bench/profile_forward.py [--rows 1 16] [--threads 1] [--quantize int8] [--json PATH]
 
 One eager sbd_ext forward (the ``"sbd"`` backend over an :class:`SBDCache` of 256 tokens, row_linear, logits for
 every new row) is run under ``torch.profiler``; each operator's self time goes to a phase: linears (the 210
@@ -10,7 +10,8 @@ projections), head (the 49153-row output layer), attention (``block_attention``)
 
 Roofline: bytes = the fp32 weights streamed once (every linear + head) + the KV cache read; FLOPs = 2 x parameters x
 rows (+ attention). The bandwidth floor is bytes / the core's streaming rate (measured here by a copy of a 256 MB
-buffer), the FMA floor FLOPs / the peak (8 fp32 lanes x 2 FMA units x 2 flops x clock for AVX2; printed, not
+buffer), with ``--quantize int8`` the int8 weights (1 byte each, plus a 4-byte scale per output row) instead; the
+FMA floor FLOPs / the peak (8 fp32 lanes x 2 FMA units x 2 flops x clock for AVX2; printed, not
 measured).
 """
 
@@ -25,6 +26,7 @@ from sbd_forward import block_forward, prefilled_cache  # bench/
 from torch.profiler import ProfilerActivity, profile
 
 from sbd_ext.linear import use_row_linear
+from sbd_ext.quantize import SCHEMES, Int8Linear, quantize
 from sbd_ext.recipes.smollm2 import checkpoint
 
 CACHE = 256
@@ -66,6 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantize", choices=SCHEMES, default=None, help="weights in int8 (sbd_ext.quantize)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -73,8 +76,13 @@ def main() -> int:
     use_row_linear(model, True)
     head = model.get_output_embeddings().weight
     n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding is the head
+    weight_bytes = n_params * 4
+    if args.quantize:
+        quantize(model, args.quantize)
+        q8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        weight_bytes = sum(m.weight_int8.numel() + 4 * m.weight_scale.numel() for m in q8)
     gbs = stream_rate_gbs()
-    out = {"threads": args.threads, "stream_gbs": round(gbs, 1), "rows": {}}
+    out = {"threads": args.threads, "quantize": args.quantize, "stream_gbs": round(gbs, 1), "rows": {}}
     g = torch.Generator().manual_seed(0)
     cache = prefilled_cache(model, torch.randint(0, 49152, (1, CACHE), generator=g))
     for rows in args.rows:
@@ -108,7 +116,6 @@ def main() -> int:
         phase["head"] = head_ms
         profiled = sum(phase.values())
         phase["python/dispatch"] = max(wall - profiled, 0.0)
-        weight_bytes = n_params * 4
         kv_bytes = (
             2
             * model.config.num_hidden_layers
