@@ -49,7 +49,7 @@ from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
 from sbd_ext.integration.server import VLLMServer
 from sbd_ext.linear import use_row_linear
-from sbd_ext.quantize import quantize
+from sbd_ext.quantization import quantize
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import checkpoint
 from sbd_ext.recipes.smollm2.prompts import eval_prompts

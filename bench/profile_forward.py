@@ -26,7 +26,7 @@ from sbd_forward import block_forward, prefilled_cache  # bench/
 from torch.profiler import ProfilerActivity, profile
 
 from sbd_ext.linear import use_row_linear
-from sbd_ext.quantize import SCHEMES, Int8Linear, quantize
+from sbd_ext.quantization import SCHEMES, Int8Linear, quantize
 from sbd_ext.recipes.smollm2 import checkpoint
 
 CACHE = 256

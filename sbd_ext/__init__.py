@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - only when the package was not bui
 
 from . import reference  # noqa: E402
 from .ops import block_attention, entropy_sample, mask_replace, row_linear  # noqa: E402
-from .quantize import quantize  # noqa: E402
+from .quantization import quantize  # noqa: E402
 
 # The HuggingFace layer (attention backend "sbd", cache, decoding). transformers is a dependency, but a version whose
 # internals moved must not take the ops down with it: the ops stay importable and the HF names raise an error that

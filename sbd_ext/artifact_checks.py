@@ -252,7 +252,10 @@ def check_token_id(token_id: int, vocab: int, path: str | Path, field: str = "ma
 # The base loaders an artifact may name without the user's opt-in: sbd_ext's own (the SmolLM2 recipe's base). A
 # loader is code that runs on load; any other one needs load_artifact(..., trust_base_loader=True) or
 # register_base_loader(name) by the program that loads the artifact.
-KNOWN_BASE_LOADERS: set[str] = {"sbd_ext.recipes.smollm2.checkpoint:load_base"}
+KNOWN_BASE_LOADERS: set[str] = {
+    "sbd_ext.recipes.smollm2.checkpoint:load_base",
+    "sbd_ext.recipes.smollm2.checkpoint:load_control",
+}
 
 
 def register_base_loader(name: str) -> None:

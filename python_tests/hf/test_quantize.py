@@ -12,7 +12,7 @@ import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 from sbd_ext.linear import RowLinear, use_row_linear
-from sbd_ext.quantize import Int8Linear, quantize_weight, quantized_scheme
+from sbd_ext.quantization import Int8Linear, quantize_weight, quantized_scheme
 
 
 def test_quantize_weight_round_trip():

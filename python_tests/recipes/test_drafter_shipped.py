@@ -14,7 +14,7 @@ import sbd_ext
 from sbd_ext import drafter
 from sbd_ext.demo import cli, models
 from sbd_ext.drafter.gate import GatedLoRALinear
-from sbd_ext.quantize import Int8Linear
+from sbd_ext.quantization import Int8Linear
 from sbd_ext.recipes.smollm2 import checkpoint
 from sbd_ext.recipes.smollm2.prompts import eval_prompts
 

@@ -14,7 +14,7 @@ import torch
 from .. import families, ops
 from ..cache import SBDCache
 from ..linear import row_linear_state
-from ..quantize import quantized_scheme
+from ..quantization import quantized_scheme
 from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode

@@ -35,7 +35,7 @@ import torch
 
 from ..decoding.gen_config import sbd_fields
 from ..integration import vllm as vllm_integration
-from ..quantize import SCHEMES
+from ..quantization import SCHEMES
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
 from .tokenizer import unknown_characters

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ... import adapters, drafter
-from ...quantize import SCHEMES
-from ...quantize import quantize as quantize_model
+from ...quantization import SCHEMES
+from ...quantization import quantize as quantize_model
 
 __all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
 

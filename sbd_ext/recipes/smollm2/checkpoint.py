@@ -55,6 +55,8 @@ __all__ = [
     "ensure_checkpoint",
     "load_smollm2",
     "load_base",
+    "load_control",
+    "CONTROL_ARTIFACT",
     "chat_prompt",
 ]
 
@@ -329,3 +331,16 @@ def load_base(attn_implementation: str = "sbd", block_size_range=(2, 16), path: 
     model, tok = load_smollm2(dtype=torch.float32, attn_implementation=attn_implementation, path=path)
     add_mask_token(model, tok, block_size_range=block_size_range)
     return model, tok
+
+
+# The recipe's NTP control (``train --objective ntp``: SmolLM2 + LoRA fine-tuned on the arithmetic task with plain
+# next-token prediction, the mask token added but untrained), shipped as the embedded model ``smollm2-ntp``.
+CONTROL_ARTIFACT = Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-ntp"
+
+
+def load_control(attn_implementation: str = "sbd", path: str | os.PathLike | None = None):
+    """``(model, tokenizer)``: the NTP control (its LoRA merged into :func:`load_base`'s model), the frozen base of
+    the arithmetic drafter (its ``base_loader``)."""
+    from ...adapters import load_artifact
+
+    return load_artifact(Path(path) if path else CONTROL_ARTIFACT, attn_implementation=attn_implementation)

