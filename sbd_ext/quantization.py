@@ -58,9 +58,10 @@ def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
 
 class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
-    (``weight_scale`` [N]). Up to :data:`~sbd_ext.linear.ROW_LIMIT` fp32 rows without an autograd graph run
-    :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens the weight); more rows
-    (a prefill) run ``F.linear`` on the weight dequantised for that call. ``.weight`` is the tied fp32 tensor where
+    (``weight_scale`` [N]). fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8
+    weight (any device: on CUDA its binding widens the weight), :data:`~sbd_ext.linear.ROW_LIMIT` rows per call (a
+    prefill in several calls); anything else (autograd, other dtypes) runs ``F.linear`` on the weight dequantised for
+    that call. ``.weight`` is the tied fp32 tensor where
     the layer shares the embedding's, else the dequantised weight (computed on each access, for inspection)."""
 
     @property
@@ -72,7 +73,7 @@ class Int8Linear(nn.Linear):
         q, scale = self.weight_int8, self.weight_scale
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
         if (
-            0 < rows <= ROW_LIMIT
+            rows > 0
             and x.dtype == torch.float32
             and x.device == q.device
             and not (torch.is_grad_enabled() and x.requires_grad)
@@ -80,10 +81,16 @@ class Int8Linear(nn.Linear):
             x2 = x.reshape(rows, x.shape[-1])
             if x2.shape[-1] > 1 and x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            out = row_linear(x2, q, scale).view(*x.shape[:-1], q.shape[0])
+            if rows <= ROW_LIMIT:
+                out = row_linear(x2, q, scale)
+            else:  # a prefill: ROW_LIMIT rows per call (no fp32 copy of the weight; faster on the output head)
+                out = x2.new_empty((rows, q.shape[0]))
+                for lo in range(0, rows, ROW_LIMIT):
+                    out[lo : lo + ROW_LIMIT] = row_linear(x2[lo : lo + ROW_LIMIT], q, scale)
+            out = out.view(*x.shape[:-1], q.shape[0])
         else:
             out = F.linear(x, _dequantized(self, x.dtype))
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight=int8 per-row"

@@ -66,7 +66,7 @@ def test_quantize_switches_every_linear_in_place(tie):
     assert all(type(m) is not nn.Linear for m in model.modules())
 
 
-@pytest.mark.parametrize("rows", [1, 5, 32, 40])  # 40 > ROW_LIMIT: the dequantised F.linear path (a prefill)
+@pytest.mark.parametrize("rows", [1, 5, 32, 40, 97])  # > ROW_LIMIT (32): a prefill, 32 rows per kernel call
 def test_int8_forward_equals_the_dequantised_fp32_model(rows):
     model = tiny_llama(tie=True)
     ref = _dequantised_copy(model)
@@ -77,6 +77,28 @@ def test_int8_forward_equals_the_dequantised_fp32_model(rows):
     with torch.no_grad():
         got, want = model(ids).logits, ref(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_linear_paths_agree():
+    """Kernel (1 call, several calls) and the dequantised F.linear fallback (autograd, another dtype) compute the
+    same layer; the fallback keeps gradients flowing to the input."""
+    torch.manual_seed(1)
+    layer = nn.Linear(24, 10)
+    sbd_ext.quantize(layer)
+    w = layer.weight_int8.float() * layer.weight_scale[:, None]
+    for shape in ((3, 24), (2, 40, 24)):
+        x = torch.randn(*shape)
+        want = torch.nn.functional.linear(x, w, layer.bias)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        xg = x.clone().requires_grad_(True)
+        got = layer(xg)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.sum().backward()
+        torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        xb = torch.randn(3, 24, dtype=torch.bfloat16)
+        assert layer(xb).dtype == torch.bfloat16
 
 
 def test_bad_inputs():
