@@ -4,6 +4,7 @@ train --objective sbd|ntp --out DIR [--resume]    fine-tune (resumable); DIR/<ob
 eval  --out DIR --part control|sbd|table          Table 1 on held-out problems (each part can run alone;
                                                   "table" merges them into --results: JSON, Markdown, plot)
 ship  --out DIR --block-size K --threshold G      the SBD artifact -> sbd_ext/demo/models/smollm2-sbd
+ship-control --out DIR                           the NTP control -> sbd_ext/demo/models/smollm2-ntp
 ppl   --out DIR                                   perplexity of base / control / SBD model on the docstrings
                                                   of Python's standard library -> --results/perplexity.json
 """
@@ -19,7 +20,7 @@ import torch
 
 from ...demo import models as demo_models
 from ...demo.evaluate import save_results
-from . import evaluate
+from . import checkpoint, evaluate
 from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train, train_with_trainer
 
 
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true", help="recommend lossless verify mode")
     s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-sbd"))
     s.add_argument("--threads", type=_positive)
+    c = sub.add_parser("ship-control", help="copy the NTP control's artifact into the package as smollm2-ntp")
+    c.add_argument("--out", required=True)
+    c.add_argument("--check-n", type=_positive, default=100)
+    c.add_argument("--dest", default=str(checkpoint.CONTROL_ARTIFACT))
+    c.add_argument("--threads", type=_positive)
     return ap
 
 
@@ -146,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(check))
         evaluate.ship(artifact, args.dest, args.block_size, args.sampler, args.threshold, check, args.verify)
+    elif args.command == "ship-control":
+        artifact = run_dir(args.out, "ntp") / "artifact"
+        check = evaluate.check_record_ntp(artifact, args.check_n)
+        print(json.dumps(check))
+        evaluate.ship_control(artifact, args.dest, check)
     elif args.command == "ppl":
         result = evaluate.perplexity_table(
             {

@@ -272,7 +272,7 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "mask_token": "<|mask|>",
         "sbd_block_size_range": list(cfg.block_size_range),
         "generation": generation
-        or {"sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
+        or {"sbd_mode": "sbd", "sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
         "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
         f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, seed {cfg.seed}, on "
         f"{n_samples} self-distilled answers"
@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
     else:
         gen = {
+            "sbd_mode": "sbd",  # over the NTP control, whose own settings say "ntp"
             "sbd_block_size": args.block_size,
             "sbd_sampler": args.sampler,
             "sbd_threshold": args.threshold,

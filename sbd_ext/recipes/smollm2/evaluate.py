@@ -208,6 +208,40 @@ def ship(
     return dest
 
 
+def ship_control(artifact: str | Path, dest: str | Path, check: dict) -> Path:
+    """Copy the NTP control's artifact into ``dest`` (the package's ``demo/models/smollm2-ntp``: the frozen base of
+    the arithmetic drafter, :func:`.checkpoint.load_control`), recommending NTP decoding (``sbd_mode="ntp"``; its
+    mask token was never trained), with ``check`` (its NTP accuracy on the first held-out problems)."""
+    artifact, dest = Path(artifact), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (adapters.ADAPTER_FILE, adapters.MASK_ROW_FILE):
+        shutil.copyfile(artifact / name, dest / name)
+    meta = adapters.read_artifact_config(artifact)
+    meta["generation"] = {"sbd_mode": "ntp"}
+    (dest / adapters.CONFIG_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    demo = {"task": "arith", "prompt_template": "Q: {prompt}\nA: ", "objective": "ntp", "mode": "ntp"}
+    demo["max_new_tokens"] = MAX_NEW_TOKENS
+    (dest / "sbd_demo.json").write_text(json.dumps(demo, indent=1) + "\n")
+    (dest / "ship_check.json").write_text(json.dumps(check, indent=1) + "\n")
+    return dest
+
+
+def check_record_ntp(model_name: str | Path, n: int) -> dict:
+    """Accuracy and mean NFE of NTP decoding on the first ``n`` held-out problems (the control's record)."""
+    model, tok = demo_models.load(model_name)
+    probs = list(tasks.problems("test", n))
+    res = demo_eval.decode(
+        model, tok, [p.prompt for p in probs], batch_size=50, mode="ntp", max_new_tokens=MAX_NEW_TOKENS
+    )
+    return {
+        "mode": "ntp",
+        "n": n,
+        "accuracy": tasks.accuracy(res["completions"], probs),
+        "mean_nfe": sum(res["nfe"]) / n,
+        "mean_tokens": sum(res["num_generated"]) / n,
+    }
+
+
 def check_record(
     model_name: str | Path, n: int, block_size: int, sampler: str, threshold: float, verify: bool = False
 ) -> dict:
