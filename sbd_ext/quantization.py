@@ -59,9 +59,9 @@ def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
 class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
     (``weight_scale`` [N]). fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8
-    weight (any device: on CUDA its binding widens the weight), :data:`~sbd_ext.linear.ROW_LIMIT` rows per call (a
-    prefill in several calls); anything else (autograd, other dtypes) runs ``F.linear`` on the weight dequantised for
-    that call. ``.weight`` is the tied fp32 tensor where
+    weight (any device: on CUDA its binding widens the weight), :data:`~sbd_ext.linear.ROW_LIMIT` rows per call (an
+    eager prefill in several calls); anything else (autograd, other dtypes, a prefill inside torch.compile, whose row
+    count is dynamic) runs ``F.linear`` on the weight dequantised for that call. ``.weight`` is the tied fp32 tensor where
     the layer shares the embedding's, else the dequantised weight (computed on each access, for inspection)."""
 
     @property
@@ -72,8 +72,12 @@ class Int8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.weight_int8, self.weight_scale
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+        # A prefill traced by torch.compile has a dynamic row count (the compiled step marks it so): the chunked loop
+        # would specialise it, so a traced prefill takes the shape-agnostic fallback below.
+        chunked_ok = rows <= ROW_LIMIT or not torch.compiler.is_compiling()
         if (
             rows > 0
+            and chunked_ok
             and x.dtype == torch.float32
             and x.device == q.device
             and not (torch.is_grad_enabled() and x.requires_grad)
