@@ -23,7 +23,8 @@ Rows:
   ``SBD_BENCH_VLLM_PYTHON``), vLLM's CPU build serving the same checkpoint (``vllm serve`` in a subprocess of that
   venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
   extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
-  :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's).
+  :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's);
+  ``*_compiled`` rows decode the unmodified base with the compiled step (the first call compiles and is not timed).
 - ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
   tokens, with the converted SBD model ``smollm2-sbd`` on every side: llama.cpp F32 / Q8_0 on a GGUF of its merged
   weights (:mod:`gguf_weights`: llama.cpp's own F32 file of the base with the tensors replaced; checked to reproduce
@@ -77,6 +78,7 @@ ARITH_N = int(os.environ.get("SBD_BENCH_ARITH_N", "8"))
 ARITH_MAX_NEW = 96
 SBD_MODEL = "smollm2-sbd"
 GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
+GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled"]
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
@@ -148,11 +150,12 @@ def setup():
 
 @pytest.fixture(scope="module")
 def int8_models(setup):
-    """Int8 copies (sbd_ext.quantize) of the base (sbd attention) and of the drafter model."""
+    """Int8 copies (sbd_ext.quantize) of the base (sbd attention) and of the drafter model, and an fp32 copy of the
+    base with sbd attention (the compiled NTP rows: the unmodified model, no drafter)."""
     base, drafted, *_ = setup
-    base8 = copy.deepcopy(base)
-    base8.set_attn_implementation("sbd")
-    return quantize(base8, "int8"), quantize(copy.deepcopy(drafted), "int8")
+    base_sbd = copy.deepcopy(base)
+    base_sbd.set_attn_implementation("sbd")
+    return quantize(copy.deepcopy(base_sbd), "int8"), quantize(copy.deepcopy(drafted), "int8"), base_sbd
 
 
 def _machine() -> str:
@@ -265,6 +268,10 @@ def test_generate(benchmark, setup, int8_models, impl):
     else:
         kw = dict(mode="ntp", verify=False) if impl.startswith("sbd_ntp") else {}
         model = int8_models[1] if impl.endswith("_int8") else drafted
+        if impl.endswith("_compiled"):  # the unmodified base, compiled step (first call compiles, untimed)
+            kw["compile"] = True
+            model = int8_models[0] if "int8" in impl else int8_models[2]
+            sbd_ext.generate(model, torch.tensor([prompts[0]]), max_new_tokens=4, eos_token_id=eos, **kw)
 
         def one(p):
             out = sbd_ext.generate(model, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
@@ -281,7 +288,7 @@ def test_generate(benchmark, setup, int8_models, impl):
     equal = None if ref is None else sum(a == r for a, r in zip(answers, ref, strict=True))
     info = dict(tokens=n_tok, tokens_per_s=round(n_tok / med, 2), equal_to_hf=equal, n=len(answers), machine=_machine())
     ntp8 = _results.get("generate[sbd_ntp_int8]", {}).get("answers")
-    if impl == "sbd_verify_int8" and ntp8 is not None:  # lossless on the int8 model: its own NTP answers
+    if impl in ("sbd_verify_int8", "sbd_ntp_int8_compiled") and ntp8 is not None:  # the int8 model's own answers
         info["equal_to_int8_ntp"] = sum(a == r for a, r in zip(answers, ntp8, strict=True))
     benchmark.extra_info.update(info)
     _results[f"generate[{impl}]"] = {**info, "answers": answers, "seconds": med}
