@@ -4,14 +4,16 @@
 
 * ``tokens_per_s.png``: tokens/s per decoding mode against HF ``generate``, two panels: the embedded arithmetic
   model (``bench/results/e2e_cpu.csv``, rows of the newest commit) and SmolLM2-135M-Instruct with its gated drafter on
-  held-out general prompts (the newest ``bench/results/drafter/bench_*.json``). No llama.cpp bar: it has not been
-  measured in the project's benches yet (the CPU issue's peer bench).
-  A third panel, when ``bench/results/cpu_peers/bench.json`` exists: SmolLM2 greedy tokens/s of llama.cpp F32 and
-  Q8_0, HF ``generate``, sbd_ext NTP and verify in one run (``bench/bench_cpu_peers.py``).
+  held-out general prompts (the newest ``bench/results/drafter/bench_*.json``).
+  A third panel, from the newest peer-bench run with generate rows
+  (``bench/results/cpu_peers/bench_int8_compiled.json``, else ``bench_int8.json``, else ``bench.json``): SmolLM2
+  greedy tokens/s of llama.cpp F32 and Q8_0, vLLM, HF ``generate``, sbd_ext NTP (eager, compiled, int8) and verify
+  in one run (``bench/bench_cpu_peers.py``).
 * ``forward_cost.png``: the cost of one SmolLM2-135M forward against its number of new rows (the per-forward cost
-  curve that decides what tokens/forward buy): from ``bench/results/cpu_peers/bench.json`` (llama.cpp F32 / Q8_0,
-  sbd_ext, HF, one run, 256-token cache) when it exists, else ``bench/results/smollm2_cpu.csv`` (sbd_ext and HF per
-  cache length, ``test_forward_rows`` rows of the newest commit).
+  curve that decides what tokens/forward buy): from ``bench/results/cpu_peers/bench_int8.json`` (or ``bench.json``:
+  llama.cpp F32 / Q8_0, sbd_ext fp32 and int8, HF, one run, 256-token cache) when it exists, else
+  ``bench/results/smollm2_cpu.csv`` (sbd_ext and HF per cache length, ``test_forward_rows`` rows of the newest
+  commit).
 
 Each plot's title names its machine, threads and commit (read from the result file).
 """
@@ -59,9 +61,13 @@ def drafter_rows() -> tuple[list[tuple[str, float]], str]:
     return out, f"SmolLM2-135M + gated drafter, general prompts, {cpu}, 1 thread, {commit}"
 
 
-def _peers() -> dict | None:
-    f = RESULTS / "cpu_peers" / "bench.json"
-    return json.loads(f.read_text()) if f.exists() else None
+def _peers(*names: str) -> dict | None:
+    """The first of ``bench/results/cpu_peers/<name>`` that exists (the newest run that has the rows wanted)."""
+    for name in (*names, "bench.json"):
+        f = RESULTS / "cpu_peers" / name
+        if f.exists():
+            return json.loads(f.read_text())
+    return None
 
 
 def _caption(d: dict, what: str) -> str:
@@ -72,7 +78,7 @@ def _caption(d: dict, what: str) -> str:
 
 
 def peers_generate_rows() -> tuple[list[tuple[str, float]], str] | None:
-    d = _peers()
+    d = _peers("bench_int8_compiled.json", "bench_int8.json")
     if d is None:
         return None
     rows = [
@@ -84,7 +90,7 @@ def peers_generate_rows() -> tuple[list[tuple[str, float]], str] | None:
 
 
 def forward_rows() -> tuple[dict[tuple[str, int], list[tuple[int, float]]], str]:
-    d = _peers()
+    d = _peers("bench_int8.json")
     if d is not None:
         curves: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
         for b in d["benchmarks"]:
@@ -123,11 +129,20 @@ def main() -> int:
         base = next(v for n, v in rows if "hf_generate" in n)
         names = [n for n, _ in rows]
         vals = [v for _, v in rows]
-        colors = ["#999999" if n.startswith("hf") else "#d98c1f" if n.startswith("llama") else "#2a6fbb" for n in names]
+        colors = [
+            "#999999"
+            if n.startswith("hf")
+            else "#d98c1f"
+            if n.startswith("llama")
+            else "#3a9a4a"
+            if n == "vllm"
+            else "#2a6fbb"
+            for n in names
+        ]
         ax.barh(names, vals, color=colors)
         for i, v in enumerate(vals):
             ax.text(v, i, f" {v:.0f} ({v / base:.2f}x)", va="center", fontsize=8)
-        ax.set_xlabel("tokens/s (grey: HF transformers; orange: llama.cpp; blue: sbd_ext)")
+        ax.set_xlabel("tokens/s (grey: HF transformers; orange: llama.cpp; green: vLLM; blue: sbd_ext)")
         ax.set_title(caption, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, max(vals) * 1.35)
@@ -138,10 +153,10 @@ def main() -> int:
     curves, caption = forward_rows()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     names = {"ours": "sbd_ext", "sbd_ext": "sbd_ext", "baseline": "HF (sdpa, torch linears)", "hf": "HF (sdpa)"}
-    names.update(llama_f32="llama.cpp F32", llama_q8_0="llama.cpp Q8_0")
+    names.update(llama_f32="llama.cpp F32", llama_q8_0="llama.cpp Q8_0", sbd_ext_int8="sbd_ext, int8 weights")
     for (path, cache), pts in sorted(curves.items()):
         pts.sort()
-        style = "-" if path in ("ours", "sbd_ext") else "--"
+        style = "-" if path in ("ours", "sbd_ext", "sbd_ext_int8") else "--"
         label = f"{names.get(path, path)}, cache {cache}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
     ax.set_xlabel("new rows in the forward (1 = NTP; 1 + k or 2k = an SBD forward)")
