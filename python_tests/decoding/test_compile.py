@@ -8,6 +8,8 @@ of 3 ragged prompts with the embedded model's k (one graph), NTP and verify mode
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -16,6 +18,7 @@ from torch._dynamo.utils import counters
 import sbd_ext
 import sbd_ext.hf
 from sbd_ext.decoding import GenerationSettings, generate
+from sbd_ext.decoding import compiled as compiled_mod
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 
@@ -302,3 +305,21 @@ def test_recompile_limit_hit_anyway_falls_back_to_eager(monkeypatch):
             assert torch.equal(got.sequences, generate(model, ids, mask, **kw).sequences), b
     assert len([w for w in caught if "decode eagerly" in str(w.message)]) == 1
     assert len(compiled._EAGER) >= 1
+
+
+def test_compiled_calls_put_the_op_schemas_in_inductors_cache_key(monkeypatch):
+    """inductor's on-disk cache key does not cover a custom op's schema: code compiled against an older sbd_ext
+    (row_linear without ``scale``) was loaded and called the op with the old arguments, a segfault. Every compiled
+    call now carries a tag of the schemas (a user's own tag kept), so an upgrade compiles afresh."""
+    seen = []
+    monkeypatch.setattr(compiled_mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: seen.append(torch.compiler.config.cache_key_tag))
+    fn = compiled_mod._compiled_forward(torch.device("cpu"))
+    ops = ("block_attention", "entropy_sample", "mask_replace", "row_linear")
+    schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
+    tag = "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+    assert "Tensor? scale=None" in schemas
+    fn(1, 2)
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        fn(1, 2)
+    assert seen == [tag, f"mine|{tag}"] and torch.compiler.config.cache_key_tag == ""

@@ -5,6 +5,7 @@ generations apart."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import warnings
 import weakref
@@ -128,8 +129,31 @@ def _compiled_forward(device: torch.device):
     kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": {"cpp_wrapper": True}}
     with _COMPILE_LOCK:
         if device.type not in _COMPILED:
-            _COMPILED[device.type] = torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
+            _COMPILED[device.type] = _with_cache_tag(
+                torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
+            )
         return _COMPILED[device.type]
+
+
+def cache_tag() -> str:
+    """A tag of sbd_ext's op schemas for inductor's on-disk cache key. The key does not cover a custom op's schema:
+    code compiled against an earlier sbd_ext whose op took other arguments (row_linear gained ``scale``) would be
+    loaded from the cache and call the op with the old argument list, a crash. With the schemas in the key, an
+    upgrade compiles afresh."""
+    ops = ("block_attention", "entropy_sample", "mask_replace", "row_linear")
+    schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
+    return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+
+
+def _with_cache_tag(fn):
+    tag = cache_tag()
+
+    def run(*args):
+        outer = torch.compiler.config.cache_key_tag  # a user's own tag is kept
+        with torch.compiler.config.patch(cache_key_tag=f"{outer}|{tag}" if outer else tag):
+            return fn(*args)
+
+    return run
 
 
 _CACHE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [cache, leased]}
