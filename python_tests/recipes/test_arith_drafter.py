@@ -74,3 +74,30 @@ def test_arith_task_data_training_and_a_lossless_artifact(tmp_path):
     ntp = sbd_ext.generate(model, ids, mode="ntp", verify=False, **kw)
     ver = sbd_ext.generate(model, ids, mode="sbd", verify=True, block_size=8, **kw)
     assert torch.equal(ver.sequences, ntp.sequences)  # verify returns the control's own answer
+
+
+DRAFTER = "smollm2-arith-drafter"
+
+
+def test_shipped_arith_drafter_keeps_the_controls_answers_and_its_record():
+    """The embedded arithmetic drafter over the control: verify at its recommended settings returns the control's
+    own NTP answers on the held-out problems of its record, in the forwards the record states."""
+    folder = models.path(DRAFTER)
+    check = json.loads((folder / "ship_check.json").read_text())
+    assert DRAFTER in models.available() and drafter.is_drafter(folder) and check["task"] == "arith"
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 12e6
+    ntp, row = recipe.evaluate(
+        folder,
+        check["n"],
+        check["max_new_tokens"],
+        [
+            dict(
+                block_size=check["sbd_block_size"],
+                sampler=check["sbd_sampler"],
+                threshold=check["sbd_threshold"],
+                verify=True,
+            )
+        ],
+    )
+    assert row["equal_to_ntp"] == f"{check['n']}/{check['n']}" and row["accuracy"] == ntp["accuracy"]
+    assert row["nfe"] == pytest.approx(check["verify_nfe"], rel=0.05), (row, check)

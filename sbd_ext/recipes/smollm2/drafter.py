@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
     s.add_argument("--check-n", type=int, default=8)
+    s.add_argument("--max-new-tokens", type=int, help="default: 96 for arith (its answers), else 64")
     s.add_argument("--threads", type=int)
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
@@ -452,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             args.dest
             or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[artifact_task(out / "artifact")][2]
         )
-        print(ship(out, Path(dest), gen, args.check_n))
+        task = artifact_task(out / "artifact")
+        max_new = args.max_new_tokens or (96 if task == "arith" else 64)
+        print(ship(out, Path(dest), gen, args.check_n, max_new))
     return 0
 
 
