@@ -173,6 +173,8 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     from ...training import train_loop
     from ...training.common import draw_block_size
 
+    if cfg.task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {cfg.task!r}")
     if threads:
         torch.set_num_threads(threads)
     ck = out / CHECKPOINT_FILE
@@ -188,8 +190,6 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         raise FileExistsError(f"{ck} exists: pass --resume to continue that run, or use another --out")
     out.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-    if cfg.task not in TASKS:
-        raise ValueError(f"task must be one of {sorted(TASKS)}, got {cfg.task!r}")
     samples = torch.load(out / SAMPLES_FILE, weights_only=True)
     if any(d.get("task", "general") != cfg.task for d in samples):
         raise ValueError(f"{out / SAMPLES_FILE} holds samples of another task than {cfg.task!r}")
