@@ -125,9 +125,9 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 f"this model has linear weights in {', '.join(bad)}: call model.float() first"
             )
         tied = _tied_ids(model)
-        for m in targets:
+        quantized = [quantize_weight(m.weight) for m in targets]  # every check before any layer changes
+        for m, (q, scale) in zip(targets, quantized, strict=True):
             w = m.weight
-            q, scale = quantize_weight(w)
             if id(w) not in tied:
                 del m.weight  # frees the fp32 weight (the module's parameter; nothing else holds it)
             m.register_buffer("weight_int8", q.to(w.device))

@@ -113,6 +113,7 @@ def test_bad_inputs():
         model.lm_head.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="NaN or infinite"):
         sbd_ext.quantize(model)
+    assert all(type(m) is not Int8Linear for m in model.modules())  # nothing changed: refused before any layer
 
 
 # ---- decoding on int8 weights ----------------------------------------------------------------------------------
