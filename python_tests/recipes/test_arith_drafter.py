@@ -13,7 +13,7 @@ from sbd_models import single_thread  # noqa: F401  (fixture)
 
 import sbd_ext
 from sbd_ext import drafter
-from sbd_ext.demo import models, tasks
+from sbd_ext.demo import cli, models, tasks
 from sbd_ext.recipes import smollm2
 from sbd_ext.recipes.smollm2 import checkpoint, data, evaluate
 from sbd_ext.recipes.smollm2 import drafter as recipe
@@ -38,6 +38,15 @@ def test_control_is_listed_recommends_ntp_and_reproduces_its_record():
     got = evaluate.check_record_ntp(CONTROL, check["n"])
     assert abs(got["accuracy"] - check["accuracy"]) <= 0.03, (got, check)
     assert got["mean_nfe"] == pytest.approx(check["mean_nfe"], rel=0.05), (got, check)
+
+
+@pytest.mark.parametrize("name, how", [(CONTROL, "[NTP (1 token/forward)]"), ("smollm2-arith-drafter", "verified")])
+def test_cli_follows_the_models_recommended_mode(capsys, name, how):
+    """With no --mode, the CLI decodes as the model recommends: the control (untrained mask token) by NTP, not SBD
+    (which gave noise), and the drafter by verified SBD; both answer the held-out problem."""
+    assert cli.main(["generate", "--model", name, "--max-new-tokens", "72"]) == 0
+    out = capsys.readouterr().out
+    assert how in out and "correct" in out and "WRONG" not in out
 
 
 def test_load_control_is_the_shipped_control():

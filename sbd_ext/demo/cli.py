@@ -139,13 +139,15 @@ def cmd_generate(args) -> int:
     block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     stream = None if args.show_steps else _stream_printer(tok, prompt, colour)  # the completion as it becomes final
-    # The model's recommendation (sbd_demo.json) turns verify mode on for SBD decoding unless --mode ntp.
-    verify = args.mode == "sbd" and (args.verify or bool(info.get("verify", False)))
+    # The model's recommendation (its settings, then sbd_demo.json) picks the mode (an NTP model such as the control
+    # smollm2-ntp has no trained mask token: SBD on it would be noise) and turns verify mode on for SBD decoding.
+    mode = args.mode or info.get("mode", "sbd")
+    verify = mode == "sbd" and (args.verify or bool(info.get("verify", False)))
     res = evaluate.decode(
         model,
         tok,
         [prompt],
-        mode=args.mode,
+        mode=mode,
         block_size=block_size,
         sampler=sampler,
         threshold=threshold,
@@ -172,7 +174,7 @@ def cmd_generate(args) -> int:
             )
         )
         print()
-    how = "NTP (1 token/forward)" if args.mode == "ntp" else f"SBD k={block_size}, {sampler} sampler {threshold:g}"
+    how = "NTP (1 token/forward)" if mode == "ntp" else f"SBD k={block_size}, {sampler} sampler {threshold:g}"
     if verify:
         how += f", verified ({len(res['corrections'][0])} corrections)"
     print(
@@ -194,7 +196,7 @@ def _model_info(name_or_path, model) -> dict:
     ``sbd-ext export`` carries its recommended settings there, as transformers reads them)."""
     info = dict(models.demo_info(name_or_path))
     fields = sbd_fields(getattr(model, "generation_config", None), "the model's generation_config.json")
-    for field, key in (("block_size", "block_size"), ("sampler", "sampler"), ("verify", "verify")):
+    for field, key in (("block_size", "block_size"), ("sampler", "sampler"), ("verify", "verify"), ("mode", "mode")):
         if field in fields:
             info[key] = fields[field]
     if "threshold" in fields:
@@ -361,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode one prompt and print the completion with its NFE and timing")
     g.add_argument("prompt", nargs="?", help="the question (default: a held-out problem); '\\n' becomes a newline")
     g.add_argument("--model", default="sbd-arith", help="embedded model name or a local HF model folder")
-    g.add_argument("--mode", choices=("sbd", "ntp"), default="sbd")
+    g.add_argument("--mode", choices=("sbd", "ntp"), default=None, help="default: the model's recommendation, else sbd")
     g.add_argument("--block-size", type=positive, default=None, help="SBD block size k (default: the model's, 16)")
     g.add_argument("--sampler", choices=NAMES, default=None, help="default: the model's (sbd_demo.json)")
     g.add_argument(
