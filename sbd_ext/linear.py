@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from .ops import row_linear
 
-__all__ = ["ROW_LIMIT", "RowLinear", "use_row_linear", "ensure_row_linear", "row_linear_state"]
+__all__ = ["ROW_LIMIT", "RowLinear", "as_rows", "row_count", "use_row_linear", "ensure_row_linear", "row_linear_state"]
 
 # Up to this many rows row_linear is faster than F.linear on the machines measured (bench/ops/bench_row_linear.py:
 # at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins.
@@ -35,12 +35,24 @@ _OPT_OUT = "_sbd_row_linear_off"
 _LOCK = threading.Lock()
 
 
+def row_count(x: torch.Tensor) -> int:
+    """The rows of a linear layer's input [..., K] (0 for a 0-d tensor)."""
+    return x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+
+
+def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` [..., K] as the [rows, K] operand of row_linear: a view where it can be (rows may stay strided), K
+    contiguous."""
+    x2 = x.reshape(rows, x.shape[-1])
+    return x2.contiguous() if x2.shape[-1] > 1 and x2.stride(-1) != 1 else x2
+
+
 class RowLinear(nn.Linear):
     """``nn.Linear`` with row_linear for up to :data:`ROW_LIMIT` fp32 CPU rows and no autograd graph."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+        rows = row_count(x)
         if (
             0 < rows <= ROW_LIMIT
             and x.device.type == "cpu"
@@ -50,10 +62,7 @@ class RowLinear(nn.Linear):
             and w.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            x2 = x.reshape(rows, x.shape[-1])  # a view where it can be: rows may stay strided, K may not
-            if x2.shape[-1] > 1 and x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            out = row_linear(x2, w).view(*x.shape[:-1], w.shape[0])
+            out = row_linear(as_rows(x, rows), w).view(*x.shape[:-1], w.shape[0])
             return out if self.bias is None else out + self.bias
         return F.linear(x, w, self.bias)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .linear import ROW_LIMIT, RowLinear
+from .linear import ROW_LIMIT, RowLinear, as_rows, row_count
 from .ops import row_linear
 
 __all__ = ["SCHEMES", "Int8Linear", "quantize", "quantize_weight", "quantized_scheme"]
@@ -61,8 +61,8 @@ class Int8Linear(nn.Linear):
     (``weight_scale`` [N]). fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8
     weight (any device: on CUDA its binding widens the weight), :data:`~sbd_ext.linear.ROW_LIMIT` rows per call (an
     eager prefill in several calls); anything else (autograd, other dtypes, a prefill inside torch.compile, whose row
-    count is dynamic) runs ``F.linear`` on the weight dequantised for that call. ``.weight`` is the tied fp32 tensor where
-    the layer shares the embedding's, else the dequantised weight (computed on each access, for inspection)."""
+    count is dynamic) runs ``F.linear`` on the weight dequantised for that call. ``.weight`` is the tied fp32 tensor
+    where the layer shares the embedding's, else the dequantised weight (computed on each access, for inspection)."""
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -71,7 +71,7 @@ class Int8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.weight_int8, self.weight_scale
-        rows = x.numel() // max(x.shape[-1], 1) if x.dim() > 0 else 0
+        rows = row_count(x)
         # A prefill traced by torch.compile has a dynamic row count (the compiled step marks it so): the chunked loop
         # would specialise it, so a traced prefill takes the shape-agnostic fallback below.
         chunked_ok = rows <= ROW_LIMIT or not torch.compiler.is_compiling()
@@ -82,9 +82,7 @@ class Int8Linear(nn.Linear):
             and x.device == q.device
             and not (torch.is_grad_enabled() and x.requires_grad)
         ):
-            x2 = x.reshape(rows, x.shape[-1])
-            if x2.shape[-1] > 1 and x2.stride(-1) != 1:
-                x2 = x2.contiguous()
+            x2 = as_rows(x, rows)
             if rows <= ROW_LIMIT:
                 out = row_linear(x2, q, scale)
             else:  # a prefill: ROW_LIMIT rows per call (no fp32 copy of the weight; faster on the output head)
