@@ -62,7 +62,7 @@ if not smollm2.is_available():
 
 import llama_cpp  # noqa: E402
 from gguf_weights import gguf_like  # noqa: E402  (bench/)
-from sbd_forward import block_forward, prefilled_cache  # noqa: E402  (bench/)
+from sbd_forward import block_forward, decode_settings, prefilled_cache  # noqa: E402  (bench/)
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
@@ -218,6 +218,17 @@ def test_forward(benchmark, setup, int8_models, impl, rows):
 # ---------------------------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------------------------
+def _llama_greedy(llm, prompt: list[int], eos: int, max_new: int) -> list[int]:
+    """llama.cpp's greedy completion of token ids (top_k 1, no penalties), up to and including EOS or ``max_new``."""
+    llm.reset()
+    out = []
+    for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(t))
+        if t == eos or len(out) == max_new:
+            break
+    return out
+
+
 def _cut(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
@@ -248,13 +259,7 @@ def test_generate(benchmark, setup, int8_models, impl):
         llm = _llama(impl.removeprefix("llama_"), logits_all=False)
 
         def one(p):
-            llm.reset()
-            out = []
-            for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                out.append(int(t))
-                if t == eos or len(out) == MAX_NEW:
-                    break
-            return out
+            return _llama_greedy(llm, p, eos, MAX_NEW)
 
     elif impl == "hf_generate":
         base.set_attn_implementation("sdpa")
@@ -320,30 +325,14 @@ def test_arith(benchmark, arith, impl):
         ids = [tok(t).input_ids for t in texts]
 
         def run():
-            outs = []
-            for p in ids:
-                llm.reset()
-                out = []
-                for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                    out.append(int(t))
-                    if t == eos or len(out) == ARITH_MAX_NEW:
-                        break
-                outs.append(out)
-            return outs
+            return [_llama_greedy(llm, p, eos, ARITH_MAX_NEW) for p in ids]
 
         first = None
     else:
         if impl.startswith("sbd_verify_int8") and not getattr(model, "_bench_int8", None):
             model._bench_int8 = quantize(copy.deepcopy(model), "int8")
         m = model._bench_int8 if "int8" in impl else model
-        kw = dict(
-            block_size=info["block_size"],
-            sampler=info["sampler"],
-            threshold=info["gamma_low"],
-            verify="verify" in impl,
-            compile="compiled" in impl,
-            mode="ntp" if "ntp" in impl else "sbd",
-        )
+        kw = decode_settings(info, impl)
 
         def run(ts=texts):
             res = decode(m, tok, ts, batch_size=1, max_new_tokens=ARITH_MAX_NEW, **kw)

@@ -35,6 +35,7 @@ import time
 
 import pytest
 import torch
+from sbd_forward import decode_settings  # bench/
 from transformers import CompileConfig
 
 from sbd_ext.demo import models, tasks
@@ -139,14 +140,7 @@ def test_hf(benchmark, converted, threads, impl):
 )
 def test_sbd(benchmark, converted, threads, impl):
     model, tok, info, probs, prompts = converted
-    kw = dict(
-        block_size=info["block_size"],
-        sampler=info["sampler"],
-        threshold=info["gamma_low"],
-        verify="verify" in impl,
-        compile="compiled" in impl,
-        mode="ntp" if "ntp" in impl else "sbd",
-    )
+    kw = decode_settings(info, impl)
     use_row_linear(model, not impl.endswith("_blas"))
 
     def run(ps=prompts):

@@ -1,6 +1,8 @@
 """One eager sbd_ext forward of new rows over a prefilled cache, for the benches that time a forward by its row count
 (bench_smollm2.py, bench_cpu_peers.py, profile_forward.py): the rows are a set block (nothing committed), so the
-cache stays as it is between calls, and logits are computed for every row, as an SBD forward needs."""
+cache stays as it is between calls, and logits are computed for every row, as an SBD forward needs. And
+:func:`decode_settings`: the decoding settings a bench row's name stands for, over a model's shipped settings
+(bench_smollm2_sbd.py, bench_cpu_peers.py)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,16 @@ def block_forward(model, cache: SBDCache, ids: torch.Tensor) -> Callable[[], tor
             ).logits
 
     return run
+
+
+def decode_settings(info: dict, impl: str) -> dict:
+    """``sbd_ext.generate`` keywords for a bench row named ``impl`` (``..._ntp``, ``..._verify``, ``..._compiled``)
+    at the shipped settings in ``info`` (a model's ``sbd_demo.json``: block size, sampler, ``gamma_low``)."""
+    return dict(
+        block_size=info["block_size"],
+        sampler=info["sampler"],
+        threshold=info["gamma_low"],
+        verify="verify" in impl,
+        compile="compiled" in impl,
+        mode="ntp" if "ntp" in impl else "sbd",
+    )
