@@ -38,7 +38,7 @@ import torch
 from ... import drafter as drafter_mod
 from ...demo import tasks
 from . import checkpoint, data
-from .prompts import training_prompts
+from .prompts import eval_prompts, training_prompts
 
 __all__ = ["DrafterConfig", "make_samples", "make_batches", "train", "ship", "main"]
 
@@ -70,8 +70,6 @@ def _task_prompts(tok, task: str, split: str, n: int, seed: int = 0) -> list[tup
     arithmetic problems (the task's train / test split, the recipe's prompt encoding)."""
     if task == "arith":
         return [(p.prompt, data.prompt_ids(tok, p)) for p in data.task_problems(split, n, seed=seed)]
-    from .prompts import eval_prompts
-
     texts = training_prompts(n, seed=seed) if split == "train" else [p["text"] for p in eval_prompts()[:n]]
     return [(t, _prompt_ids(tok, t)) for t in texts]
 
@@ -449,11 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             "sbd_threshold": args.threshold,
             "sbd_verify": True,
         }
-        dest = (
-            args.dest
-            or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[artifact_task(out / "artifact")][2]
-        )
         task = artifact_task(out / "artifact")
+        dest = args.dest or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[task][2]
         max_new = args.max_new_tokens or (96 if task == "arith" else 64)
         print(ship(out, Path(dest), gen, args.check_n, max_new))
     return 0
