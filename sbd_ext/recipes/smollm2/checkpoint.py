@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ... import hf  # noqa: F401  (registers attn_implementation="sbd")
+from ...adapters import load_artifact
 from ...training import add_mask_token
 
 __all__ = [
@@ -341,6 +342,4 @@ CONTROL_ARTIFACT = Path(__file__).resolve().parents[2] / "demo" / "models" / "sm
 def load_control(attn_implementation: str = "sbd", path: str | os.PathLike | None = None):
     """``(model, tokenizer)``: the NTP control (its LoRA merged into :func:`load_base`'s model), the frozen base of
     the arithmetic drafter (its ``base_loader``)."""
-    from ...adapters import load_artifact
-
     return load_artifact(Path(path) if path else CONTROL_ARTIFACT, attn_implementation=attn_implementation)
