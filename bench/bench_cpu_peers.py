@@ -16,20 +16,26 @@ Rows:
 - ``forward[<impl>-<rows>]``: one forward of 1, 2, 4, 8, 16, 32 new rows over a 256-token cache, **logits for every
   new row** (what an SBD forward needs; llama-bench computes only the last row's), median: llama.cpp F32 and Q8_0
   (``Llama.eval`` with ``logits_all``, the cache rewound to 256 between calls), sbd_ext's eager forward (the
-  ``"sbd"`` backend over an :class:`SBDCache`, row_linear), HF's forward (sdpa, DynamicCache cropped back to 256).
+  ``"sbd"`` backend over an :class:`SBDCache`, row_linear; fp32, ``_int8``, ``_w8a8``), its compiled forward
+  (``_compiled``: the compiled step's torch.compile of decoder and head, C++ wrapper; the compile is not timed), HF's
+  forward (sdpa, DynamicCache cropped back to 256).
 - ``generate[<impl>]``: greedy end to end on the held-out general prompts (SmolLM2's chat template, token ids shared
   by every row): llama.cpp F32 / Q8_0 (``Llama.generate`` with top_k=1), HF ``generate``, sbd_ext NTP, sbd_ext
   verify with the shipped gated drafter; and, when vLLM's venv exists (``tools/vllm_env.sh``: ``.venv-vllm``, or
   ``SBD_BENCH_VLLM_PYTHON``), vLLM's CPU build serving the same checkpoint (``vllm serve`` in a subprocess of that
   venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
   extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
-  :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's);
+  :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's),
+  ``*_w8a8`` rows after ``quantize(model, "w8a8")`` (int8 weights and int8 layer inputs per block of 32);
   ``*_compiled`` rows decode the unmodified base with the compiled step (the first call compiles and is not timed).
 - ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
-  tokens, with the converted SBD model ``smollm2-sbd`` on every side: llama.cpp F32 / Q8_0 on a GGUF of its merged
+  tokens, with the task-tuned NTP control ``smollm2-ntp`` on every side: llama.cpp F32 / Q8_0 on a GGUF of its merged
   weights (:mod:`gguf_weights`: llama.cpp's own F32 file of the base with the tensors replaced; checked to reproduce
-  that file byte for byte from the base first), sbd_ext NTP, verify (the shipped settings, k = 8), verify compiled,
-  and the int8 verify rows. extra_info: tokens/s, accuracy, and equality with llama.cpp F32's completions.
+  that file byte for byte from the base first); sbd_ext NTP (eager, compiled, int8) and verify with the shipped
+  arithmetic drafter ``smollm2-arith-drafter`` on that control (its shipped settings: k = 8, entropy bound 0.35;
+  eager / compiled, fp32 / int8). Verify returns the control's own greedy answers, so every row should equal
+  llama.cpp F32's completions up to near-ties. extra_info: tokens/s, tokens per forward, accuracy, and equality
+  with llama.cpp F32's completions.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import torch
 import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
+from sbd_ext.drafter import read_drafter_config
 from sbd_ext.integration.server import VLLMServer
 from sbd_ext.linear import use_row_linear
 from sbd_ext.quantization import quantize
@@ -62,7 +69,7 @@ if not smollm2.is_available():
 
 import llama_cpp  # noqa: E402
 from gguf_weights import gguf_like  # noqa: E402  (bench/)
-from sbd_forward import block_forward, decode_settings, prefilled_cache  # noqa: E402  (bench/)
+from sbd_forward import block_forward, compiled_block_forward, decode_settings, prefilled_cache  # noqa: E402  (bench/)
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
@@ -76,9 +83,12 @@ _VLLM_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" /
 _VLLM_PYTHON = Path(os.environ.get("SBD_BENCH_VLLM_PYTHON", _VLLM_VENV_PYTHON))
 ARITH_N = int(os.environ.get("SBD_BENCH_ARITH_N", "8"))
 ARITH_MAX_NEW = 96
-SBD_MODEL = "smollm2-sbd"
+ARITH_BASE = "smollm2-ntp"  # the NTP control: the model every arithmetic row decodes
+ARITH_DRAFTER = "smollm2-arith-drafter"  # its gated drafter (verify rows)
+FORWARD_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ext", "sbd_ext_int8", "sbd_ext_w8a8", "sbd_ext_compiled"]
+FORWARD_IMPLS += ["sbd_ext_int8_compiled", "hf"]
 GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
-GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled"]
+GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_compiled"]
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
@@ -95,13 +105,14 @@ def _requantize(src: Path, out: Path, kind: str) -> None:
     tmp.rename(out)
 
 
-def gguf_sbd(kind: str) -> Path:
-    """``smollm2-sbd``'s merged weights as a GGUF of ``kind`` (cached): F32 by :func:`gguf_weights.gguf_like`, after
-    checking that the helper reproduces llama.cpp's own F32 file from the base; Q8_0 by llama.cpp from that F32."""
-    out = GGUF_DIR / f"smollm2-sbd.{kind}.gguf"
+def gguf_of(name: str, kind: str) -> Path:
+    """The embedded model ``name``'s merged weights as a GGUF of ``kind`` (cached): F32 by
+    :func:`gguf_weights.gguf_like`, after checking that the helper reproduces llama.cpp's own F32 file from the base;
+    Q8_0 by llama.cpp from that F32."""
+    out = GGUF_DIR / f"{name}.{kind}.gguf"
     if out.exists():
         return out
-    f32 = GGUF_DIR / "smollm2-sbd.f32.gguf"
+    f32 = GGUF_DIR / f"{name}.f32.gguf"
     if not f32.exists():
         base, _ = checkpoint.load_smollm2(attn_implementation="sdpa")
         check = gguf_like(gguf("f32"), base, GGUF_DIR / "base-rewritten.f32.gguf")
@@ -109,7 +120,7 @@ def gguf_sbd(kind: str) -> Path:
         check.unlink()
         if not same:
             raise RuntimeError("gguf_weights does not reproduce llama.cpp's F32 file of the base; not using it")
-        model, _ = models.load(SBD_MODEL, attn_implementation="sdpa")
+        model, _ = models.load(name, attn_implementation="sdpa")
         gguf_like(gguf("f32"), model, f32)
     if kind != "f32":
         _requantize(f32, out, kind)
@@ -150,12 +161,22 @@ def setup():
 
 @pytest.fixture(scope="module")
 def int8_models(setup):
-    """Int8 copies (sbd_ext.quantize) of the base (sbd attention) and of the drafter model, and an fp32 copy of the
-    base with sbd attention (the compiled NTP rows: the unmodified model, no drafter)."""
+    """Quantised copies (sbd_ext.quantize) of the base with sbd attention ("int8" and "w8a8") and of the drafter
+    model ("int8"), and an fp32 copy of the base with sbd attention (the compiled NTP rows: the unmodified model,
+    no drafter)."""
     base, drafted, *_ = setup
     base_sbd = copy.deepcopy(base)
     base_sbd.set_attn_implementation("sbd")
-    return quantize(copy.deepcopy(base_sbd), "int8"), quantize(copy.deepcopy(drafted), "int8"), base_sbd
+    return {
+        "base_int8": quantize(copy.deepcopy(base_sbd), "int8"),
+        "base_w8a8": quantize(copy.deepcopy(base_sbd), "w8a8"),
+        "drafted_int8": quantize(copy.deepcopy(drafted), "int8"),
+        "base_sbd": base_sbd,
+    }
+
+
+def _scheme(impl: str) -> str:
+    return "w8a8" if "w8a8" in impl else "int8" if "int8" in impl else "fp32"
 
 
 def _machine() -> str:
@@ -167,7 +188,7 @@ def _machine() -> str:
 # the per-forward cost curve
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("impl", ["llama_f32", "llama_q8_0", "sbd_ext", "sbd_ext_int8", "hf"])
+@pytest.mark.parametrize("impl", FORWARD_IMPLS)
 def test_forward(benchmark, setup, int8_models, impl, rows):
     base, _, _, _, _ = setup
     g = torch.Generator().manual_seed(rows)
@@ -183,15 +204,16 @@ def test_forward(benchmark, setup, int8_models, impl, rows):
             llm.n_tokens = CACHE  # eval() drops the cache past n_tokens first
             llm.eval(new)
 
-    elif impl == "sbd_ext":
-        model = base
-        model.set_attn_implementation("sbd")
-        use_row_linear(model, True)  # what sbd_ext.generate does for an fp32 CPU model
-        run = block_forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
-
-    elif impl == "sbd_ext_int8":
-        model = int8_models[0]
-        run = block_forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
+    elif impl.startswith("sbd_ext"):
+        if _scheme(impl) != "fp32":
+            model = int8_models[f"base_{_scheme(impl)}"]
+        else:
+            model = base
+            model.set_attn_implementation("sbd")
+            use_row_linear(model, True)  # what sbd_ext.generate does for an fp32 CPU model
+        forward = compiled_block_forward if impl.endswith("compiled") else block_forward
+        run = forward(model, prefilled_cache(model, torch.tensor([prefix])), torch.tensor([new]))
+        run()  # a compiled row compiles here (not timed)
 
     else:
         from transformers import DynamicCache
@@ -272,10 +294,10 @@ def test_generate(benchmark, setup, int8_models, impl):
 
     else:
         kw = dict(mode="ntp", verify=False) if impl.startswith("sbd_ntp") else {}
-        model = int8_models[1] if impl.endswith("_int8") else drafted
+        model = int8_models["drafted_int8"] if impl.endswith("_int8") else drafted
         if impl.endswith("_compiled"):  # the unmodified base, compiled step (first call compiles, untimed)
             kw["compile"] = True
-            model = int8_models[0] if "int8" in impl else int8_models[2]
+            model = int8_models["base_sbd" if _scheme(impl) == "fp32" else f"base_{_scheme(impl)}"]
             sbd_ext.generate(model, torch.tensor([prompts[0]]), max_new_tokens=4, eos_token_id=eos, **kw)
 
         def one(p):
@@ -300,28 +322,32 @@ def test_generate(benchmark, setup, int8_models, impl):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# arithmetic: the converted SBD model on every side
+# arithmetic: the task-tuned NTP control on every side, its gated drafter for verify
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def arith(setup):
-    model, tok = models.load(SBD_MODEL)
-    info = models.demo_info(SBD_MODEL)
+    model, tok = models.load(ARITH_DRAFTER)  # the control with its drafter: mode="ntp" is the control's own decoding
+    gen = read_drafter_config(models.path(ARITH_DRAFTER))["sbd"]["generation"]
+    info = dict(block_size=gen["sbd_block_size"], sampler=gen["sbd_sampler"], gamma_low=gen["sbd_threshold"])
     probs = list(tasks.problems("test", ARITH_N))
-    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    template = models.demo_info(ARITH_BASE).get("prompt_template")
+    texts = [format_prompt(p.prompt, template) for p in probs]
     return model, tok, info, probs, texts
 
 
-ARITH_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_verify_int8", "sbd_verify_compiled"]
-ARITH_IMPLS += ["sbd_verify_int8_compiled"]
+ARITH_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_verify_int8", "sbd_verify_w8a8"]
+ARITH_IMPLS += ["sbd_verify_compiled", "sbd_verify_int8_compiled"]
 
 
 @pytest.mark.parametrize("impl", ARITH_IMPLS)
 def test_arith(benchmark, arith, impl):
     model, tok, info, probs, texts = arith
-    benchmark.group = f"arith: {ARITH_N} held-out problems, {SBD_MODEL}, batch 1, greedy, max {ARITH_MAX_NEW} new"
+    benchmark.group = f"arith: {ARITH_N} held-out problems, {ARITH_BASE}, batch 1, greedy, max {ARITH_MAX_NEW} new"
     eos = tok.eos_token_id
+    nfe: list[int] = []
     if impl.startswith("llama"):
-        llm = _llama(impl.removeprefix("llama_"), logits_all=False, path=gguf_sbd(impl.removeprefix("llama_")))
+        kind = impl.removeprefix("llama_")
+        llm = _llama(kind, logits_all=False, path=gguf_of(ARITH_BASE, kind))
         ids = [tok(t).input_ids for t in texts]
 
         def run():
@@ -329,13 +355,16 @@ def test_arith(benchmark, arith, impl):
 
         first = None
     else:
-        if impl.startswith("sbd_verify_int8") and not getattr(model, "_bench_int8", None):
-            model._bench_int8 = quantize(copy.deepcopy(model), "int8")
-        m = model._bench_int8 if "int8" in impl else model
+        scheme = _scheme(impl)
+        quantized = model.__dict__.setdefault("_bench_quantized", {})
+        if scheme != "fp32" and scheme not in quantized:
+            quantized[scheme] = quantize(copy.deepcopy(model), scheme)
+        m = quantized[scheme] if scheme != "fp32" else model
         kw = decode_settings(info, impl)
 
         def run(ts=texts):
             res = decode(m, tok, ts, batch_size=1, max_new_tokens=ARITH_MAX_NEW, **kw)
+            nfe[:] = res["nfe"]
             return res["token_ids"]
 
         first = None
@@ -352,6 +381,7 @@ def test_arith(benchmark, arith, impl):
     r = dict(
         tokens=n_tok,
         tokens_per_s=round(n_tok / med, 2),
+        tokens_per_forward=round(n_tok / sum(nfe), 3) if nfe else None,
         accuracy=tasks.accuracy(completions, probs),
         equal_to_llama_f32=None if ref is None else sum(a == b for a, b in zip(outs, ref, strict=True)),
         n=len(outs),
@@ -366,12 +396,14 @@ def _summary() -> None:
     print(f"\n== CPU peers: {_machine()}")
     for rows in ROWS:
         cells = []
-        for impl in ("llama_f32", "llama_q8_0", "sbd_ext", "hf"):
+        for impl in FORWARD_IMPLS:
             r = _results.get(f"forward[{impl}-{rows}]")
             cells.append(f"{impl} {r['ms']:7.1f} ms" if r else f"{impl} -")
         f32 = _results.get(f"forward[llama_f32-{rows}]")
-        ours = _results.get(f"forward[sbd_ext-{rows}]")
-        ratio = f"  sbd_ext/llama F32 {ours['ms'] / f32['ms']:.2f}x" if f32 and ours else ""
+        ratio = ""
+        for impl in ("sbd_ext", "sbd_ext_compiled"):
+            ours = _results.get(f"forward[{impl}-{rows}]")
+            ratio += f"  {impl}/llama F32 {ours['ms'] / f32['ms']:.2f}x" if f32 and ours else ""
         print(f"forward {rows:2d} rows: " + "  ".join(cells) + ratio)
     f32 = _results.get("generate[llama_f32]")
     for name, r in sorted(_results.items()):
@@ -383,7 +415,8 @@ def _summary() -> None:
         if name.startswith("arith"):
             vs = f"{r['tokens_per_s'] / f32['tokens_per_s']:.2f}x llama F32" if f32 else ""
             vs += f", {r['tokens_per_s'] / q8['tokens_per_s']:.2f}x Q8_0" if q8 else ""
+            tpf = f"  {r['tokens_per_forward']:.2f} tok/fwd" if r.get("tokens_per_forward") else ""
             print(
-                f"{name:28s} {r['tokens_per_s']:7.2f} tok/s  {vs}  accuracy {r['accuracy']:.3f}  "
+                f"{name:28s} {r['tokens_per_s']:7.2f} tok/s  {vs}{tpf}  accuracy {r['accuracy']:.3f}  "
                 f"equal to llama F32 {r['equal_to_llama_f32']}/{r['n']}"
             )

@@ -1,12 +1,14 @@
-"""What int8 weights (``sbd_ext.quantize(model, "int8")``) cost in accuracy against fp32, on the held-out sets.
+"""What int8 weights cost in accuracy against fp32, on the held-out sets: ``sbd_ext.quantize(model, "int8")``
+(weight-only) and ``"w8a8"`` (int8 weights and int8 layer inputs, per block of 32).
 
     python bench/int8_accuracy.py [--arith-n 100] [--general-n 16] [--ppl-tokens 16384] [--json PATH]
 
-* arithmetic: the converted ``smollm2-sbd`` on the first ``--arith-n`` held-out problems (greedy, max 96 new tokens,
-  batch 50), verify at its shipped settings, fp32 and int8: accuracy and mean forwards;
-* general: SmolLM2-135M-Instruct's NTP decoding of the first ``--general-n`` held-out chat prompts (64 new tokens),
-  fp32 and int8: how many answers are identical and how many leading tokens they share;
-* perplexity of the unmodified base, fp32 and int8, on the recipe's text (Python standard-library docstrings,
+* arithmetic: the NTP control ``smollm2-ntp`` with its shipped drafter ``smollm2-arith-drafter`` on the first
+  ``--arith-n`` held-out problems (greedy, max 96 new tokens, batch 50), verify at the drafter's shipped settings,
+  fp32 / int8 / w8a8: accuracy, mean forwards, and how many completions equal fp32's;
+* general: SmolLM2-135M-Instruct's NTP decoding of the first ``--general-n`` held-out chat prompts (64 new tokens):
+  how many answers are identical to fp32's and how many leading tokens they share;
+* perplexity of the unmodified base on the recipe's text (Python standard-library docstrings,
   :func:`sbd_ext.recipes.smollm2.evaluate.perplexity_table`'s text and windows).
 """
 
@@ -20,43 +22,58 @@ import torch
 
 import sbd_ext
 from sbd_ext.demo import models, tasks
-from sbd_ext.demo.evaluate import decode
+from sbd_ext.demo.evaluate import decode, format_prompt
+from sbd_ext.drafter import read_drafter_config
 from sbd_ext.recipes.smollm2 import checkpoint, evaluate
 from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
+SCHEMES = ("fp32", "int8", "w8a8")
+DRAFTER, CONTROL = "smollm2-arith-drafter", "smollm2-ntp"
+
+
+def _variants(model):
+    for name in SCHEMES:
+        yield name, model if name == "fp32" else sbd_ext.quantize(copy.deepcopy(model), name)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
 
 def _arith(n: int) -> dict:
-    model, tok = models.load("smollm2-sbd")
-    info = models.demo_info("smollm2-sbd")
+    model, tok = models.load(DRAFTER)
+    gen = read_drafter_config(models.path(DRAFTER))["sbd"]["generation"]
+    kw = dict(block_size=gen["sbd_block_size"], sampler=gen["sbd_sampler"], threshold=gen["sbd_threshold"])
     probs = list(tasks.problems("test", n))
-    kw = dict(block_size=info["block_size"], sampler=info["sampler"], threshold=info["gamma_low"], verify=True)
-    out = {}
-    for name, m in (("fp32", model), ("int8", sbd_ext.quantize(copy.deepcopy(model), "int8"))):
-        res = decode(m, tok, [p.prompt for p in probs], batch_size=50, max_new_tokens=96, **kw)
+    texts = [format_prompt(p.prompt, models.demo_info(CONTROL).get("prompt_template")) for p in probs]
+    out, completions = {}, {}
+    for name, m in _variants(model):
+        res = decode(m, tok, texts, batch_size=50, max_new_tokens=96, verify=True, **kw)
         out[name] = {"accuracy": tasks.accuracy(res["completions"], probs), "mean_nfe": sum(res["nfe"]) / n}
-        out[name]["completions"] = res["completions"]
-    same = sum(a == b for a, b in zip(out["fp32"].pop("completions"), out["int8"].pop("completions"), strict=True))
-    return {"n": n, "settings": kw, **out, "same_completions": same}
+        completions[name] = res["completions"]
+        same = sum(a == b for a, b in zip(completions["fp32"], res["completions"], strict=True))
+        out[name]["same_completions_as_fp32"] = same
+    return {"n": n, "model": f"{CONTROL} + {DRAFTER}", "settings": {**kw, "verify": True}, **out}
 
 
 def _general(n: int) -> dict:
     base, tok = checkpoint.load_smollm2(attn_implementation="sbd")
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])]) for p in eval_prompts()[:n]]
-    answers = {}
-    for name, m in (("fp32", base), ("int8", sbd_ext.quantize(copy.deepcopy(base), "int8"))):
+    answers, out = {}, {"n": n}
+    for name, m in _variants(base):
         answers[name] = [
             sbd_ext.generate(m, p, mode="ntp", max_new_tokens=64, eos_token_id=eos).sequences[0, p.shape[1] :].tolist()
             for p in prompts
         ]
-    common = []
-    for a, b in zip(answers["fp32"], answers["int8"], strict=True):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        common.append(k)
-    same = sum(a == b for a, b in zip(answers["fp32"], answers["int8"], strict=True))
-    return {"n": n, "identical": same, "mean_common_prefix_tokens": sum(common) / n, "common_prefix": common}
+        if name != "fp32":
+            common = [_common_prefix(a, b) for a, b in zip(answers["fp32"], answers[name], strict=True)]
+            same = sum(a == b for a, b in zip(answers["fp32"], answers[name], strict=True))
+            out[name] = {"identical": same, "mean_common_prefix_tokens": sum(common) / n, "common_prefix": common}
+    return out
 
 
 def _perplexity(max_tokens: int) -> dict:
@@ -65,7 +82,7 @@ def _perplexity(max_tokens: int) -> dict:
     ids = tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
     out = {}
     with torch.no_grad():
-        for name, m in (("fp32", base), ("int8", sbd_ext.quantize(copy.deepcopy(base), "int8"))):
+        for name, m in _variants(base):
             out[name] = evaluate.perplexity(m, ids)
     return {"tokens": len(ids), **out}
 

@@ -154,9 +154,10 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     names = {"ours": "sbd_ext", "sbd_ext": "sbd_ext", "baseline": "HF (sdpa, torch linears)", "hf": "HF (sdpa)"}
     names.update(llama_f32="llama.cpp F32", llama_q8_0="llama.cpp Q8_0", sbd_ext_int8="sbd_ext, int8 weights")
+    names.update(sbd_ext_compiled="sbd_ext, compiled", sbd_ext_int8_compiled="sbd_ext, int8, compiled")
     for (path, cache), pts in sorted(curves.items()):
         pts.sort()
-        style = "-" if path in ("ours", "sbd_ext", "sbd_ext_int8") else "--"
+        style = "-" if path.startswith(("ours", "sbd_ext")) else "--"
         label = f"{names.get(path, path)}, cache {cache}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
     ax.set_xlabel("new rows in the forward (1 = NTP; 1 + k or 2k = an SBD forward)")

@@ -1,6 +1,7 @@
 """One eager sbd_ext forward of new rows over a prefilled cache, for the benches that time a forward by its row count
 (bench_smollm2.py, bench_cpu_peers.py, profile_forward.py): the rows are a set block (nothing committed), so the
-cache stays as it is between calls, and logits are computed for every row, as an SBD forward needs. And
+cache stays as it is between calls, and logits are computed for every row, as an SBD forward needs (eager, or the
+compiled step's forward: :func:`compiled_block_forward`). And
 :func:`decode_settings`: the decoding settings a bench row's name stands for, over a model's shipped settings
 (bench_smollm2_sbd.py, bench_cpu_peers.py)."""
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from sbd_ext.cache import SBDCache
+from sbd_ext.decoding.compiled import _compiled_forward
 
 
 def prefilled_cache(model, prefix: torch.Tensor, spare: int = 64) -> SBDCache:
@@ -44,6 +46,21 @@ def block_forward(model, cache: SBDCache, ids: torch.Tensor) -> Callable[[], tor
                 sbd_plan=plan,
                 logits_to_keep=rows,
             ).logits
+
+    return run
+
+
+def compiled_block_forward(model, cache: SBDCache, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """:func:`block_forward` through the compiled step's forward (``generate(..., compile=True)``: torch.compile of
+    the decoder and head, fullgraph, C++ wrapper on the CPU), the same rows and logits. The first call compiles."""
+    start, rows = cache.seq_lens[0], ids.shape[1]
+    tokens = torch.stack([ids, torch.arange(start, start + rows)[None]])  # [2, 1, T]: ids, positions
+    meta = torch.tensor([[start], [0], [rows]], dtype=torch.int32)  # cache length, committed (none), valid rows
+    fwd = _compiled_forward(torch.device("cpu"))
+
+    def run() -> torch.Tensor:
+        with torch.no_grad(), cache.static_forwards():
+            return fwd(model, cache, tokens, meta, 0)
 
     return run
 

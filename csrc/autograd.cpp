@@ -16,8 +16,8 @@
 namespace sbd_ext {
 namespace {
 
-at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& scale) {
+at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                               bool quantize_x) {
   if (c10::GradMode::is_enabled()) {
     std::string grads;
     if (x.defined() && x.requires_grad()) grads = "x";
@@ -30,8 +30,9 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::row_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
-  return op.call(x, weight, scale);
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         bool)>();
+  return op.call(x, weight, scale, quantize_x);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ TORCH_LIBRARY(sbd_ext, m) {
   // fp32 with scale None, or int8 with scale [N] fp32 (weight-only quantisation: (x @ weight^T) * scale). No
   // backward. The CPU kernel is for the few rows of a decoding forward (sbd_ext.linear / sbd_ext.quantize put it in
   // a model).
-  m.def("row_linear(Tensor x, Tensor weight, Tensor? scale=None) -> Tensor");
+  m.def("row_linear(Tensor x, Tensor weight, Tensor? scale=None, bool quantize_x=False) -> Tensor");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

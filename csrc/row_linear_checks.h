@@ -9,8 +9,9 @@ namespace sbd_ext {
 
 // x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
 // int64. weight is fp32 with no scale, or int8 (weight-only quantisation) with scale [N] fp32 (one per weight row),
-// contiguous, on the same device.
-inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
+// contiguous, on the same device. quantize_x (x quantised to int8 per block of 32 at run time) needs the int8 weight.
+inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                             bool quantize_x) {
   constexpr const char* op = "row_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dtype(op, "weight", weight, {at::kFloat, at::kChar});
@@ -33,6 +34,9 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
     TORCH_CHECK_VALUE(!has_scale, op, ": scale is for an int8 weight; weight has dtype ", weight.scalar_type(),
                       " (pass scale=None)");
   }
+  TORCH_CHECK_VALUE(!quantize_x || weight.scalar_type() == at::kChar, op,
+                    ": quantize_x=True multiplies int8 x with an int8 weight; weight has dtype ", weight.scalar_type(),
+                    " (quantise the weight, or pass quantize_x=False)");
   checked_mul(op, "the output size M * N", {x.size(0), weight.size(0)});
 }
 

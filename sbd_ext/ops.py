@@ -211,7 +211,9 @@ def mask_replace(
     return torch.ops.sbd_ext.mask_replace(tokens, proposals, entropy, max_prob, mask_id, rule, threshold)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, quantize_x: bool = False
+) -> torch.Tensor:
     """``x @ weight.T`` for the few rows of a decoding forward: what ``torch.nn.functional.linear(x, weight)``
     computes, with a CPU kernel that reads the weight once for all rows (see csrc/cpu/row_linear_kernel.cpp).
 
@@ -221,6 +223,10 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
             weight-only quantisation (:func:`sbd_ext.quantize`).
         scale: None for an fp32 weight; [N] fp32 for an int8 one (one scale per weight row): the result is then
             ``(x @ weight.float().T) * scale``.
+        quantize_x: int8 weight only: quantise x too, per row in blocks of 32 values along K (llama.cpp's Q8_0
+            activations: ``d = max|x_block| / 127``, ``q = round(x_block * 127 / max|x_block|)``, half to even), and
+            multiply int8 x int8 (:func:`sbd_ext.quantize` ``"w8a8"``). A block holding NaN or inf makes its row's
+            outputs NaN. :func:`sbd_ext.reference.row_linear` is the exact definition.
 
     Returns:
         [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
@@ -229,7 +235,9 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     """
     named = dict(x=x, weight=weight) if scale is None else dict(x=x, weight=weight, scale=scale)
     _check_tensors("row_linear", named, tuple(named))
-    return torch.ops.sbd_ext.row_linear(x, weight, scale)
+    if not isinstance(quantize_x, bool):
+        raise TypeError(f"row_linear: quantize_x must be a bool, got {type(quantize_x).__name__}")
+    return torch.ops.sbd_ext.row_linear(x, weight, scale, quantize_x)
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
@@ -253,7 +261,7 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
 
 
 @torch.library.register_fake("sbd_ext::row_linear")
-def _row_linear_fake(x, weight, scale=None):
+def _row_linear_fake(x, weight, scale=None, quantize_x=False):
     # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This
     # is also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
     allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8)}
@@ -281,9 +289,16 @@ def _row_linear_fake(x, weight, scale=None):
             raise ValueError(f"row_linear: scale must be 1-D [N], got shape {tuple(scale.shape)}")
         torch._check_value(
             scale.shape[0] == weight.shape[0],
-            lambda: f"row_linear: scale.size(0) must equal weight.size(0) (N) = {weight.shape[0]}, got "
-            f"shape {tuple(scale.shape)}",
+            lambda: (
+                f"row_linear: scale.size(0) must equal weight.size(0) (N) = {weight.shape[0]}, got "
+                f"shape {tuple(scale.shape)}"
+            ),
         )
     elif scale is not None:
         raise ValueError(f"row_linear: scale is for an int8 weight; weight has dtype {weight.dtype} (pass scale=None)")
+    if quantize_x and weight.dtype != torch.int8:
+        raise ValueError(
+            f"row_linear: quantize_x=True multiplies int8 x with an int8 weight; weight has dtype {weight.dtype} "
+            "(quantise the weight, or pass quantize_x=False)"
+        )
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -256,13 +256,42 @@ def mask_replace(
 # --------------------------------------------------------------------------------------------------------
 # row_linear
 # --------------------------------------------------------------------------------------------------------
-def row_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_x_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 as row_linear's ``quantize_x`` quantises it: per row, blocks of ``block`` values along K (the
+    last may be shorter), ``d = max|x_b| / 127`` and ``q = round(x_b * (127 / max|x_b|))`` (fp32, half to even; 0
+    for an all-zero block). A block with a NaN or infinite value gets ``q = 0`` and ``d = NaN``. Returns q [M, K]
+    (integers, fp32) and d [M, ceil(K / block)] fp32."""
+    M, K = x.shape
+    nb = -(-K // block)
+    xp = torch.nn.functional.pad(x.float(), (0, nb * block - K)).view(M, nb, block)
+    amax = xp.abs().amax(-1)
+    finite = torch.isfinite(xp).all(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.where(finite[..., None], torch.round(xp * inv[..., None]), torch.zeros_like(xp))
+    d = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
+    return q.view(M, nb * block)[:, :K], d
+
+
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, quantize_x: bool = False
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (an int8 weight: times scale [N] per output column), accumulated in float64 and
-    returned as fp32 [M, N]."""
+    returned as fp32 [M, N]. ``quantize_x`` (int8 weight only): x quantised by :func:`quantize_x_blocks`, each
+    block's integer dot product times its scale."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row_linear: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if (weight.dtype == torch.int8) != (scale is not None):
         raise ValueError("row_linear: an int8 weight takes scale [N]; an fp32 weight takes none")
+    if quantize_x:
+        if weight.dtype != torch.int8:
+            raise ValueError("row_linear: quantize_x is for an int8 weight")
+        q, d = quantize_x_blocks(x)
+        M, K = x.shape
+        nb = d.shape[1]
+        qp = torch.nn.functional.pad(q.double(), (0, nb * 32 - K)).view(M, nb, 32)
+        wp = torch.nn.functional.pad(weight.double(), (0, nb * 32 - K)).view(-1, nb, 32)
+        dots = torch.einsum("mbk,nbk->mnb", qp, wp)  # exact integers
+        return ((dots * d.double()[:, None, :]).sum(-1) * scale.double()).float()
     out = x.double() @ weight.double().t()
     if scale is not None:
         out = out * scale.double()

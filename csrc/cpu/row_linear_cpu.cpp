@@ -1,5 +1,6 @@
 // row_linear on the CPU: checks (row_linear_checks.h, shared with the CUDA binding) and the split of the weight
-// rows into fixed chunks of kRowLinearChunk, one per task (the result does not depend on the thread count).
+// rows into fixed chunks of kRowLinearChunk, one per task (the result does not depend on the thread count). With
+// quantize_x, x is quantised once before the chunks run.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -11,14 +12,15 @@
 
 namespace sbd_ext {
 
-at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
-  check_row_linear(x, weight, scale);
+at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                          bool quantize_x) {
+  check_row_linear(x, weight, scale, quantize_x);
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const bool q8 = weight.scalar_type() == at::kChar;
-  const sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
+  sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                                    x.stride(0),
                                    q8 ? nullptr : weight.data_ptr<float>(),
                                    weight.stride(0),
@@ -29,6 +31,17 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
                                    M,
                                    N,
                                    K};
+  at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
+  if (quantize_x) {
+    p.x_blocks = (K + sbd_cpu::kRowLinearXBlock - 1) / sbd_cpu::kRowLinearXBlock;
+    p.xq_stride = p.x_blocks * sbd_cpu::kRowLinearXBlock;
+    checked_mul("row_linear", "the quantised x M * 32 * ceil(K / 32)", {M, p.xq_stride});
+    xq = at::empty({M, p.xq_stride}, x.options().dtype(at::kChar));
+    xd = at::empty({M, p.x_blocks}, x.options());
+    SBD_CPU_DISPATCH(row_linear_quantize_x, p, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), 0, M);
+    p.xq = xq.data_ptr<int8_t>();
+    p.xd = xd.data_ptr<float>();
+  }
   const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t n1 = std::min(N, c1 * sbd_cpu::kRowLinearChunk);

@@ -5,18 +5,40 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "row_linear_checks.h"
 
 namespace sbd_ext {
 
-at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
-  check_row_linear(x, weight, scale);
+namespace {
+
+// x as the CPU kernel quantises it (row_linear_kernel.h, row_linear_quantize_x), dequantised: per block of 32
+// values d = max|x| / 127, q = round-half-even(x * (127 / max|x|)); a block with a NaN or infinite value is NaN.
+at::Tensor quantized_x(const at::Tensor& x) {
+  constexpr int64_t kB = 32;
+  const int64_t M = x.size(0), K = x.size(1), nb = (K + kB - 1) / kB;
+  const at::Tensor xp = at::constant_pad_nd(x, {0, nb * kB - K}).view({M, nb, kB});
+  const at::Tensor amax = xp.abs().amax(-1, /*keepdim=*/true);
+  const at::Tensor finite = at::isfinite(xp).all(-1, /*keepdim=*/true);
+  const at::Tensor id = at::where(amax > 0, at::div(at::full_like(amax, 127.0), amax), at::zeros_like(amax));
+  const at::Tensor q = at::where(finite, at::round(xp * id), at::zeros_like(xp));
+  const at::Tensor d = at::where(finite, amax / 127.0, at::full_like(amax, std::numeric_limits<float>::quiet_NaN()));
+  return (q * d).view({M, nb * kB}).narrow(1, 0, K);
+}
+
+}  // namespace
+
+at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                           bool quantize_x) {
+  check_row_linear(x, weight, scale, quantize_x);
   TORCH_CHECK(x.is_cuda(), "row_linear: x must be a CUDA tensor here, got device ", x.device());
   const c10::cuda::CUDAGuard device_guard(x.device());
   if (weight.scalar_type() == at::kChar) {
     // int8 weight: (x @ wq^T) * scale. The weight is widened to fp32 for cuBLAS (a correct path, not a fast one:
-    // weight-only int8 exists for the CPU's bandwidth-bound rows; a GPU int8 GEMV is not written).
-    return at::mm(x, weight.to(at::kFloat).t()).mul_(*scale);
+    // int8 weights exist for the CPU's bandwidth-bound rows; a GPU int8 GEMV is not written). quantize_x: the
+    // CPU kernel's int8 x, dequantised, so every device returns the same numbers to fp32 rounding.
+    return at::mm(quantize_x ? quantized_x(x) : x, weight.to(at::kFloat).t()).mul_(*scale);
   }
   return at::mm(x, weight.t());
 }

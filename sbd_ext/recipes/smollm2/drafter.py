@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--n", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8])
-    e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0])
+    e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0], help="entropy bounds of the verify rows")
+    e.add_argument("--plain-thresholds", type=float, nargs="*", default=[0.35], help="entropy bounds of plain SBD rows")
     e.add_argument("--threads", type=int)
     e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
@@ -432,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.block_sizes
             for g in args.thresholds
         ]
-        settings += [dict(block_size=k, verify=False, sampler="eb", threshold=0.35) for k in args.block_sizes]
+        settings += [
+            dict(block_size=k, verify=False, sampler="eb", threshold=g)
+            for k in args.block_sizes
+            for g in args.plain_thresholds
+        ]
         rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
