@@ -5,13 +5,14 @@
 * ``tokens_per_s.png``: tokens/s per decoding mode against HF ``generate``, two panels: the embedded arithmetic
   model (``bench/results/e2e_cpu.csv``, rows of the newest commit) and SmolLM2-135M-Instruct with its gated drafter on
   held-out general prompts (the newest ``bench/results/drafter/bench_*.json``).
-  A third panel, from the newest peer-bench run with generate rows
-  (``bench/results/cpu_peers/bench_int8_compiled.json``, else ``bench_int8.json``, else ``bench.json``): SmolLM2
-  greedy tokens/s of llama.cpp F32 and Q8_0, vLLM, HF ``generate``, sbd_ext NTP (eager, compiled, int8) and verify
-  in one run (``bench/bench_cpu_peers.py``).
+  A third panel, from the newest peer-bench run with generate rows (``bench/results/cpu_peers/bench_w8a8.json``,
+  else ``bench_int8_compiled.json``, ``bench_int8.json``, ``bench.json``): SmolLM2 greedy tokens/s of llama.cpp F32
+  and Q8_0, vLLM, HF ``generate``, sbd_ext NTP (compiled; fp32, int8, w8a8) and verify in one run
+  (``bench/bench_cpu_peers.py``).
 * ``forward_cost.png``: the cost of one SmolLM2-135M forward against its number of new rows (the per-forward cost
-  curve that decides what tokens/forward buy): from ``bench/results/cpu_peers/bench_int8.json`` (or ``bench.json``:
-  llama.cpp F32 / Q8_0, sbd_ext fp32 and int8, HF, one run, 256-token cache) when it exists, else
+  curve that decides what tokens/forward buy): from ``bench/results/cpu_peers/bench_w8a8.json`` (or
+  ``bench_int8.json``, ``bench.json``: llama.cpp F32 / Q8_0, sbd_ext eager and compiled, fp32 / int8 / w8a8, HF, one
+  run, 256-token cache) when it exists, else
   ``bench/results/smollm2_cpu.csv`` (sbd_ext and HF per cache length, ``test_forward_rows`` rows of the newest
   commit).
 
@@ -78,7 +79,7 @@ def _caption(d: dict, what: str) -> str:
 
 
 def peers_generate_rows() -> tuple[list[tuple[str, float]], str] | None:
-    d = _peers("bench_int8_compiled.json", "bench_int8.json")
+    d = _peers("bench_w8a8.json", "bench_int8_compiled.json", "bench_int8.json")
     if d is None:
         return None
     rows = [
@@ -90,7 +91,7 @@ def peers_generate_rows() -> tuple[list[tuple[str, float]], str] | None:
 
 
 def forward_rows() -> tuple[dict[tuple[str, int], list[tuple[int, float]]], str]:
-    d = _peers("bench_int8.json")
+    d = _peers("bench_w8a8.json", "bench_int8.json")
     if d is not None:
         curves: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
         for b in d["benchmarks"]:
@@ -155,6 +156,7 @@ def main() -> int:
     names = {"ours": "sbd_ext", "sbd_ext": "sbd_ext", "baseline": "HF (sdpa, torch linears)", "hf": "HF (sdpa)"}
     names.update(llama_f32="llama.cpp F32", llama_q8_0="llama.cpp Q8_0", sbd_ext_int8="sbd_ext, int8 weights")
     names.update(sbd_ext_compiled="sbd_ext, compiled", sbd_ext_int8_compiled="sbd_ext, int8, compiled")
+    names.update(sbd_ext_w8a8="sbd_ext, w8a8")
     for (path, cache), pts in sorted(curves.items()):
         pts.sort()
         style = "-" if path.startswith(("ours", "sbd_ext")) else "--"
