@@ -14,8 +14,9 @@ int8 copy for the head; every other fp32 weight is freed. The embedding itself s
 
 ``"w8a8"`` keeps the same int8 weights and also quantises each linear layer's input at run time, per row in blocks
 of 32 values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel multiplies int8 by int8
-(``row_linear(..., quantize_x=True)``). On this project's AVX2 machine (Zen 3, no VNNI) that is ~1.1-1.7x faster
-than ``"int8"`` for one row and ~1.0-1.2x for 16 (bench/results/int8), at a further small accuracy cost.
+(``row_linear(..., quantize_x=True)``). On this project's AVX2 machine (Zen 3, no VNNI) a linear layer runs 1.1-1.7x
+faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows, at a further small accuracy cost; whole forwards,
+decoding and accuracy: docs/benchmarks.md.
 
 It is one-way and for inference: gradients do not flow through an int8 weight, and the int8 tensors are buffers
 (``weight_int8``, ``weight_scale``), not a checkpoint format; quantize after loading, every time.
@@ -31,7 +32,7 @@ from torch.nn import functional as F
 
 from .linear import ROW_LIMIT, RowLinear, as_rows, row_count
 from .ops import row_linear
-from .reference import quantize_x_blocks
+from .reference import quantized_x
 
 __all__ = ["SCHEMES", "Int8Linear", "quantize", "quantize_weight", "quantized_scheme"]
 
@@ -60,15 +61,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
     return module.weight_int8.to(dtype) * module.weight_scale.to(dtype)[:, None]
-
-
-def _x_as_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] as row_linear's ``quantize_x`` sees it (int8 blocks of 32 times their scales), in x's dtype: the
-    ``"w8a8"`` fallback path computes what the kernel computes."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    q, d = quantize_x_blocks(rows)
-    dq = q * d.repeat_interleave(32, dim=1)[:, : x.shape[-1]]
-    return dq.view(x.shape).to(x.dtype)
 
 
 class Int8Linear(nn.Linear):
@@ -111,7 +103,9 @@ class Int8Linear(nn.Linear):
                     out[lo : lo + ROW_LIMIT] = row_linear(x2[lo : lo + ROW_LIMIT], q, scale, qx)
             out = out.view(*x.shape[:-1], q.shape[0])
         else:
-            out = F.linear(_x_as_quantized(x) if self.quantize_x else x, _dequantized(self, x.dtype))
+            # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes
+            xin = quantized_x(x.float()).to(x.dtype) if self.quantize_x else x
+            out = F.linear(xin, _dequantized(self, x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -272,6 +272,14 @@ def quantize_x_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, t
     return q.view(M, nb * block)[:, :K], d
 
 
+def quantized_x(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [..., K] as row_linear's ``quantize_x`` sees it: :func:`quantize_x_blocks`'s q times its block's d, fp32,
+    x's shape (NaN across a block that held NaN or inf)."""
+    K = x.shape[-1]
+    q, d = quantize_x_blocks(x.reshape(-1, K), block)
+    return (q * d.repeat_interleave(block, dim=1)[:, :K]).view(x.shape)
+
+
 def row_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, quantize_x: bool = False
 ) -> torch.Tensor:

@@ -21,16 +21,16 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   if (K == 0) return out.zero_();
   const bool q8 = weight.scalar_type() == at::kChar;
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
-                                   x.stride(0),
-                                   q8 ? nullptr : weight.data_ptr<float>(),
-                                   weight.stride(0),
-                                   q8 ? weight.data_ptr<int8_t>() : nullptr,
-                                   q8 ? scale->data_ptr<float>() : nullptr,
-                                   out.data_ptr<float>(),
-                                   out.stride(0),
-                                   M,
-                                   N,
-                                   K};
+                             x.stride(0),
+                             q8 ? nullptr : weight.data_ptr<float>(),
+                             weight.stride(0),
+                             q8 ? weight.data_ptr<int8_t>() : nullptr,
+                             q8 ? scale->data_ptr<float>() : nullptr,
+                             out.data_ptr<float>(),
+                             out.stride(0),
+                             M,
+                             N,
+                             K};
   at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
   if (quantize_x) {
     p.x_blocks = (K + sbd_cpu::kRowLinearXBlock - 1) / sbd_cpu::kRowLinearXBlock;

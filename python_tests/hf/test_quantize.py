@@ -14,7 +14,7 @@ from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 from sbd_ext.linear import RowLinear, use_row_linear
 from sbd_ext.quantization import Int8Linear, quantize_weight, quantized_scheme
-from sbd_ext.reference import quantize_x_blocks
+from sbd_ext.reference import quantized_x
 
 
 def test_quantize_weight_round_trip():
@@ -32,9 +32,7 @@ def test_quantize_weight_round_trip():
 
 
 def _quantised_input(module, args):
-    (x,) = args
-    q, d = quantize_x_blocks(x.reshape(-1, x.shape[-1]))
-    return ((q * d.repeat_interleave(32, 1)[:, : x.shape[-1]]).view(x.shape),)
+    return (quantized_x(args[0]),)
 
 
 def _dequantised_copy(model: nn.Module, scheme: str = "int8") -> nn.Module:

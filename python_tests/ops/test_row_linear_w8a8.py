@@ -25,9 +25,8 @@ def _check(y, x, q, s, msg=""):
     kernel's x quantisation must equal the reference's value for value (one step off would exceed it)."""
     x, q, s = x.cpu(), q.cpu(), s.cpu()
     ref = R.row_linear(x, q, s, quantize_x=True).double()
-    xq, d = R.quantize_x_blocks(x)
-    nb = d.shape[1]
-    mag = (xq.double().abs() * d.double().repeat_interleave(32, 1)[:, : x.shape[1]]) @ q.double().abs().t()
+    nb = -(-x.shape[1] // 32)
+    mag = R.quantized_x(x).double().abs() @ q.double().abs().t()
     bound = mag * s.double().abs() * (nb + 12) * EPS32 + 1e-30
     err = (y.cpu().double() - ref).abs()
     assert y.shape == ref.shape and y.dtype == torch.float32, msg
@@ -45,14 +44,16 @@ def test_matches_reference(device, cpu_isa, M, N, K):
 
 def test_quantisation_of_x():
     """The reference's quantisation: |q| <= 127 with 127 at each block's max, an all-zero block is 0 with scale 0,
-    and q * d is within half a step of x."""
+    and q * d (quantized_x) is within half a step of x."""
     x = torch.randn(3, 70) * 5
     x[1, 32:64] = 0.0
     q, d = R.quantize_x_blocks(x)
     assert q.shape == x.shape and d.shape == (3, 3)
     assert float(q.abs().max()) == 127.0 and d[1, 1] == 0.0 and not bool(q[1, 32:64].any())
-    deq = q * d.repeat_interleave(32, 1)[:, :70]
-    assert bool(((deq - x).abs() <= d.repeat_interleave(32, 1)[:, :70] / 2 * (1 + 1e-5) + 1e-30).all())
+    step = d.repeat_interleave(32, 1)[:, :70]
+    deq = R.quantized_x(x)
+    assert torch.equal(deq, q * step)  # quantized_x: q times its block's d, x's shape
+    assert bool(((deq - x).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all())
 
 
 def test_weight_of_minus_128_is_exact(device, cpu_isa):
@@ -133,9 +134,7 @@ def test_w8a8_linear_paths_agree():
     w = layer.weight_int8.float() * layer.weight_scale[:, None]
     for shape in ((3, 70), (2, 40, 70)):
         x = torch.randn(*shape)
-        xq, d = R.quantize_x_blocks(x.reshape(-1, 70))
-        xd = (xq * d.repeat_interleave(32, 1)[:, :70]).view(shape)
-        want = torch.nn.functional.linear(xd, w, layer.bias)
+        want = torch.nn.functional.linear(R.quantized_x(x), w, layer.bias)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(x.clone().requires_grad_(True)), want, rtol=1e-5, atol=1e-5)
