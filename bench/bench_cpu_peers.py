@@ -375,8 +375,8 @@ def test_arith(benchmark, arith, impl):
             return res["token_ids"]
 
         first = None
-        if kw["compile"]:  # every prompt once, untimed: the compiled prefill has one graph per side of 32 rows
-            t0 = time.perf_counter()  # (the int8 layers' kernel limit), and the prompts fall on both sides
+        if kw["compile"]:  # every prompt once, untimed: the compile (one graph for prefill and steps) and warm
+            t0 = time.perf_counter()  # caches
             run()
             first = time.perf_counter() - t0
     outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)

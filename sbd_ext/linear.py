@@ -11,8 +11,10 @@ x rows (csrc/cpu/row_linear_kernel.cpp).
 layers keep their own forward) to :class:`RowLinear` in place, by class: parameters, hooks, ``state_dict`` and
 ``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 CPU models on its first call (once, like the
 attention switch) unless :func:`use_row_linear` was called with ``False`` for that model. A RowLinear forward
-falls back to ``F.linear`` for more than :data:`ROW_LIMIT` rows, other dtypes or devices, and whenever autograd
-needs a graph, so training and prefill are unaffected.
+falls back to ``F.linear`` for other dtypes or devices and whenever autograd needs a graph, so training is
+unaffected. It calls the op for any row count: past :data:`ROW_LIMIT` rows (a prefill) the op itself runs the
+framework's GEMM, so the layer never branches on its row count -- under torch.compile, whose decode step marks the row
+count dynamic, such a branch would be a guard and each side of it a graph (a second cold compile for the prefill).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from .ops import row_linear
 
 __all__ = ["ROW_LIMIT", "RowLinear", "as_rows", "row_count", "use_row_linear", "ensure_row_linear", "row_linear_state"]
 
-# Up to this many rows row_linear is faster than F.linear on the machines measured (bench/ops/bench_row_linear.py:
-# at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins.
+# Up to this many rows row_linear's kernel is faster than F.linear on the machines measured (bench/ops/
+# bench_row_linear.py: at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins, and the op
+# switches to it (fp32) or to slices of this many rows (int8): csrc/cpu/row_linear_kernel.h kRowLinearRows.
 ROW_LIMIT = 32
 
 _OPT_OUT = "_sbd_row_linear_off"
@@ -48,13 +51,13 @@ def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class RowLinear(nn.Linear):
-    """``nn.Linear`` with row_linear for up to :data:`ROW_LIMIT` fp32 CPU rows and no autograd graph."""
+    """``nn.Linear`` with row_linear for fp32 CPU rows without an autograd graph."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = row_count(x)
         if (
-            0 < rows <= ROW_LIMIT
+            rows > 0  # no upper bound here: the op takes a prefill (see the module doc)
             and x.device.type == "cpu"
             and x.dtype == torch.float32
             and w.dtype == torch.float32

@@ -230,8 +230,10 @@ def row_linear(
 
     Returns:
         [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
-        fp32 rounding. No backward (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS
-        (an int8 weight is widened to fp32 first).
+        fp32 rounding. Any M: past 32 rows (a prefill) an fp32 weight runs the framework's GEMM (F.linear's, whose
+        sums may depend on the thread count) and an int8 weight runs the kernel on slices of 32 rows. No backward
+        (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS (an int8 weight is widened
+        to fp32 first).
     """
     named = dict(x=x, weight=weight) if scale is None else dict(x=x, weight=weight, scale=scale)
     _check_tensors("row_linear", named, tuple(named))

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .linear import ROW_LIMIT, RowLinear, as_rows, row_count
+from .linear import RowLinear, as_rows, row_count
 from .ops import row_linear
 from .reference import quantized_x
 
@@ -67,11 +67,11 @@ class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
     (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too. fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
-    the weight), :data:`~sbd_ext.linear.ROW_LIMIT` rows per call (an eager prefill in several calls); anything else
-    (autograd, other dtypes, a prefill inside torch.compile, whose row count is dynamic) runs ``F.linear`` on the
-    weight dequantised for that call (and, with ``quantize_x``, on the input as the kernel quantises it). ``.weight``
-    is the tied fp32 tensor where the layer shares the embedding's, else the dequantised weight (computed on each
-    access, for inspection)."""
+    the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside the op, so
+    the layer does not branch on its row count, which torch.compile would guard); anything else (autograd, other
+    dtypes) runs ``F.linear`` on the weight dequantised for that call (and, with ``quantize_x``, on the input as the
+    kernel quantises it). ``.weight`` is the tied fp32 tensor where the layer shares the embedding's, else the
+    dequantised weight (computed on each access, for inspection)."""
 
     quantize_x = False
 
@@ -83,25 +83,13 @@ class Int8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.weight_int8, self.weight_scale
         rows = row_count(x)
-        # A prefill traced by torch.compile has a dynamic row count (the compiled step marks it so): the chunked loop
-        # would specialise it, so a traced prefill takes the shape-agnostic fallback below.
-        chunked_ok = rows <= ROW_LIMIT or not torch.compiler.is_compiling()
         if (
             rows > 0
-            and chunked_ok
             and x.dtype == torch.float32
             and x.device == q.device
             and not (torch.is_grad_enabled() and x.requires_grad)
         ):
-            x2 = as_rows(x, rows)
-            qx = self.quantize_x
-            if rows <= ROW_LIMIT:
-                out = row_linear(x2, q, scale, qx)
-            else:  # a prefill: ROW_LIMIT rows per call (no fp32 copy of the weight; faster on the output head)
-                out = x2.new_empty((rows, q.shape[0]))
-                for lo in range(0, rows, ROW_LIMIT):
-                    out[lo : lo + ROW_LIMIT] = row_linear(x2[lo : lo + ROW_LIMIT], q, scale, qx)
-            out = out.view(*x.shape[:-1], q.shape[0])
+            out = row_linear(as_rows(x, rows), q, scale, self.quantize_x).view(*x.shape[:-1], q.shape[0])
         else:
             # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes
             xin = quantized_x(x.float()).to(x.dtype) if self.quantize_x else x

@@ -27,6 +27,10 @@ struct RowLinearParams {
 // Values of x per quantisation block (llama.cpp's Q8_0 block).
 constexpr int64_t kRowLinearXBlock = 32;
 
+// x rows of one kernel pass (row_linear_cpu.cpp): more rows are a prefill (fp32: at::mm; int8: slices of this many).
+// sbd_ext.linear.ROW_LIMIT is the same number.
+constexpr int64_t kRowLinearRows = 32;
+
 // Weight rows of one work item: 64 rows (at K = 576, 144 KB of fp32) keep the split independent of the thread
 // count and give a 576-row projection 9 items.
 constexpr int64_t kRowLinearChunk = 64;

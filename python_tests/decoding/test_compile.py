@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import sbd_ext
 import sbd_ext.hf
+import sbd_ext.linear
 from sbd_ext.decoding import GenerationSettings, generate
 from sbd_ext.decoding import compiled as compiled_mod
 from sbd_ext.demo import models, tasks
@@ -43,10 +44,10 @@ def sbd():
     return model, tok, models.demo_info(models.DEFAULT_MODEL)
 
 
-def _batch(tok, info, start: int, n: int = B, device="cpu"):
-    """n ragged held-out prompts (left padding), from problem ``start`` on."""
+def _batch(tok, info, start: int, n: int = B, device="cpu", preamble: str = ""):
+    """n ragged held-out prompts (left padding), from problem ``start`` on, each after ``preamble``."""
     probs = list(tasks.problems("test", start + n))[start:]
-    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    texts = [preamble + format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
     enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
     assert len(set(enc.attention_mask.sum(1).tolist())) > 1, "the prompts should be ragged"
     return enc.input_ids.to(device), enc.attention_mask.to(device)
@@ -82,15 +83,21 @@ def _compiled_and_eager(model, ids, mask, settings):
 @pytest.mark.slow
 def test_sbd_compiled_equals_eager_and_never_recompiles(sbd):
     """Greedy SBD at the model's gamma_high on a ragged batch; then new prompts (other lengths, so other prefill
-    widths and cache sizes) run without any new graph: dynamo's error_on_recompile would raise."""
+    widths and cache sizes) run without any new graph: dynamo's error_on_recompile would raise. That includes a
+    prefill wider than the linear layers' ROW_LIMIT (32 rows), where the row_linear op switches to the GEMM inside
+    itself: a branch on the row count in the layer would be a guard, and a second graph for long prompts."""
     model, tok, info = sbd
     s = _settings(tok, info)
     out = _compiled_and_eager(model, *_batch(tok, info, 0), s)
     assert (out.tokens_per_forward > 1).all()  # several tokens per forward: the block rows were read right
     graphs = counters["stats"]["unique_graphs"]
+    long = "Worked examples: " + " ".join(f"{a} + {a + 1} = {2 * a + 1}." for a in range(10, 22)) + "\n"
     with torch._dynamo.config.patch(error_on_recompile=True):
         for start in (3, 6):
             _compiled_and_eager(model, *_batch(tok, info, start), s)
+        ids, mask = _batch(tok, info, 9, preamble=long)
+        assert int(mask.sum(1).min()) > sbd_ext.linear.ROW_LIMIT  # every prefill row count is past the limit
+        _compiled_and_eager(model, ids, mask, s)
     assert counters["stats"]["unique_graphs"] == graphs
     assert not counters["graph_break"]
 

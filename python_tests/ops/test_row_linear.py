@@ -31,7 +31,7 @@ def _check(y, x, w, msg=""):
 
 # M: 1 row (NTP), tile edges (kMr = 4) and a decoding forward's 8 / 16 / 17 rows; N: weight-tile edges (kNr = 3)
 # and chunk edges (64); K: vector tails (8 lanes on AVX2) and SmolLM2's 576 / 1536.
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 32, 33, 70])  # past 32 rows: the framework's GEMM
 @pytest.mark.parametrize("N, K", [(1, 1), (2, 7), (3, 8), (4, 9), (5, 17), (64, 576), (65, 576), (130, 1537)])
 def test_matches_reference(device, cpu_isa, M, N, K):
     x, w = _case(M, N, K, seed=M * 10000 + N * 10 + K, device=device)
@@ -183,7 +183,7 @@ def _check_int8(y, x, q, scale, msg=""):
     assert bool(((ref.double() - exact).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16, 17, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16, 17, 33, 70])  # 33, 70: slices of 32 rows (a prefill)
 @pytest.mark.parametrize("N, K", [(1, 1), (2, 7), (3, 8), (4, 9), (5, 17), (7, 31), (65, 576), (130, 1537)])
 def test_int8_matches_reference(device, cpu_isa, M, N, K):
     """K: the int8 vector tails (8 lanes on AVX2, 16 on AVX-512); N: weight tile and chunk edges."""
@@ -198,8 +198,9 @@ def test_int8_equals_the_dequantised_fp32_product(device):
     _check_int8(sbd_ext.row_linear(x, (q.float() * s[:, None]).contiguous()), x, q, s)
 
 
-def test_int8_strided_rows_and_thread_count(device):
-    x, q, s = _case_int8(9, 70, 100, seed=5, device=device)
+@pytest.mark.parametrize("M", [9, 141])  # 141: 71 strided rows, three slices of 32 (a prefill)
+def test_int8_strided_rows_and_thread_count(device, M):
+    x, q, s = _case_int8(M, 70, 100, seed=5, device=device)
     xs, qs = x[::2, 3:60], q[1::3, 3:60]
     ss = s[1::3].contiguous()
     _check_int8(sbd_ext.row_linear(xs, qs, ss), xs, qs, ss)
@@ -300,14 +301,15 @@ def test_row_linear_layer_uses_the_op_only_where_it_should(monkeypatch):
     with torch.no_grad():
         y = lin(torch.randn(2, 3, 8))
         assert calls == [(6, 8)] and y.shape == (2, 3, 4)
-        lin(torch.randn(ROW_LIMIT + 1, 8))  # more rows than the limit: F.linear
+        x = torch.randn(ROW_LIMIT + 7, 8)  # a prefill: the op too (it runs the GEMM itself past ROW_LIMIT rows)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
         lin(torch.randn(0, 8))  # no rows
         lin.double()(torch.randn(4, 8, dtype=torch.float64))  # another dtype
-    assert calls == [(6, 8)]
+    assert calls == [(6, 8), (ROW_LIMIT + 7, 8)]
     lin.float()
     x = torch.randn(4, 8, requires_grad=True)
     lin(x).sum().backward()  # autograd needs a graph: F.linear, and gradients flow
-    assert calls == [(6, 8)] and x.grad is not None and lin.weight.grad is not None
+    assert len(calls) == 2 and x.grad is not None and lin.weight.grad is not None
 
 
 def test_ensure_row_linear_respects_device_dtype_and_opt_out():

@@ -35,7 +35,7 @@ def _check(y, x, q, s, msg=""):
 
 # K: whole blocks (32, 576, 1536), a shorter last block (17, 33, 100, 1537); M: the 2-row tile's edge; N: the
 # 3-row weight tile's and the 64-row chunk's edges.
-@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 33, 70])  # 33, 70: slices of 32 rows
 @pytest.mark.parametrize("N, K", [(1, 1), (2, 17), (3, 32), (4, 33), (7, 100), (65, 576), (130, 1537), (64, 1536)])
 def test_matches_reference(device, cpu_isa, M, N, K):
     x, q, s = _case(M, N, K, seed=M * 10000 + N * 10 + K, device=device)
@@ -76,8 +76,9 @@ def test_non_finite_and_zero_rows(device, cpu_isa):
     assert torch.equal(y.isnan(), R.row_linear(x.cpu(), q.cpu(), s.cpu(), quantize_x=True).isnan())
 
 
-def test_strided_rows_and_thread_count(device):
-    x, q, s = _case(9, 70, 100, seed=5, device=device)
+@pytest.mark.parametrize("M", [9, 141])  # 141: 71 strided rows, three slices of 32 (a prefill)
+def test_strided_rows_and_thread_count(device, M):
+    x, q, s = _case(M, 70, 100, seed=5, device=device)
     xs = x[::2, 3:60]
     qs, ss = q[1::3, 3:60], s[1::3].contiguous()
     _check(sbd_ext.row_linear(xs, qs, ss, quantize_x=True), xs, qs, ss)
