@@ -27,13 +27,14 @@ Rows:
   extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
   :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's),
   ``*_w8a8`` rows after ``quantize(model, "w8a8")`` (int8 weights and int8 layer inputs per block of 32);
-  ``*_compiled`` rows decode the unmodified base with the compiled step (the first call compiles and is not timed).
+  ``sbd_ntp*_compiled`` rows decode the unmodified base with the compiled step, ``sbd_verify_compiled`` the drafter
+  model (every prompt runs once first: the compile is not timed).
 - ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
   tokens, with the task-tuned NTP control ``smollm2-ntp`` on every side: llama.cpp F32 / Q8_0 on a GGUF of its merged
   weights (:mod:`gguf_weights`: llama.cpp's own F32 file of the base with the tensors replaced; checked to reproduce
   that file byte for byte from the base first); sbd_ext NTP (eager, compiled, int8) and verify with the shipped
-  arithmetic drafter ``smollm2-arith-drafter`` on that control (its shipped settings: k = 8, entropy bound 0.35;
-  eager / compiled, fp32 / int8). Verify returns the control's own greedy answers, so every row should equal
+  arithmetic drafter ``smollm2-arith-drafter`` on that control (its shipped settings: k = 8, entropy bound 1.5;
+  eager / compiled, fp32 / int8 / w8a8). Verify returns the control's own greedy answers, so every row should equal
   llama.cpp F32's completions up to near-ties. extra_info: tokens/s, tokens per forward, accuracy, and equality
   with llama.cpp F32's completions.
 """
@@ -91,7 +92,7 @@ ARITH_DRAFTER = "smollm2-arith-drafter"  # its gated drafter (verify rows)
 FORWARD_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ext", "sbd_ext_int8", "sbd_ext_w8a8", "sbd_ext_compiled"]
 FORWARD_IMPLS += ["sbd_ext_int8_compiled", "hf"]
 GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
-GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_compiled"]
+GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_compiled", "sbd_verify_compiled"]
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
@@ -302,10 +303,12 @@ def test_generate(benchmark, setup, int8_models, impl):
     else:
         kw = dict(mode="ntp", verify=False) if impl.startswith("sbd_ntp") else {}
         model = int8_models["drafted_int8"] if impl.endswith("_int8") else drafted
-        if impl.endswith("_compiled"):  # the unmodified base, compiled step (first call compiles, untimed)
+        if impl.endswith("_compiled"):  # compiled step (first call compiles, untimed); NTP: the unmodified base
             kw["compile"] = True
-            model = int8_models["base_sbd" if _scheme(impl) == "fp32" else f"base_{_scheme(impl)}"]
-            sbd_ext.generate(model, torch.tensor([prompts[0]]), max_new_tokens=4, eos_token_id=eos, **kw)
+            if impl.startswith("sbd_ntp"):
+                model = int8_models["base_sbd" if _scheme(impl) == "fp32" else f"base_{_scheme(impl)}"]
+            for p in prompts:  # every prompt once, untimed: the compile and warm caches
+                sbd_ext.generate(model, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
 
         def one(p):
             out = sbd_ext.generate(model, torch.tensor([p]), max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
@@ -343,7 +346,7 @@ def arith(setup):
 
 
 ARITH_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_verify_int8", "sbd_verify_w8a8"]
-ARITH_IMPLS += ["sbd_verify_compiled", "sbd_verify_int8_compiled"]
+ARITH_IMPLS += ["sbd_verify_compiled", "sbd_verify_int8_compiled", "sbd_verify_w8a8_compiled"]
 
 
 @pytest.mark.parametrize("impl", ARITH_IMPLS)
