@@ -13,6 +13,7 @@
 
 #include "cpu/block_attention_kernel.h"
 #include "cpu/isa.h"
+#include "cpu/row_linear_kernel.h"
 
 TORCH_LIBRARY(sbd_ext, m) {
   // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated: committed rows appended at
@@ -76,6 +77,8 @@ pybind11::dict build_info() {
   d["cpu_bf16_attention"] = path(sbd_cpu::AttnDtype::kBFloat16);
   d["cpu_fp16_attention"] = path(sbd_cpu::AttnDtype::kFloat16);
   d["cpu_attention_matmul"] = sbd_cpu::block_attention_matmul();
+  // row_linear's rows per kernel pass: past it the CPU op runs at::mm (fp32) or slices of it (int8)
+  d["cpu_row_linear_rows"] = sbd_cpu::kRowLinearRows;
   d["cpu_bf16_matmul_units"] = sbd_cpu::cpu_has_bf16_matmul();
   d["cpu_fp16_matmul_units"] = sbd_cpu::cpu_has_fp16_matmul();
   d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +

@@ -25,14 +25,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import _C
 from .ops import row_linear
 
 __all__ = ["ROW_LIMIT", "RowLinear", "as_rows", "row_count", "use_row_linear", "ensure_row_linear", "row_linear_state"]
 
 # Up to this many rows row_linear's kernel is faster than F.linear on the machines measured (bench/ops/
 # bench_row_linear.py: at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins, and the op
-# switches to it (fp32) or to slices of this many rows (int8): csrc/cpu/row_linear_kernel.h kRowLinearRows.
-ROW_LIMIT = 32
+# switches to it (fp32) or to slices of this many rows (int8). Defined once, in C++ (csrc/cpu/row_linear_kernel.h
+# kRowLinearRows); read here from the build.
+ROW_LIMIT: int = _C.build_info()["cpu_row_linear_rows"]
 
 _OPT_OUT = "_sbd_row_linear_off"
 _LOCK = threading.Lock()

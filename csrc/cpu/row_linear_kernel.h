@@ -28,7 +28,7 @@ struct RowLinearParams {
 constexpr int64_t kRowLinearXBlock = 32;
 
 // x rows of one kernel pass (row_linear_cpu.cpp): more rows are a prefill (fp32: at::mm; int8: slices of this many).
-// sbd_ext.linear.ROW_LIMIT is the same number.
+// Python reads it as sbd_ext.linear.ROW_LIMIT (build_info()["cpu_row_linear_rows"]).
 constexpr int64_t kRowLinearRows = 32;
 
 // Weight rows of one work item: 64 rows (at K = 576, 144 KB of fp32) keep the split independent of the thread
