@@ -96,7 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "see sbd_ext.ops.check_cuda_errors.");
   m.def("set_block_attention_matmul", &sbd_cpu::set_block_attention_matmul, pybind11::arg("name"),
         "CPU block_attention's matrix products: \"auto\" (cpublas GEMM for bf16 / fp16 where the CPU has "
-        "AMX or AVX512-BF16 / -FP16, the micro-kernel otherwise), \"vector\" or \"gemm\" for every type.");
+        "AMX-BF16 / AMX-FP16, the micro-kernel otherwise), \"vector\" or \"gemm\" for every type.");
   m.def("block_attention_cpu_paths", &sbd_cpu::block_attention_path_counts,
         "(vector, gemm): CPU block_attention calls per matrix path since the process started.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),

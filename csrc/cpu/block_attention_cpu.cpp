@@ -91,21 +91,19 @@ std::atomic<int>& matmul_mode() {
 
 }  // namespace
 
-// AMX-BF16 / AMX-FP16 as oneDNN sees them (at::native::cpublas::could_pack: oneDNN's ISA >= avx512_core_amx
-// [_fp16]), or the AVX-512 dot-product instructions.
-#if defined(__x86_64__) || defined(_M_X64)
-#define SBD_X86_HAS(feature) __builtin_cpu_supports(feature)
-#else
-#define SBD_X86_HAS(feature) false
-#endif
-
+// Matrix units as oneDNN sees them: AMX-BF16 / AMX-FP16 (at::native::cpublas::could_pack: oneDNN's ISA >=
+// avx512_core_amx[_fp16]). The AVX-512 dot-product instructions alone (avx512_bf16 / avx512_fp16 without AMX) do not
+// count: on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), Llama-3.1-8B shapes (bench/ops/bench_block_attention.py, 1
+// thread), the gemm path (oneDNN's vdpbf16ps matmul per key block) took 14.7 ms where the vector path takes 11.8 ms
+// and SDPA 15.3 ms (bench/results/cpu_ops.csv): oneDNN's per-call set-up on these small blocks costs more than the
+// dot products save.
 bool cpu_has_bf16_matmul() {
-  static const bool has = at::native::cpublas::could_pack(at::kBFloat16) || SBD_X86_HAS("avx512bf16");
+  static const bool has = at::native::cpublas::could_pack(at::kBFloat16);
   return has;
 }
 
 bool cpu_has_fp16_matmul() {
-  static const bool has = at::native::cpublas::could_pack(at::kHalf) || SBD_X86_HAS("avx512fp16");
+  static const bool has = at::native::cpublas::could_pack(at::kHalf);
   return has;
 }
 

@@ -58,8 +58,8 @@ CUDA_HEAD_DIMS = (64, 128)
 
 
 # The CPU runs every kernel variant twice: its own micro-kernel ("vector") and the GEMM path ("gemm": both matrix
-# products through ATen's cpublas, as chosen automatically for bf16 / fp16 on CPUs with AMX or AVX512-BF16 /
-# -FP16; on other CPUs cpublas runs its reference loops, the same calls). Other devices run once.
+# products through ATen's cpublas, as chosen automatically for bf16 / fp16 on CPUs with AMX-BF16 /
+# AMX-FP16; on other CPUs cpublas runs its reference loops, the same calls). Other devices run once.
 ATTN_VARIANTS = [(d, isa, mm) for d, isa in DEVICE_ISAS if isa is not None for mm in ("vector", "gemm")] + [
     (d, None, None) for d, isa in DEVICE_ISAS if isa is None
 ]
@@ -239,6 +239,29 @@ def _paths_taken(fn):
     fn()
     after = sbd_ext._C.block_attention_cpu_paths()
     return after[0] - before[0], after[1] - before[1]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def test_cpu_matrix_units_mean_amx():
+    """The GEMM path is chosen for bf16 / fp16 only where the CPU has AMX tiles: AVX512-BF16 alone (AMD Zen 4) runs
+    the micro-kernel, which measured faster there (14.7 vs 11.8 ms, bench/ops/bench_block_attention.py)."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this platform")
+    info = sbd_ext.build_info()
+    if "amx_bf16" not in flags:
+        assert not info["cpu_bf16_matmul_units"]
+        assert info["cpu_bf16_attention"] == "vector"
+    if "amx_fp16" not in flags:
+        assert not info["cpu_fp16_matmul_units"]
+        assert info["cpu_fp16_attention"] == "vector"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
