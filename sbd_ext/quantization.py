@@ -15,8 +15,9 @@ int8 copy for the head; every other fp32 weight is freed. The embedding itself s
 ``"w8a8"`` keeps the same int8 weights and also quantises each linear layer's input at run time, per row in blocks
 of 32 values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel multiplies int8 by int8
 (``row_linear(..., quantize_x=True)``). On this project's AVX2 machine (Zen 3, no VNNI) a linear layer runs 1.1-1.7x
-faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows, at a further small accuracy cost; whole forwards,
-decoding and accuracy: docs/benchmarks.md.
+faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows; on an AVX512-VNNI CPU (Zen 4, ``vpdpbusd``) SmolLM2's
+16-row linears take 0.91x the ``"int8"`` time. Both at a further small accuracy cost; whole forwards, decoding and
+accuracy: docs/benchmarks.md.
 
 It is one-way and for inference: gradients do not flow through an int8 weight, and the int8 tensors are buffers
 (``weight_int8``, ``weight_scale``), not a checkpoint format; quantize after loading, every time.
