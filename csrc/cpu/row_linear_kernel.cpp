@@ -34,7 +34,7 @@
 // vpmaddwd with ones (int32), then one conversion and one FMA with the block's scale. On this Zen 3 core, on
 // SmolLM2's linears alone, that is 1.1-1.7x the widening path at one row and 0.9-1.2x at 9-16 rows (the int8
 // multiplies share the FMA pipes' throughput: AVX2 has no VNNI). Tile: 3 weight rows (their bytes and |bytes|: 6 registers) x 2 x rows.
-// The AVX-512 build runs vpdpbusd on 512 bits where the CPU has AVX512-VNNI (range_q8_vnni, below) and the same
+// The AVX-512 build runs vpdpbusd on 512 bits where the CPU has AVX512-VNNI (tile_q8_vnni, below) and the same
 // 256-bit code otherwise; the DEFAULT build is scalar.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -144,32 +144,61 @@ inline void tile(const RowLinearParams& p, int64_t m0, int64_t n0) {
   }
 }
 
-template <typename W, int MR, int NR>
-inline void tile_pf(const RowLinearParams& p, int64_t m0, int64_t n0, bool prefetch) {
+// The walk over a weight range [n0, n1) that every tile family T shares: T::kW weight rows x T::kX x rows per tile,
+// run by T::template run<MR, NR, PREFETCH>(p, m0, n0); whole tiles, then the edge tiles with fewer rows. The weight
+// tile is the outer loop (it stays in L1 while every x tile passes over it). Only a full tile prefetches (the next
+// weight tile, in its first x tile), and only when a full next tile exists (no request past the weight's end).
+template <class T, int MR, int NR>
+inline void run_tile(const RowLinearParams& p, int64_t m0, int64_t n0, bool prefetch) {
   if (prefetch) {
-    tile<W, MR, NR, true>(p, m0, n0);
+    T::template run<MR, NR, true>(p, m0, n0);
   } else {
-    tile<W, MR, NR, false>(p, m0, n0);
+    T::template run<MR, NR, false>(p, m0, n0);
   }
 }
 
-// The x rows left after the whole kMr tiles: R = p.M - m rows, R < kMr, dispatched to a tile of R rows.
-template <typename W, int NR, int R>
+// The x rows left after the whole tiles: R = p.M - m rows, R < T::kX, dispatched to a tile of R rows.
+template <class T, int NR, int R>
 inline void column_rest(const RowLinearParams& p, int64_t m, int64_t n0, bool prefetch) {
   if constexpr (R > 0) {
-    if (p.M - m == R) return tile_pf<W, R, NR>(p, m, n0, prefetch);
-    column_rest<W, NR, R - 1>(p, m, n0, prefetch);
+    if (p.M - m == R) return run_tile<T, R, NR>(p, m, n0, prefetch);
+    column_rest<T, NR, R - 1>(p, m, n0, prefetch);
   }
 }
 
-template <typename W, int NR>
+template <class T, int NR>
 inline void column(const RowLinearParams& p, int64_t n0) {
-  // Only a full tile prefetches, and only when a full next tile exists (no request past the weight's end).
-  const bool next = NR == kNr && n0 + 2 * NR <= p.N;
+  const bool next = NR == T::kW && n0 + 2 * NR <= p.N;
   int64_t m = 0;
-  for (; m + kMr <= p.M; m += kMr) tile_pf<W, kMr, NR>(p, m, n0, next && m == 0);
-  column_rest<W, NR, kMr - 1>(p, m, n0, next && m == 0);
+  for (; m + T::kX <= p.M; m += T::kX) run_tile<T, T::kX, NR>(p, m, n0, next && m == 0);
+  column_rest<T, NR, T::kX - 1>(p, m, n0, next && m == 0);
 }
+
+// The weight rows left after the whole tiles: R = n1 - n rows, R < T::kW.
+template <class T, int R>
+inline void range_rest(const RowLinearParams& p, int64_t n, int64_t n1) {
+  if constexpr (R > 0) {
+    if (n1 - n == R) return column<T, R>(p, n);
+    range_rest<T, R - 1>(p, n, n1);
+  }
+}
+
+template <class T>
+void tiled_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + T::kW <= n1; n += T::kW) column<T, T::kW>(p, n);
+  range_rest<T, T::kW - 1>(p, n, n1);
+}
+
+// fp32 x times an fp32 or int8 (widened) weight.
+template <typename W>
+struct WidenTiles {
+  static constexpr int kW = kNr, kX = kMr;
+  template <int MR, int NR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t n0) {
+    tile<W, MR, NR, PREFETCH>(p, m0, n0);
+  }
+};
 
 // One x row (NTP decode, the bandwidth-bound case): each weight row is one sequential stream, summed by kAcc
 // independent accumulators (the FMA latency hidden), its lanes reduced by a tree; the stream is prefetched
@@ -204,20 +233,10 @@ void range_one_row(const RowLinearParams& p, int64_t n0, int64_t n1) {
   }
 }
 
-template <typename W, int R>
-inline void range_rest(const RowLinearParams& p, int64_t n, int64_t n1) {
-  if constexpr (R > 0) {
-    if (n1 - n == R) return column<W, R>(p, n);
-    range_rest<W, R - 1>(p, n, n1);
-  }
-}
-
 template <typename W>
 void range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   if (p.M == 1) return range_one_row<W>(p, n0, n1);
-  int64_t n = n0;
-  for (; n + kNr <= n1; n += kNr) column<W, kNr>(p, n);
-  range_rest<W, kNr - 1>(p, n, n1);
+  tiled_range<WidenTiles<W>>(p, n0, n1);
 }
 
 // ---- int8 x int8 ----------------------------------------------------------------------------------------------
@@ -351,40 +370,13 @@ inline void tile_q8(const RowLinearParams& p, int64_t m0, int64_t n0) {
   }
 }
 
-template <int NR>
-inline void column_q8(const RowLinearParams& p, int64_t n0) {
-  const bool next = NR == kQNr && n0 + 2 * NR <= p.N;
-  int64_t m = 0;
-  for (; m + kQMr <= p.M; m += kQMr) {
-    if (next && m == 0) {
-      tile_q8<kQMr, NR, true>(p, m, n0);
-    } else {
-      tile_q8<kQMr, NR, false>(p, m, n0);
-    }
+struct Q8Tiles {
+  static constexpr int kW = kQNr, kX = kQMr;
+  template <int MR, int NR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t n0) {
+    tile_q8<MR, NR, PREFETCH>(p, m0, n0);
   }
-  if (m < p.M) {  // kQMr == 2: one row left
-    if (next && m == 0) {
-      tile_q8<1, NR, true>(p, m, n0);
-    } else {
-      tile_q8<1, NR, false>(p, m, n0);
-    }
-  }
-}
-
-void range_q8(const RowLinearParams& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + kQNr <= n1; n += kQNr) column_q8<kQNr>(p, n);
-  switch (n1 - n) {
-    case 2:
-      column_q8<2>(p, n);
-      break;
-    case 1:
-      column_q8<1>(p, n);
-      break;
-    default:
-      break;
-  }
-}
+};
 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- int8 x int8 with AVX512-VNNI (the AVX-512 build, on CPUs that have it: AMD Zen 4, Intel Ice Lake and later) ----
@@ -465,44 +457,13 @@ __attribute__((target("avx512vnni"))) void tile_q8_vnni(const RowLinearParams& p
   }
 }
 
-template <int NR, int R>
-inline void column_q8_vnni_rest(const RowLinearParams& p, int64_t m, int64_t n0, bool prefetch) {
-  if constexpr (R > 0) {
-    if (p.M - m == R) {
-      if (prefetch) return tile_q8_vnni<R, NR, true>(p, m, n0);
-      return tile_q8_vnni<R, NR, false>(p, m, n0);
-    }
-    column_q8_vnni_rest<NR, R - 1>(p, m, n0, prefetch);
+struct Q8VnniTiles {
+  static constexpr int kW = kVNr, kX = kVMr;
+  template <int MR, int NR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t n0) {
+    tile_q8_vnni<MR, NR, PREFETCH>(p, m0, n0);
   }
-}
-
-template <int NR>
-inline void column_q8_vnni(const RowLinearParams& p, int64_t n0) {
-  const bool next = NR == kVNr && n0 + 2 * NR <= p.N;
-  int64_t m = 0;
-  for (; m + kVMr <= p.M; m += kVMr) {
-    if (next && m == 0) {
-      tile_q8_vnni<kVMr, NR, true>(p, m, n0);
-    } else {
-      tile_q8_vnni<kVMr, NR, false>(p, m, n0);
-    }
-  }
-  column_q8_vnni_rest<NR, kVMr - 1>(p, m, n0, next && m == 0);
-}
-
-template <int R>
-inline void range_q8_vnni_rest(const RowLinearParams& p, int64_t n, int64_t n1) {
-  if constexpr (R > 0) {
-    if (n1 - n == R) return column_q8_vnni<R>(p, n);
-    range_q8_vnni_rest<R - 1>(p, n, n1);
-  }
-}
-
-void range_q8_vnni(const RowLinearParams& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + kVNr <= n1; n += kVNr) column_q8_vnni<kVNr>(p, n);
-  range_q8_vnni_rest<kVNr - 1>(p, n, n1);
-}
+};
 
 bool cpu_has_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni");
@@ -525,9 +486,9 @@ void row_linear_quantize_x(const RowLinearParams& p, int8_t* xq, float* xd, int6
 void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   if (p.xq != nullptr) {
 #if defined(CPU_CAPABILITY_AVX512)
-    if (cpu_has_vnni()) return range_q8_vnni(p, n0, n1);
+    if (cpu_has_vnni()) return tiled_range<Q8VnniTiles>(p, n0, n1);
 #endif
-    range_q8(p, n0, n1);
+    tiled_range<Q8Tiles>(p, n0, n1);
   } else if (p.wq != nullptr) {
     range<int8_t>(p, n0, n1);
   } else {
