@@ -307,6 +307,19 @@ inline void quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
   for (int64_t k = 0; k < len; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] * id));  // half to even
 }
 
+// One output of an int8 x int8 tile: s, the sum over the whole blocks, plus the last, shorter block (scalar; x's
+// quantised row xq, its block scales xd, weight row wq), times weight row n's scale.
+inline float q8_output(const RowLinearParams& p, float s, const int8_t* xq, const int8_t* wq, const float* xd,
+                       int64_t n) {
+  const int64_t full = p.K / kB;
+  if (full * kB < p.K) {
+    int32_t t = 0;
+    for (int64_t k = full * kB; k < p.K; ++k) t += int32_t{xq[k]} * int32_t{wq[k]};
+    s += static_cast<float>(t) * xd[full];
+  }
+  return s * p.w_scale[n];
+}
+
 template <int MR, int NR, bool PREFETCH>
 inline void tile_q8(const RowLinearParams& p, int64_t m0, int64_t n0) {
   const int64_t K = p.K, full = K / kB;
@@ -359,13 +372,7 @@ inline void tile_q8(const RowLinearParams& p, int64_t m0, int64_t n0) {
   for (int i = 0; i < MR; ++i) {
     float* o = p.out + (m0 + i) * p.out_stride + n0;
     for (int j = 0; j < NR; ++j) {
-      float s = sums[i][j];
-      if (full * kB < K) {  // the last, shorter block
-        int32_t t = 0;
-        for (int64_t k = full * kB; k < K; ++k) t += int32_t{xr[i][k]} * int32_t{wr[j][k]};
-        s += static_cast<float>(t) * dr[i][full];
-      }
-      o[j] = s * p.w_scale[n0 + j];
+      o[j] = q8_output(p, sums[i][j], xr[i], wr[j], dr[i], n0 + j);
     }
   }
 }
@@ -446,13 +453,7 @@ __attribute__((target("avx512vnni"))) void tile_q8_vnni(const RowLinearParams& p
   for (int i = 0; i < MR; ++i) {
     float* o = p.out + (m0 + i) * p.out_stride + n0;
     for (int j = 0; j < NR; ++j) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
-      if (full * kB < K) {  // the last, shorter block
-        int32_t t = 0;
-        for (int64_t k = full * kB; k < K; ++k) t += int32_t{xr[i][k]} * int32_t{wr[j][k]};
-        s += static_cast<float>(t) * dr[i][full];
-      }
-      o[j] = s * p.w_scale[n0 + j];
+      o[j] = q8_output(p, _mm512_reduce_add_ps(acc[i][j]), xr[i], wr[j], dr[i], n0 + j);
     }
   }
 }
