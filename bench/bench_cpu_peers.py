@@ -26,7 +26,8 @@ Rows:
   venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
   extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
   :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's),
-  ``*_w8a8`` rows after ``quantize(model, "w8a8")`` (int8 weights and int8 layer inputs per block of 32);
+  ``*_w8a8`` rows after ``quantize(model, "w8a8")`` (int8 weights and int8 layer inputs per block of 32), ``*_packed``
+  rows after ``quantize(model, "packed")`` (the same fp32 weights in row_linear's panel layout);
   ``sbd_ntp*_compiled`` rows decode the unmodified base with the compiled step, ``sbd_verify_compiled`` the drafter
   model (every prompt runs once first: the compile is not timed).
 - ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
@@ -90,9 +91,10 @@ ARITH_MAX_NEW = 96
 ARITH_BASE = "smollm2-ntp"  # the NTP control: the model every arithmetic row decodes
 ARITH_DRAFTER = "smollm2-arith-drafter"  # its gated drafter (verify rows)
 FORWARD_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ext", "sbd_ext_int8", "sbd_ext_w8a8", "sbd_ext_compiled"]
-FORWARD_IMPLS += ["sbd_ext_int8_compiled", "hf"]
+FORWARD_IMPLS += ["sbd_ext_int8_compiled", "sbd_ext_packed", "sbd_ext_packed_compiled", "hf"]
 GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
 GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_compiled", "sbd_verify_compiled"]
+GENERATE_IMPLS += ["sbd_ntp_packed_compiled", "sbd_verify_packed_compiled"]
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
@@ -165,22 +167,27 @@ def setup():
 
 @pytest.fixture(scope="module")
 def int8_models(setup):
-    """Quantised copies (sbd_ext.quantize) of the base with sbd attention ("int8" and "w8a8") and of the drafter
-    model ("int8"), and an fp32 copy of the base with sbd attention (the compiled NTP rows: the unmodified model,
-    no drafter)."""
+    """Quantised copies (sbd_ext.quantize) of the base with sbd attention ("int8", "w8a8" and "packed": fp32 in
+    row_linear's panel layout) and of the drafter model ("int8", "packed"), and an fp32 copy of the base with sbd
+    attention (the compiled NTP rows: the unmodified model, no drafter)."""
     base, drafted, *_ = setup
     base_sbd = copy.deepcopy(base)
     base_sbd.set_attn_implementation("sbd")
     return {
         "base_int8": quantize(copy.deepcopy(base_sbd), "int8"),
         "base_w8a8": quantize(copy.deepcopy(base_sbd), "w8a8"),
+        "base_packed": quantize(copy.deepcopy(base_sbd), "packed"),
         "drafted_int8": quantize(copy.deepcopy(drafted), "int8"),
+        "drafted_packed": quantize(copy.deepcopy(drafted), "packed"),
         "base_sbd": base_sbd,
     }
 
 
 def _scheme(impl: str) -> str:
-    return "w8a8" if "w8a8" in impl else "int8" if "int8" in impl else "fp32"
+    for scheme in ("w8a8", "int8", "packed"):
+        if scheme in impl:
+            return scheme
+    return "fp32"
 
 
 def _machine() -> str:
@@ -302,7 +309,8 @@ def test_generate(benchmark, setup, int8_models, impl):
 
     else:
         kw = dict(mode="ntp", verify=False) if impl.startswith("sbd_ntp") else {}
-        model = int8_models["drafted_int8"] if impl.endswith("_int8") else drafted
+        scheme = _scheme(impl)
+        model = drafted if scheme == "fp32" else int8_models.get(f"drafted_{scheme}")
         if impl.endswith("_compiled"):  # compiled step (first call compiles, untimed); NTP: the unmodified base
             kw["compile"] = True
             if impl.startswith("sbd_ntp"):
@@ -347,6 +355,7 @@ def arith(setup):
 
 ARITH_IMPLS = ["llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_verify_int8", "sbd_verify_w8a8"]
 ARITH_IMPLS += ["sbd_verify_compiled", "sbd_verify_int8_compiled", "sbd_verify_w8a8_compiled"]
+ARITH_IMPLS += ["sbd_verify_packed", "sbd_verify_packed_compiled"]
 
 
 @pytest.mark.parametrize("impl", ARITH_IMPLS)
@@ -411,7 +420,7 @@ def _summary() -> None:
             cells.append(f"{impl} {r['ms']:7.1f} ms" if r else f"{impl} -")
         f32 = _results.get(f"forward[llama_f32-{rows}]")
         ratio = ""
-        for impl in ("sbd_ext", "sbd_ext_compiled"):
+        for impl in ("sbd_ext", "sbd_ext_compiled", "sbd_ext_packed", "sbd_ext_packed_compiled"):
             ours = _results.get(f"forward[{impl}-{rows}]")
             ratio += f"  {impl}/llama F32 {ours['ms'] / f32['ms']:.2f}x" if f32 and ours else ""
         print(f"forward {rows:2d} rows: " + "  ".join(cells) + ratio)

@@ -7,17 +7,35 @@
 
 namespace sbd_ext {
 
+// An fp32 weight [N / 16, K, 16]: packed in panels of 16 rows (any other rank-3 weight is refused as not 2-D).
+inline bool row_linear_is_packed(const at::Tensor& weight) {
+  return weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.size(2) == 16;
+}
+
+// Output rows N of a row_linear weight: [N, K], or a packed fp32 weight [N / 16, K, 16] (16 N / 16).
+inline int64_t row_linear_out_features(const at::Tensor& weight) {
+  return row_linear_is_packed(weight) ? weight.size(0) * weight.size(2) : weight.size(0);
+}
+
 // x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
 // int64. weight is fp32 with no scale, or int8 (weight-only quantisation) with scale [N] fp32 (one per weight row),
-// contiguous, on the same device. quantize_x (x quantised to int8 per block of 32 at run time) needs the int8 weight.
+// contiguous, on the same device, or fp32 packed in panels of 16 rows (sbd_ext.pack): [N / 16, K, 16], contiguous,
+// no scale. quantize_x (x quantised to int8 per block of 32 at run time) needs the int8 weight.
 inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                              bool quantize_x) {
   constexpr const char* op = "row_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dtype(op, "weight", weight, {at::kFloat, at::kChar});
   check_dim(op, "x", x, 2, "[M, K]");
-  check_dim(op, "weight", weight, 2, "[N, K]");
-  check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
+  if (row_linear_is_packed(weight)) {  // sbd_ext.ops.pack_row_linear_weight
+    check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
+    TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a packed weight [N / 16, K, 16] must be contiguous, got strides ",
+                      weight.strides());
+    checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
+  } else {
+    check_dim(op, "weight", weight, 2, "[N, K] (or fp32 packed: [N / 16, K, 16])");
+    check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
+  }
   check_same_device(op, "weight", weight, x, "x");
   check_inner_contiguous(op, "x", x);
   check_inner_contiguous(op, "weight", weight);
@@ -37,7 +55,7 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
   TORCH_CHECK_VALUE(!quantize_x || weight.scalar_type() == at::kChar, op,
                     ": quantize_x=True multiplies int8 x with an int8 weight; weight has dtype ", weight.scalar_type(),
                     " (quantise the weight, or pass quantize_x=False)");
-  checked_mul(op, "the output size M * N", {x.size(0), weight.size(0)});
+  checked_mul(op, "the output size M * N", {x.size(0), row_linear_out_features(weight)});
 }
 
 }  // namespace sbd_ext

@@ -14,7 +14,17 @@ import torch
 from . import _C
 from .samplers import check_threshold, get_sampler
 
-__all__ = ["block_attention", "check_cuda_errors", "entropy_sample", "mask_replace", "row_linear"]
+__all__ = [
+    "PANEL",
+    "block_attention",
+    "check_cuda_errors",
+    "entropy_sample",
+    "mask_replace",
+    "pack_row_linear_weight",
+    "row_linear",
+    "row_linear_out_features",
+    "unpack_row_linear_weight",
+]
 
 _U64 = 1 << 64
 _I64_MIN, _I64_END = -(1 << 63), 1 << 63
@@ -220,7 +230,10 @@ def row_linear(
     Args:
         x: [M, K] fp32, contiguous along K (rows may be strided).
         weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, or int8 for
-            weight-only quantisation (:func:`sbd_ext.quantize`).
+            weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
+            [N / 16, K, 16] contiguous (:func:`pack_row_linear_weight`; ``sbd_ext.quantize(model, "packed")``), which
+            the CPU kernel multiplies at the FMA rate (one weight vector times a broadcast x value per step, no
+            lane sums).
         scale: None for an fp32 weight; [N] fp32 for an int8 one (one scale per weight row): the result is then
             ``(x @ weight.float().T) * scale``.
         quantize_x: int8 weight only: quantise x too, per row in blocks of 32 values along K (llama.cpp's Q8_0
@@ -240,6 +253,48 @@ def row_linear(
     if not isinstance(quantize_x, bool):
         raise TypeError(f"row_linear: quantize_x must be a bool, got {type(quantize_x).__name__}")
     return torch.ops.sbd_ext.row_linear(x, weight, scale, quantize_x)
+
+
+PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
+
+
+def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """An fp32 weight [N, K] in row_linear's panel layout: [N / 16, K, 16], contiguous, where weight row ``n``,
+    column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple of 16, or, with
+    ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows' outputs, 0, too: slice
+    them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is its inverse."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"pack_row_linear_weight: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != torch.float32:
+        raise TypeError(f"pack_row_linear_weight: the packed layout is for fp32 weights, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"pack_row_linear_weight: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if n % PANEL != 0:
+        if not pad:
+            raise ValueError(
+                f"pack_row_linear_weight: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; "
+                "pad=True pads it with zero rows)"
+            )
+        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, PANEL - n % PANEL))
+        n = weight.shape[0]
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """[N / 16, K, 16] (:func:`pack_row_linear_weight`) back to [N, K], contiguous; ``n``: keep the first n rows
+    (a padded pack's true N)."""
+    if packed.dim() != 3 or packed.shape[2] != PANEL:
+        raise ValueError(f"unpack_row_linear_weight: a packed weight is [N / {PANEL}, K, {PANEL}], got {tuple(packed.shape)}")
+    p, k, _ = packed.shape
+    w = packed.transpose(1, 2).reshape(p * PANEL, k)
+    return w if n is None or n == p * PANEL else w[:n].contiguous()
+
+
+def row_linear_out_features(weight: torch.Tensor) -> int:
+    """N, the output size of row_linear with this weight: [N, K], or packed [N / 16, K, 16]."""
+    packed = weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == PANEL
+    return weight.shape[0] * PANEL if packed else weight.shape[0]
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
@@ -271,7 +326,8 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
         if t.dtype not in allowed[name]:
             names = ", ".join({torch.float32: "Float", torch.int8: "Char"}[d] for d in allowed[name])
             raise TypeError(f"row_linear: {name} must have dtype {names}, got {t.dtype}")
-        if t.dim() != 2:
+        packed = name == "weight" and t.dim() == 3 and t.dtype == torch.float32 and t.shape[2] == PANEL
+        if t.dim() != 2 and not packed:
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
     for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
         if t.device != x.device:
@@ -303,4 +359,4 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
             f"row_linear: quantize_x=True multiplies int8 x with an int8 weight; weight has dtype {weight.dtype} "
             "(quantise the weight, or pass quantize_x=False)"
         )
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((x.shape[0], row_linear_out_features(weight)))

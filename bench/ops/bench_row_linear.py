@@ -1,5 +1,5 @@
-"""row_linear vs torch's linear (MKL GEMM), MKL's pre-packed linear (what torch.compile's CPU freezing uses) and
-the float64 reference, per device.
+"""row_linear (on nn.Linear's weight layout, and on its panel layout: ``row_linear_packed``) vs torch's linear (MKL
+GEMM), MKL's pre-packed linear (what torch.compile's CPU freezing uses) and the float64 reference, per device.
 
 Reproduce: OMP_NUM_THREADS=1 pytest bench/ops/bench_row_linear.py --benchmark-only -m 'not cuda'
            pytest bench/ops/bench_row_linear.py -m cuda        (the GPU; how it is timed: bench/ops/cuda_timing.py)
@@ -18,6 +18,7 @@ from cuda_timing import CUDA, ROUNDS, measure
 
 import sbd_ext
 from sbd_ext import reference as R
+from sbd_ext.ops import pack_row_linear_weight
 
 ISA = sbd_ext.build_info()["cpu_isa"]
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49153
@@ -57,8 +58,16 @@ def _mkl_packed(M, ws):
     return lambda x: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, M) for p, w in zip(packed, ws, strict=True)]
 
 
+def _packed(M, ws):
+    """row_linear on the weights in its panel layout (sbd_ext.quantize(model, "packed")); the head's 49153 rows padded
+    to 49168 (the layer drops the padding's outputs: here a view)."""
+    packed = [pack_row_linear_weight(w, pad=True) for w in ws]
+    return lambda x: [sbd_ext.row_linear(x[w.shape[1]], p)[:, : w.shape[0]] for p, w in zip(packed, ws, strict=True)]
+
+
 IMPLS = {
     "row_linear": ("ours", lambda M, ws: lambda x: [sbd_ext.row_linear(x[w.shape[1]], w) for w in ws]),
+    "row_linear_packed": ("ours", _packed),
     "F.linear": ("baseline", lambda M, ws: lambda x: [torch.nn.functional.linear(x[w.shape[1]], w) for w in ws]),
     "mkl_packed": ("baseline", _mkl_packed),
 }

@@ -21,12 +21,12 @@ namespace sbd_ext {
 at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                           bool quantize_x) {
   check_row_linear(x, weight, scale, quantize_x);
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  const int64_t M = x.size(0), N = row_linear_out_features(weight), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  const bool q8 = weight.scalar_type() == at::kChar;
-  if (!q8 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
+  const bool q8 = weight.scalar_type() == at::kChar, packed = row_linear_is_packed(weight);
+  if (!q8 && !packed && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                              x.stride(0),
                              q8 ? nullptr : weight.data_ptr<float>(),
@@ -38,6 +38,8 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
                              M,
                              N,
                              K};
+  p.packed = packed;
+  at::Tensor xt;  // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step)
   at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
   if (quantize_x) {
     p.x_blocks = (K + sbd_cpu::kRowLinearXBlock - 1) / sbd_cpu::kRowLinearXBlock;
@@ -50,11 +52,15 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
     p.xd = xd.data_ptr<float>();
   }
   const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
-  for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {  // one slice unless a prefill (int8 only)
+  for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {  // one slice unless a prefill (int8, packed)
     sbd_cpu::RowLinearParams s = p;
     s.M = std::min(sbd_cpu::kRowLinearRows, M - m0);
     s.x += m0 * p.x_stride;
     s.out += m0 * p.out_stride;
+    if (packed) {
+      xt = x.narrow(0, m0, s.M).t().contiguous();
+      s.xt = xt.data_ptr<float>();
+    }
     if (quantize_x) {
       s.xq += m0 * p.xq_stride;
       s.xd += m0 * p.x_blocks;

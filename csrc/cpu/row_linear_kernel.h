@@ -17,6 +17,10 @@ struct RowLinearParams {
   float* out;  // [M, N], unit stride along N
   int64_t out_stride;
   int64_t M, N, K;
+  // fp32 weight packed in panels (sbd_ext.pack / ops.pack_row_linear_weight): w is [N / kRowLinearPanel, K,
+  // kRowLinearPanel], contiguous: weight row n, column k at w[(n / 16) * K * 16 + k * 16 + n % 16]. N % 16 == 0.
+  bool packed = false;
+  const float* xt = nullptr;  // packed: x transposed, [K, M] contiguous (the binding makes it)
   // quantize_x (int8 weight only): x quantised by row_linear_quantize_x, or nullptr (fp32 x). Row m's block b (32
   // values along K; the last one may be shorter) is xq[m * xq_stride + 32 b ...] * xd[m * x_blocks + b].
   const int8_t* xq = nullptr;  // [M, xq_stride], xq_stride = 32 * x_blocks, zero past K
@@ -26,6 +30,9 @@ struct RowLinearParams {
 
 // Values of x per quantisation block (llama.cpp's Q8_0 block).
 constexpr int64_t kRowLinearXBlock = 32;
+
+// Weight rows per panel of a packed fp32 weight (one AVX-512 vector, two AVX2 vectors of outputs).
+constexpr int64_t kRowLinearPanel = 16;
 
 // x rows of one kernel pass (row_linear_cpu.cpp): more rows are a prefill (fp32: at::mm; int8: slices of this many).
 // Python reads it as sbd_ext.linear.ROW_LIMIT (build_info()["cpu_row_linear_rows"]).

@@ -1,6 +1,7 @@
 """sbd_ext.quantize(model, "int8" | "w8a8"): int8 weights in place, against the same model with the dequantised
 weights in fp32 (and, for "w8a8", each linear layer's input replaced by the reference's int8 quantisation of it): the
-pure-PyTorch reference of what the quantised model computes; and decoding on it."""
+pure-PyTorch reference of what the quantised model computes; and decoding on it. ``"packed"`` (fp32 weights in
+row_linear's panel layout) against the same fp32 model with plain ``nn.Linear`` layers."""
 
 import copy
 
@@ -13,7 +14,7 @@ import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 from sbd_ext.linear import RowLinear, use_row_linear
-from sbd_ext.quantization import Int8Linear, quantize_weight, quantized_scheme
+from sbd_ext.quantization import Int8Linear, PackedLinear, quantize_weight, quantized_scheme
 from sbd_ext.reference import quantized_x
 
 
@@ -40,6 +41,8 @@ def _dequantised_copy(model: nn.Module, scheme: str = "int8") -> nn.Module:
     for "w8a8" each linear layer's input also goes through the reference's block quantisation."""
     ref = copy.deepcopy(model)
     use_row_linear(ref, False)  # F.linear: the reference does not run the kernel under test
+    if scheme == "packed":  # the same fp32 weights
+        return ref
     with torch.no_grad():
         for m in ref.modules():
             if type(m) is nn.Linear:
@@ -162,8 +165,82 @@ def test_bad_inputs():
     assert all(type(m) is not Int8Linear for m in model.modules())  # nothing changed: refused before any layer
 
 
-# ---- decoding on int8 weights ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int8", "w8a8"])
+# ---- "packed": fp32 weights in row_linear's panel layout -----------------------------------------------------------
+@pytest.mark.parametrize("tie", [False, True])
+def test_pack_switches_every_linear_in_place(tie):
+    model = tiny_llama(tie=tie)  # vocab 100: the head is padded to 112 rows (7 panels)
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    weights = {n: m.weight.detach().clone() for n, m in linears.items()}
+    emb = model.get_input_embeddings().weight
+    assert sbd_ext.quantize(model, "packed") is model and quantized_scheme(model) == "packed"
+    for name, m in model.named_modules():
+        if name in linears:
+            assert m is linears[name] and type(m) is PackedLinear
+            assert m.weight_packed.shape == (-(-m.out_features // 16), m.in_features, 16)
+            assert torch.equal(m.weight, weights[name])  # the same values
+    head = model.lm_head
+    assert head.weight_packed.shape[0] * 16 == 112
+    if tie:
+        assert head.weight is emb
+    else:
+        assert "weight" not in head._parameters
+    sbd_ext.quantize(model, "packed")  # again: nothing left to switch
+    assert all(type(m) is not nn.Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 40, 97])  # > 32: a prefill, slices of 32 rows
+def test_packed_forward_equals_the_fp32_model(rows):
+    model = tiny_llama(tie=True)
+    ref = _dequantised_copy(model, "packed")
+    use_row_linear(model)
+    sbd_ext.quantize(model, "packed")
+    ids = torch.randint(0, 90, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert got.shape == want.shape == (1, rows, 100)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_paths_agree():
+    """Kernel and the unpacked F.linear fallback (autograd, another dtype) compute the same layer, for an output
+    size that is not a multiple of 16 (padded panels); gradients flow to the input."""
+    torch.manual_seed(2)
+    layer = nn.Linear(24, 10)
+    w = layer.weight.detach().clone()
+    sbd_ext.quantize(layer, "packed")
+    for shape in ((3, 24), (2, 40, 24)):
+        x = torch.randn(*shape)
+        want = torch.nn.functional.linear(x, w, layer.bias)
+        with torch.no_grad():
+            got = layer(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+        torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert layer(torch.randn(3, 24, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_packed_then_int8_and_not_back():
+    """"int8" on a packed model quantises the packed layers (the same int8 weights as from fp32); "packed" on an
+    int8 model is refused."""
+    model = tiny_llama(tie=False)
+    want = quantize_weight(model.lm_head.weight)[0]
+    sbd_ext.quantize(model, "packed")
+    sbd_ext.quantize(model, "int8")
+    assert quantized_scheme(model) == "int8" and type(model.lm_head) is Int8Linear
+    assert torch.equal(model.lm_head.weight_int8, want) and "weight_packed" not in model.lm_head._buffers
+    with pytest.raises(ValueError, match=r"already int8 \('int8'\); \"packed\" is a layout for fp32"):
+        sbd_ext.quantize(model, "packed")
+    with pytest.raises(ValueError, match=r"the packed layout is for fp32 models .* torch.bfloat16"):
+        sbd_ext.quantize(tiny_llama(dtype=torch.bfloat16), "packed")
+
+
+# ---- decoding on int8 (and packed) weights ---------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["int8", "w8a8", "packed"])
 def arith(request):
     model, tok = models.load(models.DEFAULT_MODEL)
     info = models.demo_info(models.DEFAULT_MODEL)

@@ -9,6 +9,7 @@ from utils import assert_close
 import sbd_ext
 from sbd_ext import reference as R
 from sbd_ext.linear import ROW_LIMIT, RowLinear, ensure_row_linear, use_row_linear
+from sbd_ext.ops import pack_row_linear_weight, unpack_row_linear_weight
 
 EPS32 = 2.0**-24
 
@@ -53,8 +54,10 @@ def test_strided_rows(device, cpu_isa):
     _check(sbd_ext.row_linear(x0, w), x0, w)
 
 
-def test_independent_of_thread_count():
-    x, w = _case(16, 1000, 576, seed=7, device="cpu")
+@pytest.mark.parametrize("packed", [False, True])
+def test_independent_of_thread_count(packed):
+    x, w = _case(16, 1024, 576, seed=7, device="cpu")
+    w = pack_row_linear_weight(w) if packed else w
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -265,6 +268,107 @@ def test_int8_fake_kernel_checks_what_the_binding_checks():
             op(x, q, torch.empty(4))
         with pytest.raises(TypeError, match="scale must have dtype Float"):
             op(x, q, torch.empty(5, dtype=torch.float16))
+
+
+# ---- fp32 weights packed in panels of 16 rows (sbd_ext.quantize(model, "packed")) -------------------------------
+
+
+def test_pack_layout_and_round_trip():
+    """packed[n // 16, k, n % 16] is weight[n, k]; unpack inverts it (with pad, the extra rows are zero)."""
+    w = torch.arange(32 * 5, dtype=torch.float32).view(32, 5)
+    p = pack_row_linear_weight(w)
+    assert p.shape == (2, 5, 16) and p.is_contiguous()
+    for n in (0, 7, 15, 16, 31):
+        for k in range(5):
+            assert p[n // 16, k, n % 16] == w[n, k]
+    assert torch.equal(unpack_row_linear_weight(p), w)
+    w3 = torch.randn(35, 4)
+    p3 = pack_row_linear_weight(w3, pad=True)
+    assert p3.shape == (3, 4, 16) and bool((unpack_row_linear_weight(p3)[35:] == 0).all())
+    assert torch.equal(unpack_row_linear_weight(p3, 35), w3)
+
+
+@pytest.mark.parametrize(
+    "weight, match",
+    [
+        (torch.randn(20, 8), "not a multiple of 16"),
+        (torch.randn(16, 8).double(), "for fp32 weights"),
+        (torch.randn(16), "must be 2-D"),
+        ("w", "must be a torch.Tensor"),
+    ],
+)
+def test_pack_refuses(weight, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        pack_row_linear_weight(weight)
+
+
+# M: 1-24 rows in one tile (AVX-512) or tiles of 6 (AVX2 / default), 25-32 two tiles, 33 and 70 slices of 32 (a
+# prefill); K: odd (the K-split accumulator sets' tail), SmolLM2's 576 / 1536; N: one panel to nine, chunk edges (64).
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 23, 24, 25, 32, 33, 70])
+@pytest.mark.parametrize("N, K", [(16, 1), (16, 7), (32, 17), (48, 576), (80, 577), (144, 1537)])
+def test_packed_matches_reference(device, cpu_isa, M, N, K):
+    x, w = _case(M, N, K, seed=M * 10000 + N * 10 + K + 1, device=device)
+    y = sbd_ext.row_linear(x, pack_row_linear_weight(w.cpu()).to(device))
+    _check(y, x, w, f"packed M={M} N={N} K={K}")
+
+
+def test_packed_reference_is_the_weights_product():
+    x, w = _case(5, 48, 33, seed=11, device="cpu")
+    assert torch.equal(R.row_linear(x, pack_row_linear_weight(w)), R.row_linear(x, w))
+
+
+def test_packed_head_and_strided_rows(device, cpu_isa):
+    """An output head (49152 rows) for a 17-row verify forward, x rows strided (a slice of a wider tensor)."""
+    xb, w = _case(34, 49152, 576, seed=12, device=device)
+    x = xb[::2]
+    _check(sbd_ext.row_linear(x, pack_row_linear_weight(w.cpu()).to(device)), x, w)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x, p: (x, p[:, :-1]), r"weight.size\(1\) must equal x.size\(1\)"),
+        (lambda x, p: (x, p.transpose(0, 1).contiguous().transpose(0, 1)), "packed weight .* must be contiguous"),
+        (lambda x, p: (x, p.double()), "weight must have dtype Float"),
+        (lambda x, p: (x, p[..., :8]), "weight must be 2-D"),
+        (lambda x, p: (x, p.to("meta")), "weight is on meta"),
+    ],
+)
+def test_packed_bad_inputs(device, change, match):
+    x, w = _case(4, 32, 8, seed=2, device=device)
+    x, p = change(x, pack_row_linear_weight(w.cpu()).to(device))
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        sbd_ext.row_linear(x, p)
+
+
+def test_packed_bad_inputs_past_the_wrapper(device):
+    """The binding's own checks (torch.ops directly): a scale, quantize_x, a packed int8 tensor, strides."""
+    x, w = _case(4, 32, 8, seed=2, device=device)
+    p = pack_row_linear_weight(w.cpu()).to(device)
+    op = torch.ops.sbd_ext.row_linear
+    with pytest.raises(ValueError, match="scale is for an int8 weight"):
+        op(x, p, torch.ones(32, device=device))
+    with pytest.raises(ValueError, match="quantize_x=True multiplies int8 x with an int8 weight"):
+        op(x, p, None, True)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        op(x, p.to(torch.int8))
+    with pytest.raises(ValueError, match=r"a packed weight \[N / 16, K, 16\] must be contiguous"):
+        op(x, p.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(ValueError, match=r"a packed weight \[N / 16, K, 16\] must be contiguous"):
+        op(x, torch.zeros(1, 8, 16, device=device).expand(2**40, 8, 16))  # stride 0: 2^44 rows of one panel
+
+
+def test_packed_fake_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.sbd_ext.row_linear
+    with FakeTensorMode():
+        x = torch.empty(4, 64)
+        assert op(x, torch.empty(3, 64, 16)).shape == (4, 48)
+        with pytest.raises(ValueError, match=r"weight.size\(1\) must equal x.size\(1\) \(K\) = 64"):
+            op(x, torch.empty(3, 63, 16))
+        with pytest.raises(ValueError, match="weight must be 2-D"):
+            op(x, torch.empty(3, 64, 8))
 
 
 # ---- RowLinear in a model -------------------------------------------------------------------------------------
