@@ -80,7 +80,7 @@ def main() -> int:
     if args.quantize:
         quantize(model, args.quantize)
         q8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
-        weight_bytes = sum(m.weight_int8.numel() + 4 * m.weight_scale.numel() for m in q8)
+        weight_bytes = sum(m.int8_weight().numel() + 4 * m.weight_scale.numel() for m in q8)
     gbs = stream_rate_gbs()
     out = {"threads": args.threads, "quantize": args.quantize, "stream_gbs": round(gbs, 1), "rows": {}}
     g = torch.Generator().manual_seed(0)

@@ -12,9 +12,16 @@ inline bool row_linear_is_packed(const at::Tensor& weight) {
   return weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.size(2) == 16;
 }
 
+// An int8 weight packed in panels for int8 x (sbd_ext.ops.pack_row_linear_int8): uint8 [N / 16, K / 4, 16, 4]
+// (q + 128, K padded to a multiple of 32).
+inline bool row_linear_is_q8_packed(const at::Tensor& weight) {
+  return weight.dim() == 4 && weight.scalar_type() == at::kByte;
+}
+
 // Output rows N of a row_linear weight: [N, K], or a packed fp32 weight [N / 16, K, 16] (16 N / 16).
 inline int64_t row_linear_out_features(const at::Tensor& weight) {
-  return row_linear_is_packed(weight) ? weight.size(0) * weight.size(2) : weight.size(0);
+  return row_linear_is_packed(weight) || row_linear_is_q8_packed(weight) ? weight.size(0) * weight.size(2)
+                                                                           : weight.size(0);
 }
 
 // x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
@@ -25,9 +32,20 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
                              bool quantize_x) {
   constexpr const char* op = "row_linear";
   check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat, at::kChar});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte});
   check_dim(op, "x", x, 2, "[M, K]");
-  if (row_linear_is_packed(weight)) {  // sbd_ext.ops.pack_row_linear_weight
+  const bool q8_packed = weight.scalar_type() == at::kByte;
+  if (q8_packed) {  // sbd_ext.ops.pack_row_linear_int8
+    check_dim(op, "weight", weight, 4, "(a packed int8 weight: uint8 [N / 16, ceil(K / 32) * 8, 16, 4])");
+    check_size(op, "weight", weight, 2, 16, "16 (a packed int8 weight is [N / 16, ceil(K / 32) * 8, 16, 4])");
+    check_size(op, "weight", weight, 3, 4, "4 (a packed int8 weight is [N / 16, ceil(K / 32) * 8, 16, 4])");
+    check_size(op, "weight", weight, 1, (x.size(1) + 31) / 32 * 8, "ceil(x.size(1) / 32) * 8 (K in blocks of 32)");
+    TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a packed int8 weight must be contiguous, got strides ",
+                      weight.strides());
+    TORCH_CHECK_VALUE(quantize_x, op, ": a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: ",
+                      "pass quantize_x=True");
+    checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
+  } else if (row_linear_is_packed(weight)) {  // sbd_ext.ops.pack_row_linear_weight
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
     TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a packed weight [N / 16, K, 16] must be contiguous, got strides ",
                       weight.strides());
@@ -40,19 +58,20 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
   check_inner_contiguous(op, "x", x);
   check_inner_contiguous(op, "weight", weight);
   const bool has_scale = scale.has_value() && scale->defined();
-  if (weight.scalar_type() == at::kChar) {
+  if (weight.scalar_type() == at::kChar || q8_packed) {
     TORCH_CHECK_VALUE(has_scale, op, ": an int8 weight needs scale [N] fp32 (one scale per weight row), got None");
     const at::Tensor& s = *scale;
     check_dtype(op, "scale", s, {at::kFloat});
     check_dim(op, "scale", s, 1, "[N]");
-    check_size(op, "scale", s, 0, weight.size(0), "weight.size(0) (N)");
+    check_size(op, "scale", s, 0, row_linear_out_features(weight),
+               q8_packed ? "16 * weight.size(0) (N)" : "weight.size(0) (N)");
     check_same_device(op, "scale", s, x, "x");
     check_inner_contiguous(op, "scale", s);
   } else {
     TORCH_CHECK_VALUE(!has_scale, op, ": scale is for an int8 weight; weight has dtype ", weight.scalar_type(),
                       " (pass scale=None)");
   }
-  TORCH_CHECK_VALUE(!quantize_x || weight.scalar_type() == at::kChar, op,
+  TORCH_CHECK_VALUE(!quantize_x || weight.scalar_type() == at::kChar || q8_packed, op,
                     ": quantize_x=True multiplies int8 x with an int8 weight; weight has dtype ", weight.scalar_type(),
                     " (quantise the weight, or pass quantize_x=False)");
   checked_mul(op, "the output size M * N", {x.size(0), row_linear_out_features(weight)});

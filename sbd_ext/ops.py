@@ -20,9 +20,11 @@ __all__ = [
     "check_cuda_errors",
     "entropy_sample",
     "mask_replace",
+    "pack_row_linear_int8",
     "pack_row_linear_weight",
     "row_linear",
     "row_linear_out_features",
+    "unpack_row_linear_int8",
     "unpack_row_linear_weight",
 ]
 
@@ -291,10 +293,48 @@ def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None) -> torc
     return w if n is None or n == p * PANEL else w[:n].contiguous()
 
 
+def pack_row_linear_int8(weight_int8: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """An int8 weight [N, K] (:func:`sbd_ext.quantization.quantize_weight`) in row_linear's packed int8 layout, for
+    int8 x (``quantize_x=True``): uint8 [N / 16, ceil(K / 32) * 8, 16, 4], contiguous, where weight row ``n``'s
+    values ``4j .. 4j + 3`` are ``packed[n // 16, j, n % 16, :] - 128`` (stored as q + 128; K is padded with zeros to
+    whole blocks of 32). With AVX512-VNNI the CPU kernel multiplies it with one ``vpdpbusd`` per 64 products. N must
+    be a multiple of 16, or, with ``pad=True``, is padded with zero rows (their outputs are 0: slice them off).
+    :func:`unpack_row_linear_int8` is the inverse."""
+    if not isinstance(weight_int8, torch.Tensor):
+        raise TypeError(f"pack_row_linear_int8: weight must be a torch.Tensor, got {type(weight_int8).__name__}")
+    if weight_int8.dtype != torch.int8:
+        raise TypeError(f"pack_row_linear_int8: the weight must be int8, got {weight_int8.dtype}")
+    if weight_int8.dim() != 2:
+        raise ValueError(f"pack_row_linear_int8: weight must be 2-D [N, K], got shape {tuple(weight_int8.shape)}")
+    n, k = weight_int8.shape
+    if n % PANEL != 0 and not pad:
+        raise ValueError(
+            f"pack_row_linear_int8: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads "
+            "it with zero rows)"
+        )
+    n_pad, k_pad = -n % PANEL, -k % 32
+    w = torch.nn.functional.pad(weight_int8.detach().to(torch.int16), (0, k_pad, 0, n_pad)) + 128
+    rows, kp = w.shape
+    return w.to(torch.uint8).view(rows // PANEL, PANEL, kp // 4, 4).transpose(1, 2).contiguous()
+
+
+def unpack_row_linear_int8(packed: torch.Tensor, n: int | None = None, k: int | None = None) -> torch.Tensor:
+    """uint8 [N / 16, K / 4, 16, 4] (:func:`pack_row_linear_int8`) back to int8 [N, K]; ``n``, ``k``: the weight's
+    true sizes (a padded pack's)."""
+    if packed.dim() != 4 or packed.dtype != torch.uint8 or packed.shape[2] != PANEL or packed.shape[3] != 4:
+        raise ValueError(
+            f"unpack_row_linear_int8: a packed int8 weight is uint8 [N / {PANEL}, K / 4, {PANEL}, 4], got "
+            f"{packed.dtype} {tuple(packed.shape)}"
+        )
+    p, k4 = packed.shape[:2]
+    w = (packed.transpose(1, 2).reshape(p * PANEL, k4 * 4).to(torch.int16) - 128).to(torch.int8)
+    return w[: p * PANEL if n is None else n, : k4 * 4 if k is None else k].contiguous()
+
+
 def row_linear_out_features(weight: torch.Tensor) -> int:
     """N, the output size of row_linear with this weight: [N, K], or packed [N / 16, K, 16]."""
     packed = weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == PANEL
-    return weight.shape[0] * PANEL if packed else weight.shape[0]
+    return weight.shape[0] * PANEL if packed or weight.dtype == torch.uint8 else weight.shape[0]
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
@@ -321,40 +361,59 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
 def _row_linear_fake(x, weight, scale=None, quantize_x=False):
     # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This
     # is also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
-    allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8)}
+    allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8, torch.uint8)}
+    names = {torch.float32: "Float", torch.int8: "Char", torch.uint8: "Byte"}
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in allowed[name]:
-            names = ", ".join({torch.float32: "Float", torch.int8: "Char"}[d] for d in allowed[name])
-            raise TypeError(f"row_linear: {name} must have dtype {names}, got {t.dtype}")
+            raise TypeError(f"row_linear: {name} must have dtype {', '.join(names[d] for d in allowed[name])}, got {t.dtype}")
         packed = name == "weight" and t.dim() == 3 and t.dtype == torch.float32 and t.shape[2] == PANEL
-        if t.dim() != 2 and not packed:
+        if name == "weight" and t.dtype == torch.uint8:
+            if t.dim() != 4 or t.shape[2] != PANEL or t.shape[3] != 4:
+                raise ValueError(
+                    f"row_linear: weight must be 4-D (a packed int8 weight: uint8 [N / 16, ceil(K / 32) * 8, 16, 4]), "
+                    f"got shape {tuple(t.shape)}"
+                )
+        elif t.dim() != 2 and not packed:
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
     for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
         if t.device != x.device:
             raise RuntimeError(
                 f"row_linear: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
             )
-    torch._check_value(
-        weight.shape[1] == x.shape[1],
-        lambda: f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}",
-    )
-    if weight.dtype == torch.int8:
+    q8_packed = weight.dtype == torch.uint8
+    if q8_packed:
+        torch._check_value(
+            weight.shape[1] == (x.shape[1] + 31) // 32 * 8,
+            lambda: (
+                f"row_linear: weight.size(1) must equal ceil(x.size(1) / 32) * 8 (K in blocks of 32) = "
+                f"{(x.shape[1] + 31) // 32 * 8}, got shape {tuple(weight.shape)}"
+            ),
+        )
+        if not quantize_x:
+            raise ValueError(
+                "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: pass quantize_x=True"
+            )
+    else:
+        torch._check_value(
+            weight.shape[1] == x.shape[1],
+            lambda: f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}",
+        )
+    n = row_linear_out_features(weight)
+    if weight.dtype in (torch.int8, torch.uint8):
         if scale is None:
             raise ValueError("row_linear: an int8 weight needs scale [N] fp32 (one scale per weight row), got None")
         if scale.dtype != torch.float32:
             raise TypeError(f"row_linear: scale must have dtype Float, got {scale.dtype}")
         if scale.dim() != 1:
             raise ValueError(f"row_linear: scale must be 1-D [N], got shape {tuple(scale.shape)}")
+        what = "16 * weight.size(0) (N)" if q8_packed else "weight.size(0) (N)"
         torch._check_value(
-            scale.shape[0] == weight.shape[0],
-            lambda: (
-                f"row_linear: scale.size(0) must equal weight.size(0) (N) = {weight.shape[0]}, got "
-                f"shape {tuple(scale.shape)}"
-            ),
+            scale.shape[0] == n,
+            lambda: f"row_linear: scale.size(0) must equal {what} = {n}, got shape {tuple(scale.shape)}",
         )
     elif scale is not None:
         raise ValueError(f"row_linear: scale is for an int8 weight; weight has dtype {weight.dtype} (pass scale=None)")
-    if quantize_x and weight.dtype != torch.int8:
+    if quantize_x and weight.dtype not in (torch.int8, torch.uint8):
         raise ValueError(
             f"row_linear: quantize_x=True multiplies int8 x with an int8 weight; weight has dtype {weight.dtype} "
             "(quantise the weight, or pass quantize_x=False)"

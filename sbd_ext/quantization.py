@@ -40,7 +40,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from .linear import RowLinear, as_rows, row_count
-from .ops import PANEL, pack_row_linear_weight, row_linear, unpack_row_linear_weight
+from . import _C
+from .ops import (
+    PANEL,
+    pack_row_linear_int8,
+    pack_row_linear_weight,
+    row_linear,
+    unpack_row_linear_int8,
+    unpack_row_linear_weight,
+)
 from .reference import quantized_x
 
 __all__ = ["SCHEMES", "Int8Linear", "PackedLinear", "quantize", "quantize_weight", "quantized_scheme"]
@@ -77,12 +85,19 @@ def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
-    return module.weight_int8.to(dtype) * module.weight_scale.to(dtype)[:, None]
+    return module.int8_weight().to(dtype) * module.weight_scale.to(dtype)[:, None]
+
+
+def _cpu_vnni() -> bool:
+    """Whether row_linear's packed int8 path runs on AVX512-VNNI here (build_info()["cpu_vnni"])."""
+    return bool(_C.build_info().get("cpu_vnni", False))
 
 
 class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
-    (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too. fp32 rows without an
+    (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too, and where the CPU
+    has AVX512-VNNI the weight is kept in row_linear's packed int8 layout instead (``weight_int8_packed``:
+    :func:`~sbd_ext.ops.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way). fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
     the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside the op, so
     the layer does not branch on its row count, which torch.compile would guard); anything else (autograd, other
@@ -97,11 +112,25 @@ class Int8Linear(nn.Linear):
         tied = self._parameters.get("weight")
         return tied if tied is not None else _dequantized(self, self.weight_scale.dtype)
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight [N, K] (unpacked, a new tensor, where the layer keeps it packed)."""
+        q = self._buffers.get("weight_int8")
+        if q is not None:
+            return q
+        return unpack_row_linear_int8(self.weight_int8_packed, self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale = self.weight_int8, self.weight_scale
+        packed, n = self._buffers.get("weight_int8_packed"), self.out_features
+        q = packed if packed is not None else self.weight_int8
         rows = _kernel_rows(x, q)
-        if rows:
-            out = row_linear(as_rows(x, rows), q, scale, self.quantize_x).view(*x.shape[:-1], q.shape[0])
+        if rows and packed is not None:  # w8a8 on AVX512-VNNI; the scale padded like the weight's rows
+            padded = self._buffers.get("weight_scale_padded")
+            out = row_linear(as_rows(x, rows), packed, padded if padded is not None else self.weight_scale, True)
+            if out.shape[1] != n:
+                out = out[:, :n].contiguous()
+            out = out.view(*x.shape[:-1], n)
+        elif rows:
+            out = row_linear(as_rows(x, rows), q, self.weight_scale, self.quantize_x).view(*x.shape[:-1], n)
         else:
             # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes
             xin = quantized_x(x.float()).to(x.dtype) if self.quantize_x else x
@@ -195,11 +224,30 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 m.register_buffer("weight_int8", new[0].to(w.device))
                 m.register_buffer("weight_scale", new[1].to(w.device))
                 m.__class__ = Int8Linear
+        pack = scheme == "w8a8" and _cpu_vnni()
         for m in model.modules():
             if isinstance(m, Int8Linear):
                 m.quantize_x = scheme == "w8a8"
+                _set_int8_layout(m, pack and m.weight_scale.device.type == "cpu")
         setattr(model, _STATE, scheme)
     return model
+
+
+def _set_int8_layout(m: Int8Linear, packed: bool) -> None:
+    """Keep ``m``'s int8 weight in the packed layout (``weight_int8_packed``, with ``weight_scale_padded`` when the
+    rows were padded to whole panels) or in [N, K] (``weight_int8``), converting if needed."""
+    if packed == ("weight_int8_packed" in m._buffers):
+        return
+    if packed:
+        m.register_buffer("weight_int8_packed", pack_row_linear_int8(m.weight_int8, pad=True))
+        pad = -m.out_features % PANEL
+        if pad:
+            m.register_buffer("weight_scale_padded", F.pad(m.weight_scale, (0, pad), value=1.0), persistent=False)
+        del m.weight_int8
+    else:
+        m.register_buffer("weight_int8", m.int8_weight())
+        del m.weight_int8_packed
+        m._buffers.pop("weight_scale_padded", None)
 
 
 def quantized_scheme(model: nn.Module) -> str | None:

@@ -284,11 +284,15 @@ def row_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, quantize_x: bool = False
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (an int8 weight: times scale [N] per output column; a packed fp32 weight
-    [N / 16, K, 16]: the weight it holds, ``weight[n // 16, k, n % 16]``), accumulated in float64 and
+    [N / 16, K, 16]: the weight it holds, ``weight[n // 16, k, n % 16]``; a packed int8 weight, uint8
+    [N / 16, K / 4, 16, 4]: ``weight[n // 16, k // 4, n % 16, k % 4] - 128``), accumulated in float64 and
     returned as fp32 [M, N]. ``quantize_x`` (int8 weight only): x quantised by :func:`quantize_x_blocks`, each
     block's integer dot product times its scale."""
     if weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == 16:  # packed: [N / 16, K, 16]
         weight = weight.transpose(1, 2).reshape(weight.shape[0] * 16, weight.shape[1])
+    if weight.dim() == 4 and weight.dtype == torch.uint8:  # packed int8: q + 128 in [N / 16, K / 4, 16, 4]
+        weight = (weight.transpose(1, 2).reshape(weight.shape[0] * 16, -1).to(torch.int16) - 128).to(torch.int8)
+        weight = weight[:, : x.shape[1]]
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row_linear: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if (weight.dtype == torch.int8) != (scale is not None):

@@ -26,30 +26,35 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const bool q8 = weight.scalar_type() == at::kChar, packed = row_linear_is_packed(weight);
-  if (!q8 && !packed && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
+  const bool q8_packed = row_linear_is_q8_packed(weight);
+  if (!q8 && !packed && !q8_packed && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                              x.stride(0),
-                             q8 ? nullptr : weight.data_ptr<float>(),
-                             weight.stride(0),
+                             q8 || q8_packed ? nullptr : weight.data_ptr<float>(),
+                             q8_packed ? 0 : weight.stride(0),
                              q8 ? weight.data_ptr<int8_t>() : nullptr,
-                             q8 ? scale->data_ptr<float>() : nullptr,
+                             q8 || q8_packed ? scale->data_ptr<float>() : nullptr,
                              out.data_ptr<float>(),
                              out.stride(0),
                              M,
                              N,
                              K};
   p.packed = packed;
+  if (q8_packed) p.wq_packed = weight.data_ptr<uint8_t>();
   at::Tensor xt;  // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step)
   at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
+  at::Tensor xq4, xdt, xct;  // quantize_x with a packed int8 weight: per slice, transposed (row_linear_kernel.h)
   if (quantize_x) {
     p.x_blocks = (K + sbd_cpu::kRowLinearXBlock - 1) / sbd_cpu::kRowLinearXBlock;
     p.xq_stride = p.x_blocks * sbd_cpu::kRowLinearXBlock;
     checked_mul("row_linear", "the quantised x M * 32 * ceil(K / 32)", {M, p.xq_stride});
-    xq = at::empty({M, p.xq_stride}, x.options().dtype(at::kChar));
-    xd = at::empty({M, p.x_blocks}, x.options());
-    SBD_CPU_DISPATCH(row_linear_quantize_x, p, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), 0, M);
-    p.xq = xq.data_ptr<int8_t>();
-    p.xd = xd.data_ptr<float>();
+    if (!q8_packed) {
+      xq = at::empty({M, p.xq_stride}, x.options().dtype(at::kChar));
+      xd = at::empty({M, p.x_blocks}, x.options());
+      SBD_CPU_DISPATCH(row_linear_quantize_x, p, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), 0, M);
+      p.xq = xq.data_ptr<int8_t>();
+      p.xd = xd.data_ptr<float>();
+    }
   }
   const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
   for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {  // one slice unless a prefill (int8, packed)
@@ -61,7 +66,17 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
       xt = x.narrow(0, m0, s.M).t().contiguous();
       s.xt = xt.data_ptr<float>();
     }
-    if (quantize_x) {
+    if (q8_packed) {
+      const auto i32 = x.options().dtype(at::kInt);
+      xq4 = at::empty({p.x_blocks * 8, s.M}, i32);
+      xdt = at::empty({p.x_blocks, s.M}, x.options());
+      xct = at::empty({p.x_blocks, s.M}, i32);
+      SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4.data_ptr<int32_t>(), xdt.data_ptr<float>(),
+                       xct.data_ptr<int32_t>());
+      s.xq4 = xq4.data_ptr<int32_t>();
+      s.xdt = xdt.data_ptr<float>();
+      s.xct = xct.data_ptr<int32_t>();
+    } else if (quantize_x) {
       s.xq += m0 * p.xq_stride;
       s.xd += m0 * p.x_blocks;
     }

@@ -26,6 +26,15 @@ struct RowLinearParams {
   const int8_t* xq = nullptr;  // [M, xq_stride], xq_stride = 32 * x_blocks, zero past K
   const float* xd = nullptr;   // [M, x_blocks]
   int64_t xq_stride = 0, x_blocks = 0;
+  // int8 weight packed in panels for int8 x (sbd_ext.ops.pack_row_linear_int8, quantize_x only): wq_packed is uint8
+  // [N / 16, x_blocks * 8, 16, 4], contiguous: weight row n's values k..k+3 (k = 4 j) at [n / 16, j, n % 16, 0..3],
+  // each stored as q + 128 (zero past K: 128). x then comes as row_linear_quantize_x_packed writes it (transposed, so
+  // a tile reads its rows from one pointer): xq4[j * M + m] = x row m's quantised values 4j..4j+3 (4 bytes),
+  // xdt[b * M + m] = block b's scale, xct[b * M + m] = 128 * (sum of its quantised values).
+  const uint8_t* wq_packed = nullptr;
+  const int32_t* xq4 = nullptr;
+  const float* xdt = nullptr;
+  const int32_t* xct = nullptr;
 };
 
 // Values of x per quantisation block (llama.cpp's Q8_0 block).
@@ -51,5 +60,10 @@ SBD_CPU_DECLARE_KERNEL(void, row_linear_range, const RowLinearParams& p, int64_t
 // rows it reaches are NaN, as in the fp32 product.
 SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x, const RowLinearParams& p, int8_t* xq, float* xd, int64_t m0,
                        int64_t m1)
+
+// x quantised as row_linear_quantize_x does (the same values), written in the packed int8 path's layout (see
+// RowLinearParams::wq_packed): xq4 [x_blocks * 8, M] (4 bytes each), xdt and xct [x_blocks, M], for all M rows.
+SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x_packed, const RowLinearParams& p, int32_t* xq4, float* xdt,
+                       int32_t* xct)
 
 }  // namespace sbd_cpu

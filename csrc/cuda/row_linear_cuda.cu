@@ -34,6 +34,12 @@ at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   check_row_linear(x, weight, scale, quantize_x);
   TORCH_CHECK(x.is_cuda(), "row_linear: x must be a CUDA tensor here, got device ", x.device());
   const c10::cuda::CUDAGuard device_guard(x.device());
+  if (row_linear_is_q8_packed(weight)) {  // uint8 q + 128 in [N / 16, K / 4, 16, 4]: back to int8 [N, K]
+    const at::Tensor q = (weight.transpose(1, 2).reshape({row_linear_out_features(weight), -1}).to(at::kShort) - 128)
+                             .narrow(1, 0, x.size(1))
+                             .to(at::kChar);
+    return at::mm(quantized_x(x), q.to(at::kFloat).t()).mul_(*scale);
+  }
   if (weight.scalar_type() == at::kChar) {
     // int8 weight: (x @ wq^T) * scale. The weight is widened to fp32 for cuBLAS (a correct path, not a fast one:
     // int8 weights exist for the CPU's bandwidth-bound rows; a GPU int8 GEMV is not written). quantize_x: the

@@ -228,7 +228,8 @@ def test_int8_strided_rows_and_thread_count(device, M):
         (lambda x, q, s: (x, q, s[:-1]), r"scale.size\(0\) must equal weight.size\(0\) \(N\)"),
         (lambda x, q, s: (x, q, torch.stack([s, s], 1)[:, 0]), "scale must be contiguous"),
         (lambda x, q, s: (x, q, s.to("meta")), "scale is on meta"),
-        (lambda x, q, s: (x, q.to(torch.uint8), s), "weight must have dtype Float, Char"),
+        (lambda x, q, s: (x, q.to(torch.int16), s), "weight must have dtype Float, Char, Byte"),
+        (lambda x, q, s: (x, q.to(torch.uint8), s), r"weight must be 4-D \(a packed int8 weight"),
         (lambda x, q, s: (x, q[:, :-1], s), r"weight.size\(1\) must equal x.size\(1\)"),
     ],
 )
