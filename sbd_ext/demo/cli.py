@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         choices=SCHEMES,
         default=None,
-        help="weights in 8 bits for the decoding forward (sbd_ext.quantize; CPU, fp32 activations); default: fp32",
+        help="weight format for the decoding forward (sbd_ext.quantize; CPU, fp32 activations): packed (fp32 in "
+        "row_linear's panel layout, the same values), int8, w8a8; default: fp32 as loaded",
     )
     threads = _int_in(0, MAX_THREADS)
     g.add_argument(

@@ -67,8 +67,9 @@ def load(
     attn_implementation: str = "sbd",
     quantize: str | None = None,
 ):
-    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode; ``quantize="int8"``:
-    the linear weights in int8 (:func:`sbd_ext.quantize`, after the drafter or adapter is applied).
+    """(model, tokenizer) of an embedded model or of a local HF folder, offline, in eval mode; ``quantize``
+    ("packed", "int8", "w8a8"): the linear weights in that format (:func:`sbd_ext.quantize`, after the drafter or
+    adapter is applied).
 
     An adapter artifact (``smollm2-sbd``) is applied to the base model it names (merged: the converted model); a
     gated drafter (``smollm2-drafter``) is attached to its base, not merged (the base's own answers, fewer forwards).
