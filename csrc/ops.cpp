@@ -79,7 +79,7 @@ pybind11::dict build_info() {
   d["cpu_attention_matmul"] = sbd_cpu::block_attention_matmul();
   // row_linear's rows per kernel pass: past it the CPU op runs at::mm (fp32) or slices of it (int8)
   d["cpu_row_linear_rows"] = sbd_cpu::kRowLinearRows;
-  // row_linear's packed int8 weights (sbd_ext.ops.pack_row_linear_int8) run on AVX512-VNNI (vpdpbusd) in the
+  // row_linear's packed int8 weights (sbd_ext.packing.pack_row_linear_int8) run on AVX512-VNNI (vpdpbusd) in the
   // active ISA variant; elsewhere in scalar code (sbd_ext.quantize packs them only where this is true)
 #if defined(__x86_64__) || defined(_M_X64)
   d["cpu_vnni"] = sbd_cpu::active_isa() == sbd_cpu::Isa::AVX512 && __builtin_cpu_supports("avx512vnni");

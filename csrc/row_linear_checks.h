@@ -12,7 +12,7 @@ inline bool row_linear_is_packed(const at::Tensor& weight) {
   return weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.size(2) == 16;
 }
 
-// An int8 weight packed in panels for int8 x (sbd_ext.ops.pack_row_linear_int8): uint8 [N / 16, K / 4, 16, 4]
+// An int8 weight packed in panels for int8 x (sbd_ext.packing.pack_row_linear_int8): uint8 [N / 16, K / 4, 16, 4]
 // (q + 128, K padded to a multiple of 32).
 inline bool row_linear_is_q8_packed(const at::Tensor& weight) {
   return weight.dim() == 4 && weight.scalar_type() == at::kByte;
@@ -35,7 +35,7 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
   check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte});
   check_dim(op, "x", x, 2, "[M, K]");
   const bool q8_packed = weight.scalar_type() == at::kByte;
-  if (q8_packed) {  // sbd_ext.ops.pack_row_linear_int8
+  if (q8_packed) {  // sbd_ext.packing.pack_row_linear_int8
     check_dim(op, "weight", weight, 4, "(a packed int8 weight: uint8 [N / 16, ceil(K / 32) * 8, 16, 4])");
     check_size(op, "weight", weight, 2, 16, "16 (a packed int8 weight is [N / 16, ceil(K / 32) * 8, 16, 4])");
     check_size(op, "weight", weight, 3, 4, "4 (a packed int8 weight is [N / 16, ceil(K / 32) * 8, 16, 4])");
@@ -45,7 +45,7 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
     TORCH_CHECK_VALUE(quantize_x, op, ": a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: ",
                       "pass quantize_x=True");
     checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
-  } else if (row_linear_is_packed(weight)) {  // sbd_ext.ops.pack_row_linear_weight
+  } else if (row_linear_is_packed(weight)) {  // sbd_ext.packing.pack_row_linear_weight
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
     TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a packed weight [N / 16, K, 16] must be contiguous, got strides ",
                       weight.strides());

@@ -21,7 +21,7 @@ faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows; on an AVX512-V
 accuracy: docs/benchmarks.md.
 
 ``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`,
-``weight_packed`` [N / 16, K, 16]: :func:`sbd_ext.ops.pack_row_linear_weight`), where the CPU kernel runs a few rows
+``weight_packed`` [N / 16, K, 16]: :func:`sbd_ext.packing.pack_row_linear_weight`), where the CPU kernel runs a few rows
 at the FMA rate (one weight vector times a broadcast input value per step, no lane sums): on an AMD EPYC Zen 4 (1
 thread) SmolLM2's linears at 16 rows in 37 ms instead of 59, the output head in 8.5 ms instead of 15.5, one row
 15.8 instead of 18.6. Outputs equal the plain layers' to fp32 rounding (the sum order differs). The memory is the
@@ -41,11 +41,11 @@ from torch.nn import functional as F
 
 from .linear import RowLinear, as_rows, row_count
 from . import _C
-from .ops import (
+from .ops import row_linear
+from .packing import (
     PANEL,
     pack_row_linear_int8,
     pack_row_linear_weight,
-    row_linear,
     unpack_row_linear_int8,
     unpack_row_linear_weight,
 )
@@ -97,7 +97,7 @@ class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
     (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too, and where the CPU
     has AVX512-VNNI the weight is kept in row_linear's packed int8 layout instead (``weight_int8_packed``:
-    :func:`~sbd_ext.ops.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way). fp32 rows without an
+    :func:`~sbd_ext.packing.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way). fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
     the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside the op, so
     the layer does not branch on its row count, which torch.compile would guard); anything else (autograd, other
@@ -144,7 +144,7 @@ class Int8Linear(nn.Linear):
 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` whose fp32 weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
-    :func:`~sbd_ext.ops.pack_row_linear_weight`; scheme ``"packed"``): the same values, so the same outputs to fp32
+    :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``): the same values, so the same outputs to fp32
     rounding, with a CPU kernel that runs a verify forward's 9-24 rows at the FMA rate. fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding
     unpacks it); anything else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32

@@ -18,7 +18,7 @@ from cuda_timing import CUDA, ROUNDS, measure
 
 import sbd_ext
 from sbd_ext import reference as R
-from sbd_ext.ops import pack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_weight
 
 ISA = sbd_ext.build_info()["cpu_isa"]
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49153

@@ -607,7 +607,7 @@ bool cpu_has_vnni() {
 #endif
 }
 
-// ---- int8 x int8, the weight packed in panels (sbd_ext.ops.pack_row_linear_int8) -------------------------------
+// ---- int8 x int8, the weight packed in panels (sbd_ext.packing.pack_row_linear_int8) -------------------------------
 // The weight as uint8 q + 128 in [N / 16, K / 4, 16, 4]: one 64-byte vector holds 4 consecutive values of 16 weight
 // rows, so with AVX512-VNNI one vpdpbusd multiplies them (unsigned) by 4 values of one x row (signed, broadcast)
 // and adds each row's 4 products into its int32 lane: 64 multiply-adds per instruction, no sign fix-ups, no lane

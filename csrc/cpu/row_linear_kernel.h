@@ -17,7 +17,7 @@ struct RowLinearParams {
   float* out;  // [M, N], unit stride along N
   int64_t out_stride;
   int64_t M, N, K;
-  // fp32 weight packed in panels (sbd_ext.pack / ops.pack_row_linear_weight): w is [N / kRowLinearPanel, K,
+  // fp32 weight packed in panels (sbd_ext.packing.pack_row_linear_weight): w is [N / kRowLinearPanel, K,
   // kRowLinearPanel], contiguous: weight row n, column k at w[(n / 16) * K * 16 + k * 16 + n % 16]. N % 16 == 0.
   bool packed = false;
   const float* xt = nullptr;  // packed: x transposed, [K, M] contiguous (the binding makes it)
@@ -26,7 +26,7 @@ struct RowLinearParams {
   const int8_t* xq = nullptr;  // [M, xq_stride], xq_stride = 32 * x_blocks, zero past K
   const float* xd = nullptr;   // [M, x_blocks]
   int64_t xq_stride = 0, x_blocks = 0;
-  // int8 weight packed in panels for int8 x (sbd_ext.ops.pack_row_linear_int8, quantize_x only): wq_packed is uint8
+  // int8 weight packed in panels for int8 x (sbd_ext.packing.pack_row_linear_int8, quantize_x only): wq_packed is uint8
   // [N / 16, x_blocks * 8, 16, 4], contiguous: weight row n's values k..k+3 (k = 4 j) at [n / 16, j, n % 16, 0..3],
   // each stored as q + 128 (zero past K: 128). x then comes as row_linear_quantize_x_packed writes it (transposed, so
   // a tile reads its rows from one pointer): xq4[j * M + m] = x row m's quantised values 4j..4j+3 (4 bytes),

@@ -9,7 +9,7 @@ from utils import assert_close
 import sbd_ext
 from sbd_ext import reference as R
 from sbd_ext.linear import ROW_LIMIT, RowLinear, ensure_row_linear, use_row_linear
-from sbd_ext.ops import pack_row_linear_weight, unpack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_weight, unpack_row_linear_weight
 
 EPS32 = 2.0**-24
 

@@ -7,7 +7,7 @@ from torch import nn
 
 import sbd_ext
 from sbd_ext import reference as R
-from sbd_ext.ops import pack_row_linear_int8, unpack_row_linear_int8
+from sbd_ext.packing import pack_row_linear_int8, unpack_row_linear_int8
 from sbd_ext.quantization import quantize_weight
 
 EPS32 = 2.0**-24

@@ -1,0 +1,83 @@
+"""row_linear's packed weight layouts (:func:`sbd_ext.ops.row_linear` takes them as its ``weight``): fp32 in panels
+of 16 weight rows, and int8 for int8 x. The same values, moved, so that the CPU kernel multiplies a whole panel
+vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model, "packed")`` / ``"w8a8"`` use them in a
+model (sbd_ext/quantization.py)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PANEL", "pack_row_linear_int8", "pack_row_linear_weight", "unpack_row_linear_int8", "unpack_row_linear_weight"]
+
+PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
+
+
+def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """An fp32 weight [N, K] in row_linear's panel layout: [N / 16, K, 16], contiguous, where weight row ``n``,
+    column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple of 16, or, with
+    ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows' outputs, 0, too: slice
+    them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is its inverse."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"pack_row_linear_weight: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != torch.float32:
+        raise TypeError(f"pack_row_linear_weight: the packed layout is for fp32 weights, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"pack_row_linear_weight: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if n % PANEL != 0:
+        if not pad:
+            raise ValueError(
+                f"pack_row_linear_weight: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; "
+                "pad=True pads it with zero rows)"
+            )
+        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, PANEL - n % PANEL))
+        n = weight.shape[0]
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """[N / 16, K, 16] (:func:`pack_row_linear_weight`) back to [N, K], contiguous; ``n``: keep the first n rows
+    (a padded pack's true N)."""
+    if packed.dim() != 3 or packed.shape[2] != PANEL:
+        raise ValueError(f"unpack_row_linear_weight: a packed weight is [N / {PANEL}, K, {PANEL}], got {tuple(packed.shape)}")
+    p, k, _ = packed.shape
+    w = packed.transpose(1, 2).reshape(p * PANEL, k)
+    return w if n is None or n == p * PANEL else w[:n].contiguous()
+
+
+def pack_row_linear_int8(weight_int8: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """An int8 weight [N, K] (:func:`sbd_ext.quantization.quantize_weight`) in row_linear's packed int8 layout, for
+    int8 x (``quantize_x=True``): uint8 [N / 16, ceil(K / 32) * 8, 16, 4], contiguous, where weight row ``n``'s
+    values ``4j .. 4j + 3`` are ``packed[n // 16, j, n % 16, :] - 128`` (stored as q + 128; K is padded with zeros to
+    whole blocks of 32). With AVX512-VNNI the CPU kernel multiplies it with one ``vpdpbusd`` per 64 products. N must
+    be a multiple of 16, or, with ``pad=True``, is padded with zero rows (their outputs are 0: slice them off).
+    :func:`unpack_row_linear_int8` is the inverse."""
+    if not isinstance(weight_int8, torch.Tensor):
+        raise TypeError(f"pack_row_linear_int8: weight must be a torch.Tensor, got {type(weight_int8).__name__}")
+    if weight_int8.dtype != torch.int8:
+        raise TypeError(f"pack_row_linear_int8: the weight must be int8, got {weight_int8.dtype}")
+    if weight_int8.dim() != 2:
+        raise ValueError(f"pack_row_linear_int8: weight must be 2-D [N, K], got shape {tuple(weight_int8.shape)}")
+    n, k = weight_int8.shape
+    if n % PANEL != 0 and not pad:
+        raise ValueError(
+            f"pack_row_linear_int8: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads "
+            "it with zero rows)"
+        )
+    n_pad, k_pad = -n % PANEL, -k % 32
+    w = torch.nn.functional.pad(weight_int8.detach().to(torch.int16), (0, k_pad, 0, n_pad)) + 128
+    rows, kp = w.shape
+    return w.to(torch.uint8).view(rows // PANEL, PANEL, kp // 4, 4).transpose(1, 2).contiguous()
+
+
+def unpack_row_linear_int8(packed: torch.Tensor, n: int | None = None, k: int | None = None) -> torch.Tensor:
+    """uint8 [N / 16, K / 4, 16, 4] (:func:`pack_row_linear_int8`) back to int8 [N, K]; ``n``, ``k``: the weight's
+    true sizes (a padded pack's)."""
+    if packed.dim() != 4 or packed.dtype != torch.uint8 or packed.shape[2] != PANEL or packed.shape[3] != 4:
+        raise ValueError(
+            f"unpack_row_linear_int8: a packed int8 weight is uint8 [N / {PANEL}, K / 4, {PANEL}, 4], got "
+            f"{packed.dtype} {tuple(packed.shape)}"
+        )
+    p, k4 = packed.shape[:2]
+    w = (packed.transpose(1, 2).reshape(p * PANEL, k4 * 4).to(torch.int16) - 128).to(torch.int8)
+    return w[: p * PANEL if n is None else n, : k4 * 4 if k is None else k].contiguous()
