@@ -68,19 +68,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quantize", choices=SCHEMES, default=None, help="weights in int8 (sbd_ext.quantize)")
+    ap.add_argument("--quantize", choices=SCHEMES, default=None, help="weight format (sbd_ext.quantize)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = checkpoint.load_smollm2(attn_implementation="sbd")
     use_row_linear(model, True)
-    head = model.get_output_embeddings().weight
     n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding is the head
     weight_bytes = n_params * 4
     if args.quantize:
         quantize(model, args.quantize)
+    if args.quantize in ("int8", "w8a8"):
         q8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
         weight_bytes = sum(m.int8_weight().numel() + 4 * m.weight_scale.numel() for m in q8)
+    out_layer = model.get_output_embeddings()
+    # the tensor the head passes to row_linear (its shape tells the head's calls apart): packed, int8 or fp32
+    head = next(
+        b
+        for b in (out_layer._buffers.get(n) for n in ("weight_packed", "weight_int8_packed", "weight_int8"))
+        if b is not None
+    ) if args.quantize else out_layer.weight
     gbs = stream_rate_gbs()
     out = {"threads": args.threads, "quantize": args.quantize, "stream_gbs": round(gbs, 1), "rows": {}}
     g = torch.Generator().manual_seed(0)
@@ -103,7 +110,7 @@ def main() -> int:
         for e in prof.key_averages(group_by_input_shape=True):
             ms = e.self_cpu_time_total / 1e3 / 3
             shapes = str(e.input_shapes)
-            if e.key in ("sbd_ext::row_linear", "aten::mm", "aten::linear") and str(head.shape[0]) in shapes:
+            if e.key in ("sbd_ext::row_linear", "aten::mm", "aten::linear") and str(list(head.shape)) in shapes:
                 head_ms += ms
                 continue
             for name, keys in PHASES.items():

