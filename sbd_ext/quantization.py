@@ -51,7 +51,15 @@ from .packing import (
 )
 from .reference import quantized_x
 
-__all__ = ["SCHEMES", "Int8Linear", "PackedLinear", "quantize", "quantize_weight", "quantized_scheme"]
+__all__ = [
+    "SCHEMES",
+    "Int8Linear",
+    "PackedLinear",
+    "check_trainable_weights",
+    "quantize",
+    "quantize_weight",
+    "quantized_scheme",
+]
 
 SCHEMES = ("packed", "int8", "w8a8")
 _STATE = "_sbd_quantized"
@@ -254,3 +262,22 @@ def quantized_scheme(model: nn.Module) -> str | None:
     """The scheme :func:`quantize` applied to ``model`` ("packed", "int8" or "w8a8"), or None: part of a compiled
     variant's key."""
     return getattr(model, _STATE, None)
+
+
+def check_trainable_weights(model: nn.Module, who: str) -> None:
+    """Refuse to fine-tune a model whose base is being trained (its input embedding requires grad) while linear
+    layers hold inference-only weights (:func:`quantize`: packed or int8 buffers, not parameters): the optimizer
+    would silently leave those layers as they are. Adapter training over a frozen base (its embedding frozen, e.g.
+    :func:`sbd_ext.adapters.prepare`) is allowed."""
+    scheme = quantized_scheme(model)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if scheme is None or not (isinstance(w, torch.Tensor) and w.requires_grad):
+        return
+    frozen = [n for n, m in model.named_modules() if isinstance(m, (Int8Linear, PackedLinear))]
+    if frozen:
+        raise ValueError(
+            f"{who}: this model's linear layers hold {scheme!r} weights for inference (sbd_ext.quantize), which "
+            f"training cannot update ({len(frozen)} layers, e.g. {frozen[0]}): train the fp32 model and quantize "
+            "afterwards, or train adapters over the frozen base (sbd_ext.adapters.prepare)"
+        )

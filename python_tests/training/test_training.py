@@ -514,6 +514,22 @@ class _ToyDataset(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "attention_mask": self.am[i], "labels": self.x[i].clone()}
 
 
+@pytest.mark.parametrize("scheme", ["packed", "int8"])
+def test_training_a_quantized_base_is_refused(scheme, tmp_path):
+    """train_sbd / SBDTrainer on a model whose linear weights are inference-only buffers (sbd_ext.quantize) would
+    train only the embedding and norms: a clear error instead; a frozen quantized base (adapter training) passes."""
+    model = sbd_ext.quantize(tiny(attn="sdpa"), scheme)
+    x = torch.randint(0, V, (4, 10))
+    with pytest.raises(ValueError, match=rf"train_sbd: this model's linear layers hold '{scheme}' weights"):
+        train_sbd(model, [x], 2, block_size_range=(2, 4), progress=False)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[])
+    with pytest.raises(ValueError, match=rf"SBDTrainer: this model's linear layers hold '{scheme}' weights"):
+        SBDTrainer(model=model, args=args, train_dataset=[{"input_ids": x[0]}])
+    for p in model.parameters():
+        p.requires_grad_(False)  # the base frozen (as adapter training has it): nothing to refuse
+    sbd_ext.quantization.check_trainable_weights(model, "train_sbd")
+
+
 def test_sbd_trainer_runs_and_logs_parts(tmp_path):
     model = tiny(attn="sdpa")
     model.train()

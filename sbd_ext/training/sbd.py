@@ -13,6 +13,7 @@ from ..metadata import (
     require_mask_token_id,
     set_sbd_metadata,
 )
+from ..quantization import check_trainable_weights
 from .common import draw_block_size
 from .loop import train_loop
 from .loss import sbd_loss
@@ -49,6 +50,7 @@ def train_sbd(
     ``log_every``, ``progress``, ``callback``, ``checkpoint``, ...) go to :func:`train_loop`; the history records
     loss, ntp_loss, mask_loss and mask_accuracy.
     """
+    check_trainable_weights(model, "train_sbd")
     mask_token_id = require_mask_token_id(model, mask_token_id, "train_sbd")
     if block_size_range is None:
         block_size_range = get_sbd_metadata(model)[1] or DEFAULT_BLOCK_SIZE_RANGE

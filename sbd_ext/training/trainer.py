@@ -16,6 +16,7 @@ from ..metadata import (
     set_sbd_metadata,
     unwrap_model,
 )
+from ..quantization import check_trainable_weights
 from .loss import sbd_loss
 
 __all__ = ["SBDTrainer"]
@@ -46,6 +47,7 @@ class SBDTrainer(Trainer):
         # divide by the accumulation steps only when the model is not marked as taking loss kwargs.
         self.model_accepts_loss_kwargs = False
         hf = unwrap_model(self.model)
+        check_trainable_weights(hf, "SBDTrainer")
         if block_size_range is None:
             block_size_range = get_sbd_metadata(hf)[1] or DEFAULT_BLOCK_SIZE_RANGE
         self.block_size_range = check_block_size_range(block_size_range)
