@@ -4,8 +4,8 @@
 //
 // Any row count: the kernel is for the few rows of a decoding forward (x stays in L2 while each weight tile passes
 // over it). Past kRowLinearRows rows (a prefill) an fp32 weight goes to the framework's GEMM (at::mm, as F.linear:
-// its blocking wins there, 1.2x at 128 rows on SmolLM2's shapes) and an int8 weight runs the kernel on slices of
-// kRowLinearRows rows. So a caller never branches on the row count -- under torch.compile such a branch on a dynamic
+// its blocking wins there, 1.2x at 128 rows on SmolLM2's shapes) and an int8 or packed weight runs the kernel on
+// slices of kRowLinearRows rows (a packed weight has no [N, K] copy for at::mm). So a caller never branches on the row count -- under torch.compile such a branch on a dynamic
 // row count is a guard, and each side of it a graph.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

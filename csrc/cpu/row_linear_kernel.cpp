@@ -36,6 +36,10 @@
 // multiplies share the FMA pipes' throughput: AVX2 has no VNNI). Tile: 3 weight rows (their bytes and |bytes|: 6 registers) x 2 x rows.
 // The AVX-512 build runs vpdpbusd on 512 bits where the CPU has AVX512-VNNI (tile_q8_vnni, below) and the same
 // 256-bit code otherwise; the DEFAULT build is scalar.
+//
+// Packed weights (sbd_ext/packing.py; range_packed and range_q8_packed, below): the same products over a weight
+// stored in panels of 16 rows, where one vector holds a K step (fp32) or 4 K steps (int8, for vpdpbusd) of 16 weight
+// rows, so x is broadcast and no lane sums are left: ~1.6x the tiles above at 16 rows in fp32, ~2.3x in w8a8.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
