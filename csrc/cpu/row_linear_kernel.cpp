@@ -37,7 +37,7 @@
 // The AVX-512 build runs vpdpbusd on 512 bits where the CPU has AVX512-VNNI (tile_q8_vnni, below) and the same
 // 256-bit code otherwise; the DEFAULT build is scalar.
 //
-// Packed weights (sbd_ext/packing.py; range_packed and range_q8_packed, below): the same products over a weight
+// Packed weights (sbd_ext/packing.py; panel_range, below): the same products over a weight
 // stored in panels of 16 rows, where one vector holds a K step (fp32) or 4 K steps (int8, for vpdpbusd) of 16 weight
 // rows, so x is broadcast and no lane sums are left: ~1.6x the tiles above at 16 rows in fp32, ~2.3x in w8a8.
 #include <ATen/cpu/vec/functional.h>
@@ -347,31 +347,41 @@ inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
   }
 }
 
-// A tile of R rows, R <= kPMr, dispatched to its template.
-template <int R>
+// The walk over the panels of weight rows [n0, n1) (multiples of 16) that both packed layouts share: the panels in
+// order, each with every x tile, the M rows in tiles of as equal a size as T::kRows allows (16 rows on AVX2 are
+// 6 + 5 + 5, not 6 + 6 + 4); a tile of R rows runs T::template run<R, PREFETCH>(p, m0, panel), the first tile of a
+// panel prefetching its stream.
+template <class T, int R>
 inline void panel_rows(const RowLinearParams& p, int64_t m0, int64_t rows, int64_t panel, bool prefetch) {
   if constexpr (R > 0) {
     if (rows == R) {
-      if (prefetch) return panel_tile<R, true>(p, m0, panel);
-      return panel_tile<R, false>(p, m0, panel);
+      if (prefetch) return T::template run<R, true>(p, m0, panel);
+      return T::template run<R, false>(p, m0, panel);
     }
-    panel_rows<R - 1>(p, m0, rows, panel, prefetch);
+    panel_rows<T, R - 1>(p, m0, rows, panel, prefetch);
   }
 }
 
-// Weight rows [n0, n1) (multiples of 16): the panels in order, each with every x tile (the M rows in tiles of as equal
-// a size as kPMr allows: 16 rows on AVX2 are 6 + 5 + 5, not 6 + 6 + 4).
-void range_packed(const RowLinearParams& p, int64_t n0, int64_t n1) {
-  const int64_t tiles = (p.M + kPMr - 1) / kPMr, base = p.M / tiles, extra = p.M % tiles;
+template <class T>
+void panel_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
+  const int64_t tiles = (p.M + T::kRows - 1) / T::kRows, base = p.M / tiles, extra = p.M % tiles;
   for (int64_t panel = n0 / kRowLinearPanel; panel < n1 / kRowLinearPanel; ++panel) {
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t rows = base + (t < extra ? 1 : 0);
-      panel_rows<kPMr>(p, m, rows, panel, t == 0);
+      panel_rows<T, T::kRows>(p, m, rows, panel, t == 0);
       m += rows;
     }
   }
 }
+
+struct F32Panels {
+  static constexpr int kRows = kPMr;
+  template <int MR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t panel) {
+    panel_tile<MR, PREFETCH>(p, m0, panel);
+  }
+};
 
 // ---- int8 x int8 ----------------------------------------------------------------------------------------------
 constexpr int kQNr = 3;  // weight rows per tile
@@ -687,38 +697,22 @@ __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& 
   }
 }
 
-template <int R>
-inline void q8_panel_rows(const RowLinearParams& p, int64_t m0, int64_t rows, int64_t panel, bool prefetch) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      if (prefetch) return q8_panel_tile<R, true>(p, m0, panel);
-      return q8_panel_tile<R, false>(p, m0, panel);
-    }
-    q8_panel_rows<R - 1>(p, m0, rows, panel, prefetch);
+struct Q8PanelsVnni {
+  static constexpr int kRows = kQPMr;
+  template <int MR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t panel) {
+    q8_panel_tile<MR, PREFETCH>(p, m0, panel);
   }
-}
+};
 #endif
 
-// Weight rows [n0, n1) (multiples of 16) of the packed int8 weight: panels in order, each with every x tile.
-void range_q8_packed(const RowLinearParams& p, int64_t n0, int64_t n1) {
-  const int64_t tiles = (p.M + kQPMr - 1) / kQPMr, base = p.M / tiles, extra = p.M % tiles;
-  for (int64_t panel = n0 / kRowLinearPanel; panel < n1 / kRowLinearPanel; ++panel) {
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = base + (t < extra ? 1 : 0);
-#if defined(CPU_CAPABILITY_AVX512)
-      if (cpu_has_vnni()) {
-        q8_panel_rows<kQPMr>(p, m, rows, panel, t == 0);
-      } else {
-        q8_panel_scalar(p, m, rows, panel);
-      }
-#else
-      q8_panel_scalar(p, m, rows, panel);
-#endif
-      m += rows;
-    }
+struct Q8PanelsScalar {
+  static constexpr int kRows = kQPMr;
+  template <int MR, bool PREFETCH>
+  static void run(const RowLinearParams& p, int64_t m0, int64_t panel) {
+    q8_panel_scalar(p, m0, MR, panel);
   }
-}
+};
 
 }  // namespace
 
@@ -750,7 +744,10 @@ void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float*
 
 void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   if (p.wq_packed != nullptr) {
-    range_q8_packed(p, n0, n1);
+#if defined(CPU_CAPABILITY_AVX512)
+    if (cpu_has_vnni()) return panel_range<Q8PanelsVnni>(p, n0, n1);
+#endif
+    panel_range<Q8PanelsScalar>(p, n0, n1);
   } else if (p.xq != nullptr) {
 #if defined(CPU_CAPABILITY_AVX512)
     if (cpu_has_vnni()) return tiled_range<Q8VnniTiles>(p, n0, n1);
@@ -759,7 +756,7 @@ void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   } else if (p.wq != nullptr) {
     range<int8_t>(p, n0, n1);
   } else if (p.packed) {
-    range_packed(p, n0, n1);
+    panel_range<F32Panels>(p, n0, n1);
   } else {
     range<float>(p, n0, n1);
   }
