@@ -12,25 +12,30 @@ __all__ = ["PANEL", "pack_row_linear_int8", "pack_row_linear_weight", "unpack_ro
 PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
 
 
+def _checked(fn: str, weight: torch.Tensor, dtype: torch.dtype, wrong_dtype: str, pad: bool) -> tuple[int, int]:
+    """(N, K) of a 2-D ``weight`` of ``dtype`` to pack; N a multiple of 16 unless ``pad``."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{fn}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != dtype:
+        raise TypeError(f"{fn}: {wrong_dtype}, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{fn}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if n % PANEL != 0 and not pad:
+        raise ValueError(
+            f"{fn}: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads it with zero rows)"
+        )
+    return n, k
+
+
 def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
     """An fp32 weight [N, K] in row_linear's panel layout: [N / 16, K, 16], contiguous, where weight row ``n``,
     column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple of 16, or, with
     ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows' outputs, 0, too: slice
     them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is its inverse."""
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"pack_row_linear_weight: weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype != torch.float32:
-        raise TypeError(f"pack_row_linear_weight: the packed layout is for fp32 weights, got {weight.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"pack_row_linear_weight: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = weight.shape
+    n, k = _checked("pack_row_linear_weight", weight, torch.float32, "the packed layout is for fp32 weights", pad)
     if n % PANEL != 0:
-        if not pad:
-            raise ValueError(
-                f"pack_row_linear_weight: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; "
-                "pad=True pads it with zero rows)"
-            )
-        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, PANEL - n % PANEL))
+        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
         n = weight.shape[0]
     return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
@@ -52,18 +57,7 @@ def pack_row_linear_int8(weight_int8: torch.Tensor, pad: bool = False) -> torch.
     whole blocks of 32). With AVX512-VNNI the CPU kernel multiplies it with one ``vpdpbusd`` per 64 products. N must
     be a multiple of 16, or, with ``pad=True``, is padded with zero rows (their outputs are 0: slice them off).
     :func:`unpack_row_linear_int8` is the inverse."""
-    if not isinstance(weight_int8, torch.Tensor):
-        raise TypeError(f"pack_row_linear_int8: weight must be a torch.Tensor, got {type(weight_int8).__name__}")
-    if weight_int8.dtype != torch.int8:
-        raise TypeError(f"pack_row_linear_int8: the weight must be int8, got {weight_int8.dtype}")
-    if weight_int8.dim() != 2:
-        raise ValueError(f"pack_row_linear_int8: weight must be 2-D [N, K], got shape {tuple(weight_int8.shape)}")
-    n, k = weight_int8.shape
-    if n % PANEL != 0 and not pad:
-        raise ValueError(
-            f"pack_row_linear_int8: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads "
-            "it with zero rows)"
-        )
+    n, k = _checked("pack_row_linear_int8", weight_int8, torch.int8, "the weight must be int8", pad)
     n_pad, k_pad = -n % PANEL, -k % 32
     w = torch.nn.functional.pad(weight_int8.detach().to(torch.int16), (0, k_pad, 0, n_pad)) + 128
     rows, kp = w.shape

@@ -92,6 +92,14 @@ def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
     return row_count(x)
 
 
+def _kernel_out(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """row_linear's [rows, N'] result as the layer's output [..., n]: a packed weight padded to whole panels (an SBD
+    head's 49153 rows) gives N' > n, and the zero rows' outputs are dropped."""
+    if out.shape[1] != n:
+        out = out[:, :n].contiguous()
+    return out.view(*x.shape[:-1], n)
+
+
 def _dequantized(module: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
     return module.int8_weight().to(dtype) * module.weight_scale.to(dtype)[:, None]
 
@@ -128,17 +136,13 @@ class Int8Linear(nn.Linear):
         return unpack_row_linear_int8(self.weight_int8_packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed, n = self._buffers.get("weight_int8_packed"), self.out_features
+        packed = self._buffers.get("weight_int8_packed")
         q = packed if packed is not None else self.weight_int8
         rows = _kernel_rows(x, q)
-        if rows and packed is not None:  # w8a8 on AVX512-VNNI; the scale padded like the weight's rows
+        if rows:  # packed (w8a8 on AVX512-VNNI): the scale padded like the weight's rows
             padded = self._buffers.get("weight_scale_padded")
-            out = row_linear(as_rows(x, rows), packed, padded if padded is not None else self.weight_scale, True)
-            if out.shape[1] != n:
-                out = out[:, :n].contiguous()
-            out = out.view(*x.shape[:-1], n)
-        elif rows:
-            out = row_linear(as_rows(x, rows), q, self.weight_scale, self.quantize_x).view(*x.shape[:-1], n)
+            scale = padded if padded is not None else self.weight_scale
+            out = _kernel_out(row_linear(as_rows(x, rows), q, scale, self.quantize_x), x, self.out_features)
         else:
             # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes
             xin = quantized_x(x.float()).to(x.dtype) if self.quantize_x else x
@@ -164,15 +168,12 @@ class PackedLinear(nn.Linear):
         return tied if tied is not None else unpack_row_linear_weight(self.weight_packed, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wp, n = self.weight_packed, self.out_features
+        wp = self.weight_packed
         rows = _kernel_rows(x, wp)
         if rows:
-            out = row_linear(as_rows(x, rows), wp)
-            if out.shape[1] != n:  # padded to whole panels (an SBD head's 49153 rows): drop the zero rows' outputs
-                out = out[:, :n].contiguous()
-            out = out.view(*x.shape[:-1], n)
+            out = _kernel_out(row_linear(as_rows(x, rows), wp), x, self.out_features)
         else:
-            out = F.linear(x, unpack_row_linear_weight(wp, n).to(x.dtype))
+            out = F.linear(x, unpack_row_linear_weight(wp, self.out_features).to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .packing import unpack_row_linear_int8, unpack_row_linear_weight
 from .samplers import NAMES as RULES
 from .samplers import check_threshold
 
@@ -289,10 +290,9 @@ def row_linear(
     returned as fp32 [M, N]. ``quantize_x`` (int8 weight only): x quantised by :func:`quantize_x_blocks`, each
     block's integer dot product times its scale."""
     if weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == 16:  # packed: [N / 16, K, 16]
-        weight = weight.transpose(1, 2).reshape(weight.shape[0] * 16, weight.shape[1])
+        weight = unpack_row_linear_weight(weight)
     if weight.dim() == 4 and weight.dtype == torch.uint8:  # packed int8: q + 128 in [N / 16, K / 4, 16, 4]
-        weight = (weight.transpose(1, 2).reshape(weight.shape[0] * 16, -1).to(torch.int16) - 128).to(torch.int8)
-        weight = weight[:, : x.shape[1]]
+        weight = unpack_row_linear_int8(weight, k=x.shape[1])
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row_linear: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if (weight.dtype == torch.int8) != (scale is not None):

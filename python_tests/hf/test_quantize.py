@@ -112,26 +112,31 @@ def test_int8_forward_equals_the_dequantised_fp32_model(rows, scheme):
         assert len(seen) == len(hooks) > 0
 
 
-def test_int8_linear_paths_agree():
-    """Kernel (1 call, several calls) and the dequantised F.linear fallback (autograd, another dtype) compute the
-    same layer; the fallback keeps gradients flowing to the input."""
-    torch.manual_seed(1)
+@pytest.mark.parametrize("scheme, seed", [("int8", 1), ("packed", 2)])
+def test_linear_paths_agree(scheme, seed):
+    """Kernel (1 call, several calls) and the F.linear fallback on the dequantised / unpacked weight (autograd,
+    another dtype) compute the same layer, for an output size that is not a multiple of 16 (packed: padded panels);
+    the fallback keeps gradients flowing to the input."""
+    torch.manual_seed(seed)
     layer = nn.Linear(24, 10)
-    sbd_ext.quantize(layer)
-    w = layer.weight_int8.float() * layer.weight_scale[:, None]
+    w = layer.weight.detach().clone()  # packed: the same fp32 values
+    sbd_ext.quantize(layer, scheme)
+    if scheme == "int8":
+        w = layer.weight_int8.float() * layer.weight_scale[:, None]
     for shape in ((3, 24), (2, 40, 24)):
         x = torch.randn(*shape)
         want = torch.nn.functional.linear(x, w, layer.bias)
         with torch.no_grad():
-            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-        xg = x.clone().requires_grad_(True)
-        got = layer(xg)
+            got = layer(x)
+        assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        got.sum().backward()
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        out.sum().backward()
         torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        xb = torch.randn(3, 24, dtype=torch.bfloat16)
-        assert layer(xb).dtype == torch.bfloat16
+        assert layer(torch.randn(3, 24, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def test_switching_schemes_keeps_the_weights():
@@ -200,29 +205,6 @@ def test_packed_forward_equals_the_fp32_model(rows):
         got, want = model(ids).logits, ref(ids).logits
     assert got.shape == want.shape == (1, rows, 100)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_packed_linear_paths_agree():
-    """Kernel and the unpacked F.linear fallback (autograd, another dtype) compute the same layer, for an output
-    size that is not a multiple of 16 (padded panels); gradients flow to the input."""
-    torch.manual_seed(2)
-    layer = nn.Linear(24, 10)
-    w = layer.weight.detach().clone()
-    sbd_ext.quantize(layer, "packed")
-    for shape in ((3, 24), (2, 40, 24)):
-        x = torch.randn(*shape)
-        want = torch.nn.functional.linear(x, w, layer.bias)
-        with torch.no_grad():
-            got = layer(x)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        xg = x.clone().requires_grad_(True)
-        out = layer(xg)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-        out.sum().backward()
-        torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        assert layer(torch.randn(3, 24, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def test_packed_then_int8_and_not_back():
