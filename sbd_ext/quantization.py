@@ -157,7 +157,7 @@ class Int8Linear(nn.Linear):
 class PackedLinear(nn.Linear):
     """``nn.Linear`` whose fp32 weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
     :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``): the same values, so the same outputs to fp32
-    rounding, with a CPU kernel that runs a verify forward's 9-24 rows at the FMA rate. fp32 rows without an
+    rounding, with a CPU kernel that runs a verify forward's 9-16 rows at the FMA rate. fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding
     unpacks it); anything else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32
     tensor where the layer shares the embedding's, else the unpacked weight (computed on each access)."""

@@ -249,10 +249,11 @@ void range(const RowLinearParams& p, int64_t n0, int64_t n1) {
 // rows keeps MR accumulator vectors per panel vector: out[m, 16 rows] += x[m, k] (broadcast) * panel[k]. Per K step:
 // one weight load, MR broadcasts, MR FMAs, and no lane sums at the end (each accumulator lane is one output), so the
 // loop runs at the FMA rate where the dot-product tiles above pay for their loads of x and their final lane sums.
-// AVX-512 takes up to 24 x rows per tile (24 accumulators + the weight vector + a broadcast), so a verify forward's
-// 9-24 rows read every panel once; fewer rows split K over KS accumulator sets (even / odd steps ...) so that at
-// least 8 FMA chains are in flight (one x row: 4 sets, a bandwidth-bound stream). The first x tile of a panel
-// prefetches kPanelAhead bytes ahead in the stream (the later tiles, with more than 24 rows, find it in L2).
+// AVX-512 takes up to 16 x rows per tile (16 accumulators + the weight vector + a broadcast; 24-row tiles measured
+// slower: 17-24 rows are two tiles), so a verify forward's 9-16 rows read every panel once; fewer rows split K over KS
+// accumulator sets (even / odd steps ...) so that at least 8 FMA chains are in flight (one x row: 4 sets, a
+// bandwidth-bound stream). The first x tile of a panel
+// prefetches kPanelAhead bytes ahead in the stream (the later tiles, with more than 16 rows, find it in L2).
 // On an AMD EPYC Zen 4 (1 thread) SmolLM2's linears at 16 rows ran at ~86 GFLOP/s this way (the 6 x 4 dot-product
 // tile: 58), its 49152-row head at ~100.
 #if defined(CPU_CAPABILITY_AVX512)
