@@ -229,7 +229,8 @@ def row_linear(
         x: [M, K] fp32, contiguous along K (rows may be strided).
         weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, or int8 for
             weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
-            [N / 16, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`; ``sbd_ext.quantize(model, "packed")``), which
+            [N / 16, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`;
+            ``sbd_ext.quantize(model, "packed")``), which
             the CPU kernel multiplies at the FMA rate (one weight vector times a broadcast x value per step, no
             lane sums).
         scale: None for an fp32 weight; [N] fp32 for an int8 one (one scale per weight row): the result is then
@@ -287,7 +288,8 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
     names = {torch.float32: "Float", torch.int8: "Char", torch.uint8: "Byte"}
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in allowed[name]:
-            raise TypeError(f"row_linear: {name} must have dtype {', '.join(names[d] for d in allowed[name])}, got {t.dtype}")
+            want = ", ".join(names[d] for d in allowed[name])
+            raise TypeError(f"row_linear: {name} must have dtype {want}, got {t.dtype}")
         packed = name == "weight" and t.dim() == 3 and t.dtype == torch.float32 and t.shape[2] == PANEL
         if name == "weight" and t.dtype == torch.uint8:
             if t.dim() != 4 or t.shape[2] != PANEL or t.shape[3] != 4:
@@ -313,12 +315,15 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
         )
         if not quantize_x:
             raise ValueError(
-                "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: pass quantize_x=True"
+                "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: "
+                "pass quantize_x=True"
             )
     else:
         torch._check_value(
             weight.shape[1] == x.shape[1],
-            lambda: f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}",
+            lambda: (
+                f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}"
+            ),
         )
     n = row_linear_out_features(weight)
     if weight.dtype in (torch.int8, torch.uint8):

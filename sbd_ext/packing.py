@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PANEL", "pack_row_linear_int8", "pack_row_linear_weight", "unpack_row_linear_int8", "unpack_row_linear_weight"]
+__all__ = [
+    "PANEL",
+    "pack_row_linear_int8",
+    "pack_row_linear_weight",
+    "unpack_row_linear_int8",
+    "unpack_row_linear_weight",
+]
 
 PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
 
@@ -23,7 +29,8 @@ def _checked(fn: str, weight: torch.Tensor, dtype: torch.dtype, wrong_dtype: str
     n, k = weight.shape
     if n % PANEL != 0 and not pad:
         raise ValueError(
-            f"{fn}: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads it with zero rows)"
+            f"{fn}: N = {n} weight rows is not a multiple of {PANEL} (panels of {PANEL}; pad=True pads it with "
+            "zero rows)"
         )
     return n, k
 
@@ -44,7 +51,9 @@ def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None) -> torc
     """[N / 16, K, 16] (:func:`pack_row_linear_weight`) back to [N, K], contiguous; ``n``: keep the first n rows
     (a padded pack's true N)."""
     if packed.dim() != 3 or packed.shape[2] != PANEL:
-        raise ValueError(f"unpack_row_linear_weight: a packed weight is [N / {PANEL}, K, {PANEL}], got {tuple(packed.shape)}")
+        raise ValueError(
+            f"unpack_row_linear_weight: a packed weight is [N / {PANEL}, K, {PANEL}], got {tuple(packed.shape)}"
+        )
     p, k, _ = packed.shape
     w = packed.transpose(1, 2).reshape(p * PANEL, k)
     return w if n is None or n == p * PANEL else w[:n].contiguous()

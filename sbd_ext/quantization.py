@@ -7,8 +7,8 @@ int8 weights and one fp32 scale per output row (symmetric, per channel: ``scale 
 fp32 in registers (csrc/cpu/row_linear_kernel.cpp): activations, sums, norms, attention and logits stay fp32.
 
 :func:`quantize` turns every plain ``nn.Linear`` of an fp32 model (and :class:`~sbd_ext.linear.RowLinear`; the
-frozen base projection inside a gated drafter's adapter too) into :class:`Int8Linear` (:class:`PackedLinear`) **in place**, by class, as
-:func:`sbd_ext.linear.use_row_linear` does: the module objects, their hooks and every reference to them stay, so a
+frozen base projection inside a gated drafter's adapter too) into :class:`Int8Linear` (:class:`PackedLinear`)
+**in place**, by class, as :func:`sbd_ext.linear.use_row_linear` does: the module objects, their hooks and every reference to them stay, so a
 drafter attached before or after keeps working and NTP, SBD and verify decoding all run on int8 weights. A weight
 tied to the input embedding (SmolLM2's output head) keeps the shared fp32 tensor for the embedding lookup and gets an
 int8 copy for the head; every other fp32 weight is freed. The embedding itself stays fp32 (a lookup reads one row).
@@ -113,8 +113,8 @@ class Int8Linear(nn.Linear):
     """``nn.Linear`` with an int8 weight (``weight_int8`` [N, K]) and one fp32 scale per output row
     (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too, and where the CPU
     has AVX512-VNNI the weight is kept in row_linear's packed int8 layout instead (``weight_int8_packed``:
-    :func:`~sbd_ext.packing.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way). fp32 rows without an
-    autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
+    :func:`~sbd_ext.packing.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way).
+    fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
     the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside the op, so
     the layer does not branch on its row count, which torch.compile would guard); anything else (autograd, other
     dtypes) runs ``F.linear`` on the weight dequantised for that call (and, with ``quantize_x``, on the input as the
@@ -191,8 +191,8 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
     """The weights of every plain ``nn.Linear`` / ``RowLinear`` of an fp32 ``model`` in another format, in place
     (see the module doc); returns ``model``. ``scheme``: "int8" (int8 weights), "w8a8" (and int8 inputs), or
     "packed" (fp32 weights in row_linear's panel layout: the same values, an output size that is not a multiple of
-    16 padded with zero rows whose outputs the layer drops). Calling it again with the same scheme is a no-op; between "int8" and "w8a8" it switches the
-    layers' inputs (the int8 weights are the same); "int8" / "w8a8" on a packed model quantise the packed layers too;
+    16 padded with zero rows whose outputs the layer drops). Calling it again with the same scheme is a no-op;
+    between "int8" and "w8a8" it switches the layers' inputs (the int8 weights are the same); "int8" / "w8a8" on a packed model quantise the packed layers too;
     "packed" on an int8 model is refused. Raises ValueError for an unknown scheme or a model whose linear weights are
     not fp32 (the kernel's activations are fp32: convert with ``model.float()`` first), TypeError for a non-module."""
     if not isinstance(model, nn.Module):

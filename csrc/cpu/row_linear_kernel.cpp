@@ -341,7 +341,8 @@ inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
       PVec s = acc[i * kPV + v];
       if constexpr (KS == 2) s = pv_add(s, acc[(MR + i) * kPV + v]);
       if constexpr (KS == 4) {
-        s = pv_add(pv_add(s, acc[(MR + i) * kPV + v]), pv_add(acc[(2 * MR + i) * kPV + v], acc[(3 * MR + i) * kPV + v]));
+        const PVec hi = pv_add(acc[(2 * MR + i) * kPV + v], acc[(3 * MR + i) * kPV + v]);
+        s = pv_add(pv_add(s, acc[(MR + i) * kPV + v]), hi);
       }
       pv_store(o + v * kPL, s);
     }
