@@ -40,6 +40,7 @@ def test_listed_small_and_gated(shipped):
     assert NAME in models.available() and drafter.is_drafter(folder)
     assert sum(f.stat().st_size for f in folder.iterdir()) <= 32e6
     assert drafter.get_drafter(model) is not None  # attached, not merged
+    assert models.path("smollm2") == folder  # the short name is the base with its general drafter
 
 
 def test_ntp_and_verify_are_the_unmodified_models_answers(shipped):
@@ -90,7 +91,7 @@ def test_reproduces_its_ship_record(shipped):
 
 
 def test_cli_answers_any_question(capsys):
-    assert cli.main(["generate", "--model", NAME, "--max-new-tokens", "24", "What is the capital of France?"]) == 0
+    assert cli.main(["generate", "--model", "smollm2", "--max-new-tokens", "24", "What is the capital of France?"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "tokens/forward" in out
 

@@ -307,6 +307,32 @@ def test_full_block_prob_masks_every_position_of_a_sequence():
     assert int(parts["num_masked"]) < 4 * 15
 
 
+def test_first_slot_loss_off_leaves_each_full_blocks_first_slot_out():
+    """``first_slot_loss=False``: the loss and the accuracy cover a fully masked block's slots 1..k-1 only (verify
+    takes slot 0 from the commit row); the same draws with it on cover every slot, and the two losses combine to it."""
+    _, model = _with_drafter(seed=21, attn="sdpa")
+    B, L, k = 4, 16, 4
+    x = torch.randint(0, MASK_ID, (B, L), generator=torch.Generator().manual_seed(1))
+    lm = torch.ones_like(x, dtype=torch.bool)
+    run = lambda first, m=lm: drafter.distill_loss(  # noqa: E731
+        model, x, m, k, generator=torch.Generator().manual_seed(2), full_block_prob=1.0,
+        first_slot_loss=first, return_parts=True,
+    )
+    with torch.no_grad():
+        all_loss, all_parts = run(True)
+        rest_loss, rest_parts = run(False)
+        slot0 = lm & (torch.arange(L) % k == 0)
+        slot0_loss, slot0_parts = run(True, slot0)  # only slot-0 positions carry loss
+    assert int(all_parts["num_masked"]) == B * (L - 1)  # t >= 1
+    assert int(rest_parts["num_masked"]) == B * (L - 1 - (L // k - 1))  # slots at t = 4, 8, 12 left out
+    assert int(slot0_parts["num_masked"]) == B * (L // k - 1)
+    n_rest, n0 = int(rest_parts["num_masked"]), int(slot0_parts["num_masked"])
+    torch.testing.assert_close(all_loss, (rest_loss * n_rest + slot0_loss * n0) / (n_rest + n0))
+    acc = rest_parts["offset_accuracy"]
+    assert len(acc) == k and math.isnan(acc[0]) and all(0.0 <= a <= 1.0 for a in acc[1:])
+    assert not math.isnan(all_parts["offset_accuracy"][0])
+
+
 @pytest.mark.parametrize("counts", [([9], [13]), ([9, 6], [13, 6]), ([3, 9], [7, 11])])
 def test_block_row_slice_equals_the_gate_over_every_row(counts):
     """Eager decoding gives the drafter a host range of the block rows (the adapter runs on that slice only);

@@ -698,13 +698,17 @@ def test_train_loop_schedule_and_clipping():
 
     def loss_fn(m, batch):
         seen.append(batch)
-        return (m.w * batch).sum() ** 2, {"aux": torch.tensor(float(batch))}
+        parts = {"aux": torch.tensor(float(batch))}
+        if batch == 2.0:  # a part some steps leave out: averaged over the steps that report it
+            parts["sometimes"] = torch.tensor(3.0)
+        return (m.w * batch).sum() ** 2, parts
 
     hist = train_loop(
         model, [1.0, 2.0], loss_fn, 4, lr=0.1, warmup_steps=2, min_lr_ratio=0.1, log_every=2, progress=False
     )
     assert seen == [1.0, 2.0, 1.0, 2.0]  # a list is cycled
     assert [r["step"] for r in hist] == [2, 4] and hist[0]["aux"] == 1.5
+    assert hist[0]["sometimes"] == 3.0 and hist[1]["sometimes"] == 3.0
     assert lr_factor(0, 4, 2) == 0.5 and lr_factor(1, 4, 2) == 1.0 and lr_factor(4, 4, 2, 0.1) == pytest.approx(0.1)
     assert hist[-1]["lr"] == pytest.approx(0.1 * lr_factor(4, 4, 2, 0.1))
     with pytest.raises(ValueError, match="steps"):

@@ -25,6 +25,7 @@ def distill_loss(
     generator: torch.Generator | None = None,
     eta: torch.Tensor | None = None,
     full_block_prob: float = 0.0,
+    first_slot_loss: bool = True,
     return_parts: bool = False,
 ):
     """The drafter's loss on x [B, L]: the SBD layout of Alg. 1 with the clean half run by the frozen base.
@@ -36,9 +37,12 @@ def distill_loss(
        blocks (the SBD mask's noisy rows); with probability ``full_block_prob`` a sequence has every token masked
        instead (eta = 1), the block verify decoding drafts: all its positions unknown when it is drafted;
     3. loss: mean over masked positions t with ``loss_mask[b, t]`` (and t >= 1) of KL(p_base(. | x_<t) ||
-       q_drafter), the mask token excluded from both.
+       q_drafter), the mask token excluded from both. ``first_slot_loss=False`` leaves each fully masked block's
+       first position out: in verify decoding the commit row before the block supplies that token, so the drafts
+       that can be accepted are the 2-ahead and later ones (the loss then spends the adapter on them alone).
     ``attention_mask`` [B, L]: right padding (1 = token). Returns the loss, or ``(loss, parts)`` with
-    ``mask_accuracy`` (drafter argmax == base argmax) and ``num_masked``.
+    ``mask_accuracy`` (drafter argmax == base argmax), ``num_masked`` and ``offset_accuracy`` (the accuracy at each
+    block position 0..k-1 of the fully masked blocks, NaN where there were none).
     """
     drafter = get_drafter(model)
     if drafter is None:
@@ -83,6 +87,11 @@ def distill_loss(
     # Noisy blocks that end before the first position with loss (the prompts) feed no loss and no later block (a
     # noisy block sees its own block only): they are left out. s: the first block holding a loss position.
     sel = masked & loss_mask.bool() & (pos >= 1)
+    n_blocks = -(-L // k)
+    padded = F.pad(masked | ~valid, (0, n_blocks * k - L), value=True).view(B, n_blocks, k)
+    block_full = padded.all(-1).repeat_interleave(k, dim=1)[:, :L] & valid
+    if not first_slot_loss:
+        sel &= ~(block_full & (pos % k == 0))
     first = int(loss_mask.bool().any(0).nonzero()[0]) if loss_mask.any() else 0
     s = (first // k) * k
     full = sbd_attention_mask(L, k, lengths, mask_format="bool", device=device)  # [B, 1, 2L, 2L]
@@ -116,5 +125,13 @@ def distill_loss(
     if not return_parts:
         return loss
     with torch.no_grad():
-        acc = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-    return loss, dict(mask_loss=loss.detach(), mask_accuracy=acc, num_masked=torch.tensor(n), block_size=k)
+        hit = (student.argmax(-1) == teacher.argmax(-1)).float()
+        acc = hit.mean()
+        offset, full_sel = ti % k, block_full[bi, ti]
+        by_offset = [
+            float(hit[full_sel & (offset == j)].mean()) if bool((full_sel & (offset == j)).any()) else math.nan
+            for j in range(k)
+        ]
+    return loss, dict(
+        mask_loss=loss.detach(), mask_accuracy=acc, num_masked=torch.tensor(n), block_size=k, offset_accuracy=by_offset
+    )

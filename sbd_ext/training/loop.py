@@ -235,7 +235,8 @@ def train_loop(
         torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     )
     sums: dict[str, torch.Tensor] = {}
-    n_acc, t0 = 0, time.perf_counter()
+    counts: dict[str, int] = {}
+    t0 = time.perf_counter()
     model.train()
     reached = start
     for step in range(start + 1, steps + 1):
@@ -265,15 +266,15 @@ def train_loop(
                 continue
             v = torch.as_tensor(v).detach().float().to(device)
             sums[key] = sums[key] + v if key in sums else v
-        n_acc += 1
+            counts[key] = counts.get(key, 0) + 1  # a part a step may leave out is averaged over the steps with it
         if bar is not None:
             bar.update(1)
         if step % log_every == 0 or step == steps:
-            rec = {"step": step, **{k: round(float(v) / n_acc, 4) for k, v in sums.items()}}
+            rec = {"step": step, **{k: round(float(v) / counts[k], 4) for k, v in sums.items()}}
             rec["lr"] = sched.get_last_lr()[0]
             rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
             history.append(rec)
-            sums, n_acc = {}, 0
+            sums, counts = {}, {}
             msg = " ".join(f"{k} {rec[k]:.4f}" for k in rec if k not in ("step", "lr", "elapsed_s"))
             if bar is not None:
                 bar.set_postfix_str(msg)

@@ -23,11 +23,14 @@ from ... import adapters, drafter
 from ...quantization import SCHEMES
 from ...quantization import quantize as quantize_model
 
-__all__ = ["DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
+__all__ = ["ALIASES", "DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
 
 MODELS_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL = "sbd-arith"
 CONTROL_MODEL = "ntp-arith"
+# Short names: ``smollm2`` is the unmodified SmolLM2-135M-Instruct with its general gated drafter attached (its own
+# answers, exactly); the ungated conversion keeps its explicit name ``smollm2-sbd``.
+ALIASES = {"smollm2": "smollm2-drafter"}
 
 
 def _is_model(folder: Path) -> bool:
@@ -42,7 +45,8 @@ def available() -> list[str]:
 
 
 def path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
-    """The folder of an embedded model (by name) or the given folder itself."""
+    """The folder of an embedded model (by name or :data:`ALIASES` short name) or the given folder itself."""
+    name_or_path = ALIASES.get(str(name_or_path), name_or_path)
     p = Path(name_or_path)
     if _is_model(MODELS_DIR / str(name_or_path)):
         return MODELS_DIR / str(name_or_path)

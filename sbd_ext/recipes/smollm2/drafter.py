@@ -84,6 +84,7 @@ class DrafterConfig:
     rank: int = 16
     full_block_prob: float = 0.5  # sequences with every block fully masked (verify drafts such blocks)
     block_size_range: tuple[int, int] = (2, 16)
+    first_slot_loss: bool = True  # False: a fully masked block's first slot has no loss (verify takes it from NTP)
     seed: int = 0
     log_every: int = 5
     checkpoint_every: int = 10
@@ -180,7 +181,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     if resume:
         if not ck.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
-        saved = {"task": "general"} | json.loads(cfg_file.read_text())  # runs from before the field
+        saved = {"task": "general", "first_slot_loss": True} | json.loads(cfg_file.read_text())  # older runs
         saved["block_size_range"] = tuple(saved["block_size_range"])
         if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
@@ -209,7 +210,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
 
     def loss_fn(model, b):
         k = draw_block_size(cfg.block_size_range, gen)
-        return drafter_mod.distill_loss(
+        loss, parts = drafter_mod.distill_loss(
             model,
             b["input_ids"],
             b["loss_mask"],
@@ -217,8 +218,13 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             attention_mask=b["attention_mask"],
             generator=gen,
             full_block_prob=cfg.full_block_prob,
+            first_slot_loss=cfg.first_slot_loss,
             return_parts=True,
         )
+        by_offset = parts.pop("offset_accuracy")
+        if len(by_offset) > 1 and by_offset[1] == by_offset[1]:  # the 2-ahead drafts verify can accept (not NaN)
+            parts["ahead2_accuracy"] = by_offset[1]
+        return loss, parts
 
     t0 = time.time()
     curve = out / "curve.jsonl"
@@ -272,8 +278,10 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "generation": generation
         or {"sbd_mode": "sbd", "sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
         "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
-        f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, seed {cfg.seed}, on "
-        f"{n_samples} self-distilled answers"
+        f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, block sizes "
+        f"{cfg.block_size_range[0]}-{cfg.block_size_range[1]}"
+        + ("" if cfg.first_slot_loss else ", no loss on a full block's first slot")
+        + f", seed {cfg.seed}, on {n_samples} self-distilled answers"
         + (" to arithmetic training problems" if cfg.task == "arith" else "")
         + (f", continuing the drafter {Path(cfg.init_from).name!r}" if cfg.init_from else ""),
     }
@@ -401,6 +409,14 @@ def main(argv: list[str] | None = None) -> int:
         t.add_argument("--" + f.replace("_", "-"), type=int)
     t.add_argument("--lr", type=float)
     t.add_argument("--full-block-prob", type=float)
+    t.add_argument("--block-size-range", type=int, nargs=2, metavar=("MIN", "MAX"))
+    t.add_argument(
+        "--no-first-slot-loss",
+        dest="first_slot_loss",
+        action="store_false",
+        default=None,
+        help="leave a fully masked block's first slot out of the loss (verify takes that token from the commit row)",
+    )
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
     t.add_argument("--task", choices=sorted(TASKS), help="default: general")
     e = sub.add_parser("eval")
@@ -443,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     elif args.cmd == "train":
         over = {k: v for k, v in vars(args).items() if k in DrafterConfig.__dataclass_fields__ and v is not None}
+        if "block_size_range" in over:
+            over["block_size_range"] = tuple(over["block_size_range"])
         train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
     else:
         gen = {
