@@ -143,10 +143,10 @@ def test_verify_compiled_equals_eager_and_ntp(sbd):
     correction: the compiled run equals the eager one and both equal NTP decoding. k = 16 with a greedy gamma: the
     model's far-right guesses are often wrong, so corrections (rollbacks) happen."""
     model, tok, info = sbd
-    for start, temperature in ((0, 0.0), (3, 0.8)):
+    for start, temperature, lookup in ((0, 0.0, 0), (3, 0.8, 0), (0, 0.0, 4)):  # lookup: host-side, the same graph
         ids, mask = _batch(tok, info, start)
         s = _settings(tok, info, block_size=16, threshold=2.0, temperature=temperature, seed=5, eos_token_id=[])
-        out = _compiled_and_eager(model, ids, mask, GenerationSettings.of(s, verify=True))
+        out = _compiled_and_eager(model, ids, mask, GenerationSettings.of(s, verify=True, lookup=lookup))
         assert out.num_corrected.sum() > 0
         ntp = generate(model, ids, mask, s, mode="ntp")
         assert torch.equal(out.sequences, ntp.sequences)

@@ -223,3 +223,94 @@ def test_verify_never_takes_more_forwards_than_ntp(seed):
             case = (k, sampler, gamma, temperature)
             assert torch.equal(ver.sequences, ntp.sequences), case
             assert (ver.nfe <= ntp.nfe).all(), (case, ver.nfe, ntp.nfe)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# lookup: drafts from the context (prompt lookup) inside the verify cycle
+# --------------------------------------------------------------------------------------------------------------
+def _latest_follower(ctx: list[int], n_max: int, n_min: int, m: int) -> list[int]:
+    """Brute force: the m tokens after the latest earlier occurrence of ctx's longest final n-gram."""
+    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
+        suffix = ctx[len(ctx) - n :]
+        for s in range(len(ctx) - n - 1, -1, -1):
+            if ctx[s : s + n] == suffix:
+                return ctx[s + n : s + n + m]
+    return []
+
+
+@pytest.mark.parametrize("n_max,n_min", [(1, 1), (2, 2), (4, 2), (6, 3)])
+def test_ngram_index_equals_a_brute_force_search(n_max, n_min):
+    """Grown a few tokens at a time (as verify's output grows), over a small alphabet (many repeats), every proposal
+    equals a search from scratch."""
+    from sbd_ext.decoding.lookup import NgramIndex
+
+    g = torch.Generator().manual_seed(n_max * 10 + n_min)
+    for trial in range(4):
+        seq = torch.randint(0, 3 + trial, (160,), generator=g).tolist()
+        index, L = NgramIndex(n_max, n_min), 1
+        while L <= len(seq):
+            for m in (0, 1, 3, 7):
+                assert index.propose(seq[:L], m) == _latest_follower(seq[:L], n_max, n_min, m), (trial, L, m)
+            L += int(torch.randint(1, 5, (1,), generator=g))
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        NgramIndex(2, 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("k,lookup", [(2, 1), (4, 2), (8, 3), (16, 8)])
+def test_verify_with_lookup_equals_ntp(models, k, lookup, temperature):
+    """Drafts from the context change only how many forwards verify takes: the sequences are NTP's (ragged batch,
+    EOS and stop ids, the budget), in at most NTP's forwards."""
+    for i, m in enumerate(models):
+        ids, mask = random_prompts([3, 9, 6], seed=20 + i)
+        kw = dict(max_new_tokens=33, eos_token_id=[7], stop_token_ids=[11], seed=5, temperature=temperature)
+        ntp = generate(m, ids, mask, mode="ntp", **kw)
+        ver = generate(m, ids, mask, block_size=k, threshold=1.0, verify=True, lookup=lookup, **kw)
+        assert torch.equal(ver.sequences, ntp.sequences), (i, ver.sequences, ntp.sequences)
+        assert (ver.nfe <= ntp.nfe).all()
+        assert torch.equal(ver.num_accepted + ver.num_corrected, ver.num_generated)
+
+
+def test_lookup_drafts_repeated_text_in_fewer_forwards(models):
+    """A random model's greedy output falls into near-loops (9 5 9 5 ..., 8 14 13 38 8 14 13 38 ...): the block
+    rows' guesses are mostly wrong, the context's continuation often right, so lookup needs fewer forwards for the
+    same tokens (189 -> 160 here)."""
+    m = models[0]
+    ids, mask = random_prompts([4, 8], seed=3)
+    kw = dict(max_new_tokens=96, eos_token_id=[], block_size=8, threshold=100.0, verify=True)
+    plain = generate(m, ids, mask, **kw)
+    looked = generate(m, ids, mask, lookup=4, **kw)
+    assert torch.equal(looked.sequences, plain.sequences)
+    assert int(looked.nfe.sum()) < 0.9 * int(plain.nfe.sum()), (looked.nfe, plain.nfe)
+
+
+def test_lookup_bad_input(models):
+    ids = torch.randint(0, MASK_ID, (1, 4))
+    for bad in (-1, 65, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="lookup must be an int in"):
+            generate(models[0], ids, verify=True, lookup=bad, max_new_tokens=4)
+
+
+def test_lookup_does_nothing_outside_verify(models):
+    """Plain SBD and NTP never take unchecked drafts from the context: lookup leaves their output as it is."""
+    m = models[0]
+    ids, mask = random_prompts([4, 8], seed=3)
+    for kw in (dict(block_size=4, threshold=1.0), dict(mode="ntp")):
+        kw |= dict(max_new_tokens=40, eos_token_id=[])
+        a, b = generate(m, ids, mask, **kw), generate(m, ids, mask, lookup=4, **kw)
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.nfe, b.nfe)
+
+
+def test_lookup_from_the_generation_config(models):
+    """``sbd_lookup`` in the model's generation config is the default lookup (a checkpoint's recommended setting)."""
+    m = models[1]
+    ids, mask = random_prompts([5, 7], seed=6)
+    kw = dict(max_new_tokens=40, eos_token_id=[], block_size=8, threshold=100.0, verify=True)
+    want = generate(m, ids, mask, lookup=3, **kw)
+    m.generation_config.sbd_lookup = 3
+    try:
+        got = generate(m, ids, mask, **kw)
+        assert not torch.equal(generate(m, ids, mask, **kw, lookup=0).nfe, want.nfe)  # a keyword overrides it
+    finally:
+        del m.generation_config.sbd_lookup
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)

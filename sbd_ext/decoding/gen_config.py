@@ -1,5 +1,6 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
-``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``, ``sbd_strict_block_size``), saved in
+``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``, ``sbd_strict_block_size``,
+``sbd_lookup``), saved in
 ``generation_config.json`` so that a checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and
 to ``model.generate``.
 
@@ -32,6 +33,7 @@ SBD_FIELDS = {
     "sbd_mode": "mode",
     "sbd_compile": "compile",
     "sbd_strict_block_size": "strict_block_size",
+    "sbd_lookup": "lookup",
 }
 # Every sbd_* generation-config field: the settings above, and sbd_seed (the Philox seed of ``model.generate``).
 KNOWN_SBD_FIELDS = (*SBD_FIELDS, "sbd_seed")

@@ -9,6 +9,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..cache import SBDCache
+from .lookup import NgramIndex
 from .settings import Job
 
 __all__ = ["SBDGenerateOutput", "SequenceState", "block_tensor", "finish"]
@@ -66,6 +67,7 @@ class SequenceState:
         self.corrected = 0  # corrections (one per rejected draft suffix)
         self.corrections: list[int] = []  # positions (in the output row) of the corrected tokens
         self.trace: list[tuple[int, list[int], list[int]]] = []
+        self.lookup = NgramIndex(job.lookup, min(2, job.lookup)) if job.verify and job.lookup else None
         if job.sbd:
             self._start_block()
 
@@ -185,6 +187,8 @@ class SequenceState:
             keep = self._revealed_prefix(block)  # no credit for a forward that commits nothing: draft what we have
         else:
             keep = None
+        if keep is not None and not stopped and self.lookup is not None and self.block_verified:
+            self._draft_from_context(block, keep)
         start = self.block_start
         self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
         if keep is None:
@@ -203,6 +207,17 @@ class SequenceState:
         elif not stopped:
             self._start_block()  # (after a stop token only the drafts' verification is left)
         return None
+
+    def _draft_from_context(self, block: list[int], keep: int) -> None:
+        """Verify with ``lookup``: slots 1..keep-1 of the finished ``block`` (in place) from the tokens that followed
+        the latest earlier occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP
+        choice); the drafter's tokens stay where the lookup has none. A proposal stops before a stop or mask id
+        (no unverified stop in the middle of a block)."""
+        cont = self.lookup.propose(self.prompt + self.gen + block[:1], keep - 1)
+        for j, t in enumerate(cont, start=1):
+            if t in self.job.stop_ids or t == self.job.mask_id:
+                break
+            block[j] = t
 
     def after_ntp_forward(self, f: int, token: int, b: int) -> None:
         self.nfe += 1

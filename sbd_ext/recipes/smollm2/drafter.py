@@ -374,6 +374,7 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
         sampler=generation["sbd_sampler"],
         threshold=generation["sbd_threshold"],
         verify=True,
+        lookup=generation.get("sbd_lookup", 0),
     )
     ntp, row = evaluate(dest, check_n, max_new_tokens, [kw])
     record = {
@@ -426,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8])
     e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0], help="entropy bounds of the verify rows")
     e.add_argument("--plain-thresholds", type=float, nargs="*", default=[0.35], help="entropy bounds of plain SBD rows")
+    e.add_argument("--lookups", type=int, nargs="*", default=[0], help="verify rows' lookup (longest n-gram; 0: off)")
     e.add_argument("--threads", type=int)
     e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
@@ -434,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=8)
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
+    s.add_argument("--lookup", type=int, default=0, help="drafts from the context (longest n-gram; 0: off)")
     s.add_argument("--check-n", type=int, default=8)
     s.add_argument("--max-new-tokens", type=int, help="default: 96 for arith (its answers), else 64")
     s.add_argument("--threads", type=int)
@@ -445,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         make_samples(out, args.n, args.max_new_tokens, args.batch_size, task=args.task)
     elif args.cmd == "eval":
         settings = [
-            dict(block_size=k, verify=True, sampler="eb", threshold=g)
+            dict(block_size=k, verify=True, sampler="eb", threshold=g) | (dict(lookup=n) if n else {})
             for k in args.block_sizes
             for g in args.thresholds
+            for n in args.lookups
         ]
         settings += [
             dict(block_size=k, verify=False, sampler="eb", threshold=g)
@@ -469,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             "sbd_sampler": args.sampler,
             "sbd_threshold": args.threshold,
             "sbd_verify": True,
-        }
+        } | ({"sbd_lookup": args.lookup} if args.lookup else {})
         task = artifact_task(out / "artifact")
         dest = args.dest or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[task][2]
         max_new = args.max_new_tokens or (96 if task == "arith" else 64)
