@@ -12,22 +12,27 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``hf_generate`` (baseline): HF ``model.generate`` on the unmodified base (sdpa, DynamicCache, torch's linears);
 - ``hf_prompt_lookup`` (baseline): the same with ``prompt_lookup_num_tokens=10`` (transformers' training-free,
   lossless speed-up: n-gram drafts from the prompt);
-- ``sbd_ntp`` (ours): sbd_ext's next-token decoding of the base (the drafter is attached but never used);
+- ``sbd_ntp`` / ``sbd_ntp_compiled`` (ours): sbd_ext's next-token decoding of the base (the drafter is attached
+  but never used), eager / compiled step;
 - ``sbd_verify`` / ``sbd_verify_compiled`` (ours): lossless verify with the drafter at its recommended settings
-  (equal to ``sbd_ntp``, asserted);
+  (equal to ``sbd_ntp``, asserted); ``sbd_verify_no_lookup``: the same without drafts from the context
+  (``lookup=0``: the drafter's tokens only);
+- ``*_packed_compiled`` (ours): NTP and verify, compiled, on the packed fp32 weights (``sbd_ext.quantize(model,
+  "packed")``: the same values, the CPU's fastest fp32 layout);
 - ``sbd_verify_two_forward`` (ablation): the same drafter, two forwards per cycle (commit rows, then the block rows;
   :class:`sbd_ext.decoding.step.TwoForwardStep`), as two-forward speculative schemes run;
 - ``sbd_plain`` (ours): plain SBD with the drafter (no check: not the base's answers);
 - ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
   answers, which differ from the base's).
 
-extra_info: tokens, tokens/s, forwards, tokens per forward, prompts whose answer equals ``hf_generate``'s, and for
+extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward, prompts whose answer equals ``hf_generate``'s, and for
 the others the base's top-2 logit margin at the first differing position (near-ties). The summary prints every
 row against ``hf_generate`` and ``hf_prompt_lookup`` at the same thread count.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -126,23 +131,36 @@ def test_hf(benchmark, setup, threads, impl):
     if impl == "hf_prompt_lookup":
         kw["prompt_lookup_num_tokens"] = 10
 
+    calls = []
+    hook = base.register_forward_pre_hook(lambda *_: calls.append(1))  # forwards (prompt lookup: fewer than tokens)
+
     def run():
+        calls.clear()
         return [_answers(base.generate(p, attention_mask=torch.ones_like(p), **kw), p.shape[1], eos) for p in prompts]
 
     benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
-    answers = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    try:
+        answers = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    finally:
+        hook.remove()
     if impl == "hf_generate":
         _hf[threads] = answers
-    _record(benchmark, setup, threads, impl, "baseline", answers, nfe=sum(len(a) for a in answers))
+    _record(benchmark, setup, threads, impl, "baseline", answers, nfe=len(calls))
 
 
 ROWS = {
     "sbd_ntp": dict(mode="ntp", verify=False),
+    "sbd_ntp_compiled": dict(mode="ntp", verify=False, compile=True),
     "sbd_verify": dict(verify=True),
+    "sbd_verify_no_lookup": dict(verify=True, lookup=0),
     "sbd_verify_compiled": dict(verify=True, compile=True),
     "sbd_verify_two_forward": dict(verify=True, step_cls=TwoForwardStep),
     "sbd_plain": dict(verify=False),
+    # packed fp32 weights (sbd_ext.quantize(model, "packed"): the same values, the CPU's fastest fp32 layout)
+    "sbd_ntp_packed_compiled": dict(mode="ntp", verify=False, compile=True, packed=True),
+    "sbd_verify_packed_compiled": dict(verify=True, compile=True, packed=True),
 }
+_packed: dict = {}
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
@@ -154,6 +172,10 @@ def test_sbd(benchmark, setup, threads, impl):
         kw = dict(verify=True)
     else:
         kw = dict(ROWS[impl])
+    if kw.pop("packed", False):
+        if "model" not in _packed:
+            _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
+        model = _packed["model"]
     counters = []
     if kw.get("step_cls") is TwoForwardStep:
 
@@ -179,7 +201,7 @@ def test_sbd(benchmark, setup, threads, impl):
     outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
     nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
-    if impl in ("sbd_verify", "sbd_verify_compiled", "sbd_verify_two_forward") and (threads, "sbd_ntp") in _results:
+    if "verify" in impl and impl != "ungated_verify" and (threads, "sbd_ntp") in _results:
         assert answers == _results[(threads, "sbd_ntp")]["answers"], "verify must equal sbd_ext's NTP decoding"
     _record(benchmark, setup, threads, impl, "ours" if impl != "ungated_verify" else "reference", answers, nfe)
     _results[(threads, impl)]["answers"] = answers

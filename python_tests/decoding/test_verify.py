@@ -257,7 +257,7 @@ def test_ngram_index_equals_a_brute_force_search(n_max, n_min):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("k,lookup", [(2, 1), (4, 2), (8, 3), (16, 8)])
+@pytest.mark.parametrize("k,lookup", [(2, 1), (2, 8), (4, 3), (8, 20), (16, 8)])  # lookup > k - 1: past the block
 def test_verify_with_lookup_equals_ntp(models, k, lookup, temperature):
     """Drafts from the context change only how many forwards verify takes: the sequences are NTP's (ragged batch,
     EOS and stop ids, the budget), in at most NTP's forwards."""
@@ -284,9 +284,37 @@ def test_lookup_drafts_repeated_text_in_fewer_forwards(models):
     assert int(looked.nfe.sum()) < 0.9 * int(plain.nfe.sum()), (looked.nfe, plain.nfe)
 
 
+def test_lookup_drafts_past_the_block_and_the_static_steps_cap():
+    """On a looping output the lookup's drafts run past the block (a forward commits more than k rows); a step with
+    ``max_drafts`` (the CUDA static step's 2k rows: k drafts) caps them at k. Same tokens either way."""
+    from sbd_ext.decoding.step import EagerStep
+
+    m = tiny_llama(seed=0, lm_scale=8.0)
+    ids, mask = random_prompts([4, 8], seed=3)
+    kw = dict(max_new_tokens=96, eos_token_id=[], block_size=4, threshold=100.0, verify=True, lookup=16)
+    seen: dict[str, list[int]] = {"free": [], "capped": []}
+
+    def recording(name, cap):
+        class Step(EagerStep):
+            max_drafts = cap
+
+            def __call__(self, fw):
+                seen[name].append(max(fw.n_commit))
+                return super().__call__(fw)
+
+        return Step
+
+    free = generate(m, ids, mask, step_cls=recording("free", None), **kw)
+    capped = generate(m, ids, mask, step_cls=recording("capped", 4), **kw)
+    ntp = generate(m, ids, mask, mode="ntp", max_new_tokens=96, eos_token_id=[])
+    assert torch.equal(free.sequences, ntp.sequences) and torch.equal(capped.sequences, ntp.sequences)
+    assert max(seen["free"][1:]) > 4  # after the prefill: more drafts than the block
+    assert max(seen["capped"][1:]) <= 4
+
+
 def test_lookup_bad_input(models):
     ids = torch.randint(0, MASK_ID, (1, 4))
-    for bad in (-1, 65, True, 2.0, "2"):
+    for bad in (-1, 2**16 + 1, True, 2.0, "2"):
         with pytest.raises(ValueError, match="lookup must be an int in"):
             generate(models[0], ids, verify=True, lookup=bad, max_new_tokens=4)
 

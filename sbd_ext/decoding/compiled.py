@@ -85,6 +85,8 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
     step = StaticStep(model, cache, job, device, variant)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
+        for seq in seqs:  # the static step's cap on drafts, from the eager prefill on
+            seq.draft_cap = step.max_drafts
         f = decode(seqs, job, EagerStep(model, cache, device), max_forwards=1)
     with cache.static_forwards():
         decode(seqs, job, step, f)
@@ -204,6 +206,7 @@ class StaticStep(DecodeStep):
         self.model, self.cache, self.device = model, cache, device
         self.variant = variant  # its _variant_key: what falls back to eager if dynamo's limit is hit
         self.dynamic_rows = job.sbd and device.type != "cuda"
+        self.max_drafts = None if self.dynamic_rows else job.block_size  # 2k static rows: k drafts + the block
         self.sbd, self.block_size = job.sbd, job.block_size
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0

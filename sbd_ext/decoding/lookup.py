@@ -5,8 +5,9 @@ In the one-forward verify cycle a block's first slot comes from the commit row (
 slots are 2-ahead and further predictions made without that token. A lookup runs on the host after the forward, so
 it sees the first slot's token: where the context ending in it occurred before (n >= 2 tokens), what followed is a
 proposal that is right far more often than a 2-ahead guess (measured on SmolLM2's own chat answers: 68 % of such
-proposals, against the drafter's 37 % overall). Verification keeps the output exact whatever the proposal; training-
-free, as transformers' prompt-lookup decoding (``prompt_lookup_num_tokens``), here inside SBD's single forward.
+proposals, against the drafter's 37 % overall), and where the text repeats a whole phrase the proposal runs past the
+block. Verification keeps the output exact whatever the proposal; training-free, as transformers' prompt-lookup
+decoding (``prompt_lookup_num_tokens``), here inside SBD's single forward.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from ..samplers import check_threshold, get_sampler
 __all__ = ["GenerationSettings", "Job", "make_job", "check_prompts", "model_device_dtype"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOOKUP = 64  # the longest n-gram a lookup matches (a hash of n tokens per new token and size)
+MAX_LOOKUP = 2**16  # drafts a lookup may propose per cycle (each is a committed row of the next forward)
 MAX_BLOCK_SIZE = 2**16  # far above any trained block (SBD trains k <= 64); 2**16 x a 128k vocabulary = 32 GiB fp32
 
 
@@ -70,12 +70,13 @@ class GenerationSettings:
     first_from_ntp (SBD): reveal a block's first position from the next-token choice of the forward's last
     committed row (always done in verify mode) instead of from the block's own mask prediction. compile: every
     forward after the prefill runs with static shapes under ``torch.compile(fullgraph=True)`` (a CUDA graph on
-    CUDA); same tokens as eager decoding (see :func:`generate`). lookup (verify): draft a block's later slots from
-    the context where it repeats itself (prompt lookup, :mod:`sbd_ext.decoding.lookup`): the tokens that followed
-    the latest earlier occurrence of the text's final n-gram, n from ``lookup`` down to 2 (1 when ``lookup`` is 1),
-    the drafter's tokens elsewhere; 0 (default): off. The output stays verify's, exactly. Outside verify mode it
-    does nothing (unchecked drafts would change the output), so a checkpoint can recommend it next to
-    ``sbd_verify`` and a call with ``verify=False`` still decodes plain SBD.
+    CUDA); same tokens as eager decoding (see :func:`generate`). lookup (verify): up to this many drafts per cycle
+    from the context where it repeats itself (prompt lookup, as transformers' ``prompt_lookup_num_tokens``;
+    :mod:`sbd_ext.decoding.lookup`): the tokens that followed the latest earlier occurrence of the text's final
+    4, 3 or 2 tokens. They take the block's later slots (the drafter's tokens stay where the lookup has none) and
+    may run past the block; 0 (default): off. The output stays verify's, exactly. Outside verify mode it does
+    nothing (unchecked drafts would change the output), so a checkpoint can recommend it next to ``sbd_verify``
+    and a call with ``verify=False`` still decodes plain SBD.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -134,7 +135,7 @@ class GenerationSettings:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {self.compile!r}")
         if not _is_int(self.lookup) or not 0 <= self.lookup <= MAX_LOOKUP:
-            raise ValueError(f"lookup must be an int in [0, {MAX_LOOKUP}] (the longest n-gram; 0: off), got {self.lookup!r}")
+            raise ValueError(f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}")
         set_("lookup", int(self.lookup))
         if self.first_from_ntp and self.mode != "sbd":
             raise ValueError("first_from_ntp=True changes how SBD reveals a block; it needs mode='sbd'")

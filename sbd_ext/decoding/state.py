@@ -12,6 +12,8 @@ from ..cache import SBDCache
 from .lookup import NgramIndex
 from .settings import Job
 
+LOOKUP_NGRAMS = (4, 2)  # a lookup matches the text's final 4, else 3, else 2 tokens
+
 __all__ = ["SBDGenerateOutput", "SequenceState", "block_tensor", "finish"]
 
 
@@ -67,7 +69,8 @@ class SequenceState:
         self.corrected = 0  # corrections (one per rejected draft suffix)
         self.corrections: list[int] = []  # positions (in the output row) of the corrected tokens
         self.trace: list[tuple[int, list[int], list[int]]] = []
-        self.lookup = NgramIndex(job.lookup, min(2, job.lookup)) if job.verify and job.lookup else None
+        self.lookup = NgramIndex(*LOOKUP_NGRAMS) if job.verify and job.lookup else None
+        self.draft_cap: int | None = None  # most tokens one cycle may draft (a static step's rows); None: any
         if job.sbd:
             self._start_block()
 
@@ -187,18 +190,23 @@ class SequenceState:
             keep = self._revealed_prefix(block)  # no credit for a forward that commits nothing: draft what we have
         else:
             keep = None
-        if keep is not None and not stopped and self.lookup is not None and self.block_verified:
-            self._draft_from_context(block, keep)
         start = self.block_start
         self.trace.append((f, [start + j for j in revealed], [block[j] for j in revealed]))
         if keep is None:
             return None
         if keep < k:
             self._cut_trace(start + keep)  # stopped at a stop token, or a verify draft cut short: the rest is dropped
-        finished = block[:keep]
+        extra = []
+        if not stopped and self.lookup is not None and self.block_verified:
+            old = block[1:keep]
+            extra = self._draft_from_context(block, keep)
+            if extra or block[1:keep] != old:  # the drafts after slot 0 are this forward's lookup (and drafter) now
+                self._cut_trace(start + 1)
+                self.trace.append((f, list(range(start + 1, start + keep + len(extra))), block[1:keep] + extra))
+        finished = block[:keep] + extra
         self.block = []
-        if job.verify and keep > self.block_verified:
-            self.pending, self.n_draft = finished, keep  # checked by the next forward's committed rows
+        if job.verify and len(finished) > self.block_verified:
+            self.pending, self.n_draft = finished, len(finished)  # checked by the next forward's committed rows
         else:
             self.gen.extend(finished)
             self.pending = finished
@@ -208,16 +216,22 @@ class SequenceState:
             self._start_block()  # (after a stop token only the drafts' verification is left)
         return None
 
-    def _draft_from_context(self, block: list[int], keep: int) -> None:
-        """Verify with ``lookup``: slots 1..keep-1 of the finished ``block`` (in place) from the tokens that followed
-        the latest earlier occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP
-        choice); the drafter's tokens stay where the lookup has none. A proposal stops before a stop or mask id
-        (no unverified stop in the middle of a block)."""
-        cont = self.lookup.propose(self.prompt + self.gen + block[:1], keep - 1)
-        for j, t in enumerate(cont, start=1):
+    def _draft_from_context(self, block: list[int], keep: int) -> list[int]:
+        """Verify with ``lookup``: up to ``job.lookup`` drafts from the tokens that followed the latest earlier
+        occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP choice). They
+        replace slots 1..keep-1 of the finished ``block`` (in place; the drafter's tokens stay where the lookup has
+        none) and the rest is returned: drafts past the block. Capped by the token budget and ``draft_cap``; a
+        proposal stops before a stop or mask id (no unverified stop in the middle of a draft)."""
+        m = min(self.job.lookup, self.job.max_new_tokens - len(self.gen) - 1)
+        if self.draft_cap is not None:
+            m = min(m, self.draft_cap - 1)
+        cont = []
+        for t in self.lookup.propose(self.prompt + self.gen + block[:1], m):
             if t in self.job.stop_ids or t == self.job.mask_id:
                 break
-            block[j] = t
+            cont.append(t)
+        block[1 : 1 + min(len(cont), keep - 1)] = cont[: keep - 1]
+        return cont[keep - 1 :]
 
     def after_ntp_forward(self, f: int, token: int, b: int) -> None:
         self.nfe += 1

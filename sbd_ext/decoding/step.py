@@ -96,6 +96,7 @@ class DecodeStep:
     """One forward over ``cache``: the interface the decoding loop calls (eager or compiled)."""
 
     cache: SBDCache
+    max_drafts: int | None = None  # most drafts a cycle may commit (verify's lookup past the block); None: any
 
     def rows(self, needed: int) -> int:
         """The row count T of a forward whose longest sequence has ``needed`` rows (a static step pads)."""
@@ -258,6 +259,9 @@ def decode(seqs: list[SequenceState], job: Job, step: DecodeStep, f: int = 0, ma
     """Alg. 3's loop from forward ``f`` until every sequence is done (or ``max_forwards`` forwards), each forward
     run by ``step`` over ``step.cache``. Returns the next forward index."""
     end = math.inf if max_forwards is None else f + max_forwards
+    if step.max_drafts is not None:
+        for seq in seqs:
+            seq.draft_cap = step.max_drafts
     while f < end and not all(seq.done for seq in seqs):
         fw = plan_forward(seqs, job, step)  # commit the finished block + fill the current one
         lengths = list(step.cache.seq_lens)
