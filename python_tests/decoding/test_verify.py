@@ -271,7 +271,15 @@ def test_verify_with_lookup_equals_ntp(models, k, lookup, temperature):
         assert torch.equal(ver.num_accepted + ver.num_corrected, ver.num_generated)
 
 
-def test_lookup_drafts_repeated_text_in_fewer_forwards(models):
+@pytest.fixture
+def lookup_always_wins(monkeypatch):
+    """A random model's block rows are often sure of wrong tokens: let the lookup replace them anyway."""
+    import sbd_ext.decoding.state as state
+
+    monkeypatch.setattr(state, "LOOKUP_YIELD_BELOW", 2.0)
+
+
+def test_lookup_drafts_repeated_text_in_fewer_forwards(models, lookup_always_wins):
     """A random model's greedy output falls into near-loops (9 5 9 5 ..., 8 14 13 38 8 14 13 38 ...): the block
     rows' guesses are mostly wrong, the context's continuation often right, so lookup needs fewer forwards for the
     same tokens (189 -> 160 here)."""
@@ -284,7 +292,7 @@ def test_lookup_drafts_repeated_text_in_fewer_forwards(models):
     assert int(looked.nfe.sum()) < 0.9 * int(plain.nfe.sum()), (looked.nfe, plain.nfe)
 
 
-def test_lookup_drafts_past_the_block_and_the_static_steps_cap():
+def test_lookup_drafts_past_the_block_and_the_static_steps_cap(lookup_always_wins):
     """On a looping output the lookup's drafts run past the block (a forward commits more than k rows); a step with
     ``max_drafts`` (the CUDA static step's 2k rows: k drafts) caps them at k. Same tokens either way."""
     from sbd_ext.decoding.step import EagerStep
@@ -342,3 +350,29 @@ def test_lookup_from_the_generation_config(models):
     finally:
         del m.generation_config.sbd_lookup
     assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+
+
+def test_lookup_yields_to_a_sure_block_slot(models):
+    """Per slot, a lookup proposal replaces the block's token unless the block is sure of a different one (its
+    probability >= LOOKUP_YIELD_BELOW): from there the block's own tokens stay and nothing runs past the block. (A
+    task drafter's sure slots beat a context match; a chat drafter's unsure ones do not.)"""
+    from sbd_ext.decoding.settings import GenerationSettings, make_job
+    from sbd_ext.decoding.state import LOOKUP_YIELD_BELOW, SequenceState
+
+    prompt = [5, 6, 7, 8, 5, 6]  # after "5 6 7" the context continues "8 5 6 ..."
+    ids = torch.tensor([prompt])
+    job = make_job(models[0], ids, None, GenerationSettings(verify=True, lookup=8, block_size=4, max_new_tokens=50))
+    sure, unsure = max(LOOKUP_YIELD_BELOW, 0.9), LOOKUP_YIELD_BELOW / 2
+    cases = [
+        ([1.0, sure, unsure, unsure], [7, 9, 9, 9], []),  # slot 1 sure of 9: the block's tokens
+        ([1.0, unsure, sure, unsure], [7, 8, 9, 9], []),  # slot 2 sure of 9: lookup up to slot 1 only
+        ([1.0, sure, unsure, unsure], [7, 8, 5, 6], [7, 8, 5, 6, 7]),  # (block 7 8 ..) sure and agreeing: on
+        ([1.0, unsure, unsure, unsure], [7, 8, 5, 6], [7, 8, 5, 6, 7]),  # unsure everywhere: lookup, past the block
+        (None, [7, 8, 5, 6], [7, 8, 5, 6, 7]),  # no confidence given: lookup
+    ]
+    for confidence, want_block, want_all in cases:
+        block = [7, 8 if want_all and confidence and confidence[1] == sure else 9, 9, 9]
+        seq = SequenceState(list(prompt), job)
+        extra = seq._draft_from_context(block, 4, confidence)
+        assert block == want_block, (confidence, block)
+        assert block + extra == (want_all or want_block), (confidence, extra)

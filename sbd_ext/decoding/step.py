@@ -18,6 +18,8 @@ from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
 
+CONFIDENCE_SCALE = 1_000_000  # the block's max probabilities travel to the host as int64 millionths (one copy)
+
 __all__ = [
     "ForwardRows",
     "StepLogits",
@@ -234,19 +236,27 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
-    n_rev, n_rem = sample_block(
+    n_rev, n_rem, _, pmax, _ = sample_block(
         x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )[:2]
+    )
     parts = [n_rev.view(B, 1), n_rem.view(B, 1), block] + ([ntp] if job.verify else [])
+    lookup = job.verify and job.lookup > 0
+    if lookup:  # the block rows' confidence, which decides between their tokens and the lookup's (in millionths)
+        parts.append((pmax * CONFIDENCE_SCALE).round().long())
     back = torch.cat(parts, dim=1).cpu()  # the one sync
     rollback = {}
     for b, seq in enumerate(seqs):
         if seq.done:
             continue
-        ntp_b = None
+        ntp_b = conf = None
         if job.verify:
-            ntp_b = [None] * lo[b] + back[b, 2 + K :].tolist()[: fw.n_commit[b] - lo[b]]
-        keep = seq.after_sbd_forward(f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b)
+            R = ntp.shape[1]
+            ntp_b = [None] * lo[b] + back[b, 2 + K : 2 + K + R].tolist()[: fw.n_commit[b] - lo[b]]
+        if lookup:
+            conf = [c / CONFIDENCE_SCALE for c in back[b, 2 + K + R :].tolist()]
+        keep = seq.after_sbd_forward(
+            f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b, confidence=conf
+        )
         if keep is not None:
             rollback[b] = keep
     return rollback
