@@ -226,7 +226,14 @@ def test_compiled_step_gates_like_eager():
     base_sbd = sbd_ext.generate(base, ids, att, **kw)
     assert not torch.equal(eager.sequences, base_sbd.sequences)  # the drafter drafts differently from the base
     torch._dynamo.reset()
-    comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
+    traced = []
+    real_delta = drafter.GatedLoRALinear._delta
+    with pytest.MonkeyPatch.context() as mp:  # what the compiled graphs trace of the adapter
+        mp.setattr(drafter.GatedLoRALinear, "_delta", lambda self, x: traced.append(1) or real_delta(self, x))
+        ntp = sbd_ext.generate(model, ids, att, compile=True, mode="ntp", max_new_tokens=16)
+        assert torch.equal(ntp.sequences, ref.sequences) and not traced  # NTP graphs: the base alone
+        comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
+        assert traced  # SBD graphs: the adapter, gated to the block rows
     assert torch.equal(comp.sequences, eager.sequences)
     ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
     assert torch.equal(ver.sequences, ref.sequences)

@@ -94,16 +94,22 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
         ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
 
 
-def _static_forward(model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Tensor, block_rows: int) -> torch.Tensor:
+def _static_forward(
+    model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Tensor, block_rows: int, sbd: bool = True
+) -> torch.Tensor:
     """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
 
     tokens: [2, B, T] int64, the input ids and the position ids; meta: [3, B] int32, per sequence the cache length,
     committed rows and valid rows. Runs the decoder and the output head; with ``block_rows`` > 0 only each
     sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
-    small model with a large vocabulary). Returns logits [B, block_rows or T, V].
+    small model with a large vocabulary). ``sbd`` False (NTP forwards): the plan says there are no set-block rows,
+    so a gated drafter adds nothing to the graph (not even a zero-gated adapter). Returns logits [B, block_rows or
+    T, V].
     """
     B = tokens.shape[1]
     plan = cache.device_plan(meta[0], meta[1], meta[2])
+    if not sbd:
+        plan.block_rows = (0, 0)
     hidden = model.get_decoder()(
         input_ids=tokens[0], position_ids=tokens[1], past_key_values=cache, use_cache=True, sbd_plan=plan
     ).last_hidden_state
@@ -229,7 +235,7 @@ class StaticStep(DecodeStep):
             torch._dynamo.mark_dynamic(tokens, 2)
         # Every guard is checked on every call (see COMPILED_RUN_LOCK: no process-wide stance is changed).
         try:
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd)
         except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
             if not _recompile_limit_hit(e):
                 raise
@@ -237,6 +243,6 @@ class StaticStep(DecodeStep):
             # count, add graphs): the same forward, uncompiled, for the rest of this variant; nothing ran yet.
             _fall_back(self.variant)
             self.fn = _static_forward
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows)
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)
