@@ -25,9 +25,10 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
   answers, which differ from the base's).
 
-extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward, prompts whose answer equals ``hf_generate``'s, and for
-the others the base's top-2 logit margin at the first differing position (near-ties). The summary prints every
-row against ``hf_generate`` and ``hf_prompt_lookup`` at the same thread count.
+extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward,
+prompts whose answer equals ``hf_generate``'s, and for the others the base's top-2 logit margin at the first
+differing position (near-ties). The summary prints every row against ``hf_generate`` and ``hf_prompt_lookup`` at the
+same thread count.
 """
 
 from __future__ import annotations

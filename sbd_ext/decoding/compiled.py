@@ -85,9 +85,9 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
     step = StaticStep(model, cache, job, device, variant)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
-        for seq in seqs:  # the static step's cap on drafts, from the eager prefill on
-            seq.draft_cap = step.max_drafts
-        f = decode(seqs, job, EagerStep(model, cache, device), max_forwards=1)
+        prefill = EagerStep(model, cache, device)
+        prefill.max_drafts = step.max_drafts  # its drafts are the static step's first forward's rows
+        f = decode(seqs, job, prefill, max_forwards=1)
     with cache.static_forwards():
         decode(seqs, job, step, f)
     if device.type == "cuda":

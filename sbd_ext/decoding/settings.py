@@ -135,7 +135,9 @@ class GenerationSettings:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {self.compile!r}")
         if not _is_int(self.lookup) or not 0 <= self.lookup <= MAX_LOOKUP:
-            raise ValueError(f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}")
+            raise ValueError(
+                f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}"
+            )
         set_("lookup", int(self.lookup))
         if self.first_from_ntp and self.mode != "sbd":
             raise ValueError("first_from_ntp=True changes how SBD reveals a block; it needs mode='sbd'")

@@ -244,13 +244,13 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     if lookup:  # the block rows' confidence, which decides between their tokens and the lookup's (in millionths)
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
     back = torch.cat(parts, dim=1).cpu()  # the one sync
+    R = ntp.shape[1] if job.verify else 0  # the columns: n_rev, n_rem, block [K], ntp [R], confidence [K]
     rollback = {}
     for b, seq in enumerate(seqs):
         if seq.done:
             continue
         ntp_b = conf = None
         if job.verify:
-            R = ntp.shape[1]
             ntp_b = [None] * lo[b] + back[b, 2 + K : 2 + K + R].tolist()[: fw.n_commit[b] - lo[b]]
         if lookup:
             conf = [c / CONFIDENCE_SCALE for c in back[b, 2 + K + R :].tolist()]

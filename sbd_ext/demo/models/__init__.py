@@ -23,7 +23,17 @@ from ... import adapters, drafter
 from ...quantization import SCHEMES
 from ...quantization import quantize as quantize_model
 
-__all__ = ["ALIASES", "DEFAULT_MODEL", "CONTROL_MODEL", "MODELS_DIR", "available", "demo_info", "load", "load_default", "path"]
+__all__ = [
+    "ALIASES",
+    "DEFAULT_MODEL",
+    "CONTROL_MODEL",
+    "MODELS_DIR",
+    "available",
+    "demo_info",
+    "load",
+    "load_default",
+    "path",
+]
 
 MODELS_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL = "sbd-arith"
