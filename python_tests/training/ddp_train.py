@@ -91,6 +91,12 @@ def main() -> None:
         hist = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
         with open(a.out, "w") as f:
             json.dump({"world": trainer.accelerator.num_processes, "history": hist}, f)
+    # Tear the process group down before the interpreter exits, as torch asks: left to the exit, gloo's threads can
+    # be destroyed while joinable ("terminate called without an active exception", SIGABRT after a finished run).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
