@@ -159,7 +159,10 @@ def _extension():
         name="sbd_ext._C",
         sources=sources,
         include_dirs=include_dirs,
-        extra_link_args=CONFIG["openmp_flags"],
+        # The shared libstdc++ named explicitly, ahead of the driver's own: a g++ set to link it statically (the
+        # GPU image's /opt/gcc/bin/g++ adds -static-libstdc++) gave the extension a private copy whose stream
+        # formatting is broken in torch's process (error messages lost their numbers; on the H200, a segfault).
+        extra_link_args=CONFIG["openmp_flags"] + CONFIG["link_flags"],
     )
     if not with_cuda:
         kwargs["extra_compile_args"] = {"cxx": cxx}

@@ -83,6 +83,11 @@ def entropy_f64(x: torch.Tensor) -> torch.Tensor:
     return torch.log1p(r) + u / (1 + r)
 
 
+def max_prob_f64(x: torch.Tensor) -> torch.Tensor:
+    """The largest softmax probability per row in fp64 (NaN for a row with NaN, +inf or only -inf entries)."""
+    return torch.softmax(x.double().cpu(), -1).amax(-1)
+
+
 def expf_error_bound(x: torch.Tensor) -> torch.Tensor:
     """Per row, how far the CUDA kernel's entropy may move because its exponentials are __expf, not expf.
 

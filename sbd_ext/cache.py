@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import ops
+from . import families, ops
 from .hf import ATTN_IMPLEMENTATION
 
 __all__ = ["SBDCache", "SBDForwardPlan", "SBDLayer"]
@@ -112,7 +112,7 @@ class SBDCache(Cache):
         cfg = config.get_text_config(decoder=True)
         n_heads = cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        head_dim = families.head_dim(cfg)
         if batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"SBDCache: batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         self.seq_lens: list[int] = [0] * batch_size

@@ -81,6 +81,12 @@ def _text_config(config):
     return get(decoder=True) if get is not None else config
 
 
+def head_dim(config) -> int:
+    """The attention head dim of a (text) config: ``head_dim`` where set, else hidden_size / num_attention_heads."""
+    cfg = _text_config(config)
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer, the sliding window transformers applies (``kv > q - window``), or None for full attention.
 

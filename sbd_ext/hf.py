@@ -29,8 +29,8 @@ How a forward is routed (decided per layer call, in this order):
 3. **Fallback to transformers' SDPA path** (:func:`transformers.integrations.sdpa_attention.sdpa_attention_forward`)
    for everything else: a materialised 4D mask (padding, custom 4D masks, sliding/chunked/bidirectional or
    ``or``/``and`` mask functions, static caches), autograd (any of q/k/v requires grad while grad mode is on:
-   the kernel has no backward), dropout in training mode, ``output_attentions``, dtypes or devices without an
-   ``sbd_ext`` kernel. With a ``None`` mask and ``1 < T < S`` (a multi-token forward on top of a cache), or a
+   the kernel has no backward), dropout in training mode, ``output_attentions``, dtypes, devices or head dims
+   without an ``sbd_ext`` kernel (CUDA: :data:`CUDA_HEAD_DIMS`). With a ``None`` mask and ``1 < T < S`` (a multi-token forward on top of a cache), or a
    sliding window, the fallback builds the lower-right (sliding) causal mask itself, because SDPA's ``is_causal``
    is upper-left aligned and transformers' SDPA path would crop the keys. With ``softcap`` the fallback is an eager
    attention (the one of transformers' Gemma-2: scale, soft-cap, mask, fp32 softmax), which SDPA cannot do.
@@ -53,7 +53,7 @@ from transformers.utils.import_utils import is_tracing
 
 from . import families, ops
 
-__all__ = ["ATTN_IMPLEMENTATION", "sbd_attention_forward", "sbd_mask", "register", "kernel_available"]
+__all__ = ["ATTN_IMPLEMENTATION", "CUDA_HEAD_DIMS", "sbd_attention_forward", "sbd_mask", "register", "kernel_available"]
 
 ATTN_IMPLEMENTATION = "sbd"
 
@@ -61,14 +61,22 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernel_on_device: dict[str, bool] = {}
 
 
-def kernel_available(device: torch.device) -> bool:
-    """Whether ``sbd_ext::block_attention`` has a kernel (not only a fake impl) for ``device``'s dispatch key."""
+# Head dims the CUDA block_attention kernels are built for (csrc/cuda: block_attention_supports_head_dim); the CPU
+# kernel takes any.
+CUDA_HEAD_DIMS = (32, 64, 128)
+
+
+def kernel_available(device: torch.device, head_dim: int | None = None) -> bool:
+    """Whether ``sbd_ext::block_attention`` has a kernel (not only a fake impl) for ``device``'s dispatch key, and,
+    given ``head_dim``, one for that head dim (CUDA: :data:`CUDA_HEAD_DIMS`)."""
     key = device.type
     if key not in _kernel_on_device:
         dispatch_key = {"cpu": "CPU", "cuda": "CUDA"}.get(key)
         _kernel_on_device[key] = dispatch_key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
             "sbd_ext::block_attention", dispatch_key
         )
+    if head_dim is not None and key == "cuda" and head_dim not in CUDA_HEAD_DIMS:
+        return False
     return _kernel_on_device[key]
 
 
@@ -170,7 +178,7 @@ def _kernel_ok(module, query, key, value, attention_mask, dropout, is_causal, kw
         return False
     if query.shape[1] % key.shape[1] != 0 or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
         return False
-    return kernel_available(query.device)
+    return kernel_available(query.device, query.shape[-1])
 
 
 def _check_family(module) -> None:

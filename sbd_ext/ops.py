@@ -121,7 +121,7 @@ def block_attention(
     invalid sequence gets zero output rows and no cache write -- no lengths can make the kernel touch memory
     outside its tensors -- and the same error is raised by the next CUDA ``block_attention`` call, or at once by
     :func:`check_cuda_errors`. Every mutated tensor (k_cache, v_cache) must not share memory with itself or with
-    any other argument (ValueError). On CUDA the head dim must be 64 or 128 and the caches' rows 16-byte aligned.
+    any other argument (ValueError). On CUDA the head dim must be 32, 64 or 128 and the caches' rows 16-byte aligned.
     """
     lengths = {"cache_lens": cache_lens, "n_commit": n_commit, "n_valid": n_valid}
     named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, **{n: t for n, t in lengths.items() if t is not None})

@@ -98,10 +98,20 @@ def block_attention(
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D]; cache_lens, n_commit, n_valid [B].
     softcap > 0: the scaled scores s become softcap * tanh(s / softcap) before the mask (transformers' eager
     Gemma-2 attention); window_left: the sliding window of :func:`block_attention_mask`.
-    Returns [B, T, Hq, D] in q's dtype; padding rows are zero.
+    Returns [B, T, Hq, D] in q's dtype; padding rows are zero. Invalid lengths raise the ValueError of
+    :func:`block_attention_length_error`'s reason (the kernels' contract; a test cannot compare against a reference
+    that accepted them). The lengths may live on another device than q (they are read on the host).
     """
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    for b in range(B):
+        why = block_attention_length_error(int(cache_lens[b]), int(n_commit[b]), int(n_valid[b]), T, S)
+        if why is not None:
+            raise ValueError(
+                f"reference.block_attention: sequence {b}: {why} (cache_lens {int(cache_lens[b])}, n_commit "
+                f"{int(n_commit[b])}, n_valid {int(n_valid[b])}, T {T}, S {S})"
+            )
+    cache_lens, n_commit, n_valid = (t.to(q.device) for t in (cache_lens, n_commit, n_valid))
     g = Hq // Hkv
     keys = torch.cat([k_cache.float(), k.float()], dim=2).repeat_interleave(g, dim=1)  # [B, Hq, S+T, D]
     vals = torch.cat([v_cache.float(), v.float()], dim=2).repeat_interleave(g, dim=1)

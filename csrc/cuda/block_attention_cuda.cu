@@ -56,7 +56,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor here, got device ", q.device());
   TORCH_CHECK_VALUE(sbd_cuda::block_attention_supports_head_dim(D), op,
-                    ": the CUDA kernels support head dims 64 and 128, got D = q.size(3) = ", D,
+                    ": the CUDA kernels support head dims 32, 64 and 128, got D = q.size(3) = ", D,
                     " (the CPU kernel supports any D)");
   // Sizes the kernels index with 32-bit integers or use as grid dimensions.
   TORCH_CHECK_VALUE(B * Hkv <= 65535, op, ": on CUDA B * Hkv must be <= 65535, got ", B, " * ", Hkv);
@@ -73,7 +73,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   auto out = at::empty({B, T, Hq, D}, q.options());
-  if (B == 0 || T == 0) return out;
+  if (B == 0) return out;
   // q / k / v are only read: copy them if their rows are not 16-byte aligned (a slice at an odd offset).
   const at::Tensor qa = rows_aligned16(q) ? q : q.contiguous();
   const at::Tensor ka = rows_aligned16(k) ? k : k.contiguous();

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from sbd_models import (
@@ -189,3 +191,24 @@ def test_sbd_mask_semantics():
     assert mask_fn(1, 3, 16, q_offset=5).shape == (1, 1, 3, 16)
     full = mask_fn(1, 4, 4, mask_function=lambda b, h, q, kv: q >= 0)
     assert full is not None and bool(full.all())  # bidirectional is never "None"
+
+
+def test_cuda_head_dims_route(monkeypatch):
+    """CUDA kernels exist for head dims 32, 64 and 128 (the CPU kernel takes any): other head dims send ordinary
+    forwards to SDPA, and SBD decoding of such a model is refused up front with the supported list, not by a kernel
+    error halfway through a generation."""
+    from transformers import LlamaConfig
+
+    from sbd_ext.decoding import api
+
+    monkeypatch.setitem(sbd_ext.hf._kernel_on_device, "cuda", True)  # as on a GPU machine with the CUDA build
+    cuda = torch.device("cuda")
+    assert [sbd_ext.hf.kernel_available(cuda, d) for d in (32, 64, 128, 96, 256)] == [True] * 3 + [False] * 2
+    assert sbd_ext.hf.kernel_available(cuda) and sbd_ext.hf.kernel_available(torch.device("cpu"), 96)
+    cfg = LlamaConfig(hidden_size=192, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    model = types.SimpleNamespace(config=cfg)
+    monkeypatch.setattr(api, "model_device_dtype", lambda m: (cuda, torch.float32))
+    with pytest.raises(ValueError, match=r"support head dims 32, 64, 128; this model's is 96.*model.to\('cpu'\)"):
+        api._check_runnable(model)
+    cfg.head_dim = 64  # an explicit head_dim wins over hidden_size / heads
+    assert api._check_runnable(model) == (cuda, torch.float32)

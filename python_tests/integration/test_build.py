@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -101,3 +102,20 @@ def test_setuptools_sees_every_package(tmp_path):
     assert "absent from the `packages` configuration" not in r.stdout + r.stderr
     gen = tmp_path / "out" / "sbd_ext" / "integration" / "custom_generate"
     assert (gen / "generate.py").is_file() and (gen / "requirements.txt").is_file()
+
+
+def test_extension_links_the_shared_libstdcxx():
+    """The built extension uses the process's shared libstdc++ (setup.py's link_flags). A g++ that links it
+    statically (the GPU image's /opt/gcc/bin/g++) gave _C a private copy whose number formatting broke inside torch's
+    process: error messages lost their numbers here, and the H200 run segfaulted formatting the first error."""
+    readelf = shutil.which("readelf")
+    assert readelf, "binutils' readelf is part of the build toolchain"
+    import sbd_ext
+
+    dynamic = subprocess.run([readelf, "-d", sbd_ext._C.__file__], capture_output=True, text=True, check=True).stdout
+    assert "[libstdc++.so" in dynamic, dynamic
+    # and what the private copy broke: a number in a C++ error message
+    q, kv, cache = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 4, 8)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cache_lens\[0\] \+ n_commit\[0\] = 9 \+ 1 exceeds the cache size"):
+        sbd_ext.block_attention(q, kv, kv, cache, cache.clone(), one * 9, one, one)

@@ -104,6 +104,13 @@ ATTN = [  # (B, Hkv, g, T, D, S, lens, commit, valid)
     # Lengths past int32 and int64 limits, negative, n_valid > T: each sequence invalid in its own way, none written.
     (3, 1, 2, 4, 64, 20, [2**63 - 1, 3, -1], [1, 2, 0], [4, 5, 2]),
     (2, 1, 4, 4, 128, 20, [2**31, 16], [4, 4], [2**31 + 4, 4]),  # the second sequence is valid and must be exact
+    # Head dim 32 (the embedded demo models): 4 chunks per row (its own swizzle), one output dim per lane.
+    (2, 2, 2, 16, 32, 300, [257, 3], [16, 5], [16, 9]),
+    (1, 1, 4, 33, 32, 80, [40], [20], [33]),
+    # No new rows: nothing computed or appended, but the lengths are still checked (the first invalid one, 1, is
+    # recorded; an H200 run found such calls accepted); and a valid T = 0 call records nothing.
+    (4, 1, 2, 0, 64, 20, [0, 25, 2**31 - 2, 3], [0, 0, 0, 0], [0, 0, 0, 1]),
+    (2, 2, 1, 0, 128, 8, [3, 8], [0, 0], [0, 0]),
 ]
 
 

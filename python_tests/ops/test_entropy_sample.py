@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 import torch
-from utils import assert_close, cuda_only, entropy_f64, expf_error_bound, near_one_hot_logits, sampling_cases
+from utils import (
+    assert_close,
+    cuda_only,
+    entropy_f64,
+    expf_error_bound,
+    max_prob_f64,
+    near_one_hot_logits,
+    sampling_cases,
+)
 
 import sbd_ext
 from sbd_ext import reference as R
@@ -371,7 +379,10 @@ def test_entropy_sample_cuda(rows, vocab, dtype, temperature):
     ent, pmax, tok = sbd_ext.entropy_sample(x.cuda(), temperature, seed, offset)
     r_ent, r_pmax, r_tok = R.entropy_sample(x, temperature, seed, offset)
     assert_close(ent, r_ent, atol=1e-4, rtol=1e-4, msg="entropy")
-    assert_close(pmax, r_pmax, atol=1e-6, rtol=1e-5, msg="max_prob")
+    # max_prob against fp64: the fp32 reference's own sum over 128256 terms drifts by ~2e-5 relative (the H200 run
+    # found the kernel within 1e-8 of fp64 where the reference was 1.7e-5 off); NaN rows stay NaN.
+    assert_close(pmax, max_prob_f64(x).float(), atol=1e-7, rtol=2e-6, msg="max_prob vs fp64")
+    assert_close(pmax, r_pmax, atol=1e-6, rtol=1e-4, msg="max_prob vs reference")
     assert_tokens_match(tok, r_tok, x, temperature, seed, offset)
     # The CPU kernel is part of every build: a missing one is an error here, never a skipped cross-check. Both
     # kernels score with the same exactly rounded Gumbel noise (sbd/gumbel.h): the tokens agree bit for bit.

@@ -74,7 +74,7 @@ def attention_call(draw, device: str):
     B = draw(st.integers(1, 3))
     Hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     T, S = draw(st.integers(0, 5)), draw(st.integers(0, 9))
-    D = 64 if device == "cuda" else draw(st.sampled_from([8, 64]))  # CUDA kernels: head dims 64 and 128
+    D = 64 if device == "cuda" else draw(st.sampled_from([8, 64]))  # CUDA kernels: head dims 32, 64 and 128
     names = ("cache_lens", "n_commit", "n_valid")
     dtypes = [draw(st.sampled_from([torch.int32, torch.int64])) for _ in names]
     rows = []

@@ -265,4 +265,4 @@ def test_mask_replace_cuda_rejects_too_long_blocks():
     t = torch.zeros(1, 1025, dtype=torch.int64, device="cuda")
     f = torch.zeros(1, 1025, device="cuda")
     with pytest.raises(ValueError, match="1024"):
-        sbd_ext.mask_replace(t, t, f, f, 0, "eb", 0.1)
+        sbd_ext.mask_replace(t, t.clone(), f, f, 0, "eb", 0.1)  # proposals apart from the mutated tokens

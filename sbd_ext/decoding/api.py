@@ -11,7 +11,7 @@ import torch
 
 from .. import families
 from ..cache import SBDCache
-from ..hf import ATTN_IMPLEMENTATION, kernel_available
+from ..hf import ATTN_IMPLEMENTATION, CUDA_HEAD_DIMS, kernel_available
 from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
 from .gen_config import resolve_settings
@@ -111,6 +111,13 @@ def _check_runnable(model) -> tuple[torch.device, torch.dtype]:
         )
     if not kernel_available(device):
         raise RuntimeError(f"sbd_ext has no block_attention kernel for device {device} in this build")
+    head_dim = families.head_dim(model.config)
+    if not kernel_available(device, head_dim):
+        raise ValueError(
+            f"sbd_ext's CUDA block_attention kernels support head dims {', '.join(map(str, CUDA_HEAD_DIMS))}; this "
+            f"model's is {head_dim}. SBD decoding of it runs on the CPU (model.to('cpu')); its ordinary forwards "
+            "on CUDA fall back to SDPA."
+        )
     return device, dtype
 
 

@@ -446,3 +446,4 @@ V ldg(const V* p) {  // a checked, aligned load of 8 or 16 bytes
 inline uint4 __ldg(const uint4* p) { return sbd_emu::ldg(p); }
 inline float4 __ldg(const float4* p) { return sbd_emu::ldg(p); }
 inline float2 __ldg(const float2* p) { return sbd_emu::ldg(p); }
+inline float __ldg(const float* p) { return sbd_emu::ldg(p); }

@@ -23,7 +23,9 @@
 // - Lengths are read on the device and validated per sequence with sbd::block_attention_length_error, the
 //   function the CPU binding runs on the host (block_work). An invalid sequence is given no keys and no append, so
 //   its output rows are zeros and no length whatsoever leads outside a tensor; the new-rows block of its first
-//   kv head and m-tile records it in p.status (the first one found wins) for the binding to raise.
+//   kv head and m-tile records it in p.status for the binding to raise, if no earlier sequence is invalid (so the
+//   record names the first invalid sequence, as the CPU's error does). A call with T == 0 runs check_lengths_kernel
+//   alone: nothing to compute or append, the same record.
 // - Model features (sbd/block_attention_params.h): soft-capping maps each scaled score before the mask (logit());
 //   a sliding window starts the cache splits at the first row the sequence's first new row sees and hides, per
 //   key, what lies before each row's window (visible()).
@@ -82,6 +84,27 @@ __device__ __forceinline__ void record_length_error(const BlockAttentionParams& 
   atomicExch(&st->ready, 1);
 }
 
+// Whether a sequence before b has invalid lengths. Called only for an invalid sequence b (never on the valid path),
+// so that the record names the first invalid sequence whatever order the blocks run in (the CPU's message).
+__device__ __forceinline__ bool earlier_sequence_invalid(const BlockAttentionParams& p, int b) {
+  for (int e = 0; e < b; ++e)
+    if (sbd::block_attention_length_error(p.cache_len(e), p.commit(e), p.valid(e), p.T, p.S) !=
+        sbd::LengthError::kNone)
+      return true;
+  return false;
+}
+
+// A call with no new rows (T == 0) computes and appends nothing, but its lengths are still checked, as on the CPU:
+// one thread per sequence; the first invalid one is recorded.
+__global__ void __launch_bounds__(128) check_lengths_kernel(const BlockAttentionParams p) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= p.B) return;
+  const int64_t L = p.cache_len(b), c = p.commit(b), nv = p.valid(b);
+  const sbd::LengthError err = sbd::block_attention_length_error(L, c, nv, p.T, p.S);
+  if (err != sbd::LengthError::kNone && !earlier_sequence_invalid(p, static_cast<int>(b)))
+    record_length_error(p, err, static_cast<int>(b), L, c, nv);
+}
+
 // What one thread block works on.
 struct Work {
   int b, h, mt, split;
@@ -108,7 +131,8 @@ __device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
       w.nv = static_cast<int>(nv);
     } else {
       w.L = w.c = w.nv = 0;  // no keys, no append: zero output rows (the merge's empty-row convention)
-      if (w.is_new && w.mt == 0 && w.h == 0 && threadIdx.x == 0) record_length_error(p, err, w.b, L, c, nv);
+      if (w.is_new && w.mt == 0 && w.h == 0 && threadIdx.x == 0 && !earlier_sequence_invalid(p, w.b))
+        record_length_error(p, err, w.b, L, c, nv);
     }
   }
   w.part = ((static_cast<int64_t>(w.b) * p.Hkv + w.h) * p.m_tiles + w.mt) * (p.splits + 1) + w.split;
@@ -194,10 +218,16 @@ __device__ __forceinline__ float softmax_rescale(float& m, float tile_max, float
 // ---- tensor-core kernel (bf16 / fp16) ------------------------------------------------------------------
 // Element offset of 16-byte chunk `ch` of row `r` in a [rows][D] tile: chunk ch ^ (r % 8). Eight consecutive
 // rows at the same logical chunk land in eight different 16-byte bank groups, so ldmatrix (8 rows per matrix)
-// and the row-wise cp.async stores are bank-conflict free.
+// and the row-wise cp.async stores are bank-conflict free. D = 32 has 4 chunks (64-byte rows, two rows per
+// 128-byte line): chunk ch ^ ((r / 2) % 4) keeps the permutation inside the row and still puts eight consecutive
+// rows in eight bank groups ((r % 2) * 4 + chunk).
 template <int D>
 __device__ __forceinline__ int swz(int r, int ch) {
-  return r * D + ((ch ^ (r & 7)) << 3);
+  static_assert(D == 32 || D % 64 == 0, "the swizzle needs 4 or a multiple of 8 chunks per row");
+  if constexpr (D == 32)
+    return r * D + ((ch ^ ((r >> 1) & 3)) << 3);
+  else
+    return r * D + ((ch ^ (r & 7)) << 3);
 }
 
 template <typename T, int D>
@@ -532,7 +562,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
 // flight before the first use. A zero weight skips the load (the weight is warp-uniform: no divergence).
 // The sum order is fixed by the split count alone, so the result is deterministic.
 template <int N>
-struct F32x;  // N fp32 values as one 8- or 16-byte load
+struct F32x;  // N fp32 values as one 4-, 8- or 16-byte load
+template <>
+struct F32x<1> {
+  using V = float;
+  static __device__ __forceinline__ V zero() { return 0.f; }
+  static __device__ __forceinline__ void fma(float w, const V& v, float (&acc)[1]) { acc[0] = fmaf(w, v, acc[0]); }
+};
 template <>
 struct F32x<2> {
   using V = float2;
@@ -561,6 +597,8 @@ __device__ __forceinline__ void store_out(T* dst, const float (&a)[N]) {
   if constexpr (std::is_same<T, float>::value) {
 #pragma unroll
     for (int k = 0; k < N; ++k) dst[k] = a[k];
+  } else if constexpr (N == 1) {  // D = 32: one value per lane, the warp's 64 bytes still contiguous
+    dst[0] = from_float<T>(a[0]);
   } else {
     static_assert(N % 2 == 0, "16-bit values are written in pairs");
 #pragma unroll
@@ -665,7 +703,7 @@ cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
 
 }  // namespace ba
 
-bool block_attention_supports_head_dim(int64_t D) { return D == 64 || D == 128; }
+bool block_attention_supports_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128; }
 
 void block_attention_plan(BlockAttentionParams& p, int num_sms) {
   p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
@@ -690,7 +728,12 @@ size_t block_attention_workspace_bytes(const BlockAttentionParams& p) {
 
 template <typename T>
 cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t stream) {
-  if (p.B == 0 || p.T == 0) return cudaSuccess;
+  if (p.B == 0) return cudaSuccess;
+  if (p.T == 0) {  // nothing to compute or append; the lengths are still checked
+    if (p.B < 0 || p.B > INT_MAX || p.S < 0) return cudaErrorInvalidValue;
+    ba::check_lengths_kernel<<<static_cast<unsigned>(ceil_div<int64_t>(p.B, 128)), 128, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   if (p.B < 0 || p.T < 0 || p.Hkv <= 0 || p.Hq <= 0 || p.Hq % p.Hkv != 0 || p.group != p.Hq / p.Hkv ||
       p.S < 0 || p.S > INT_MAX || p.T > INT_MAX / p.Hq || p.splits < 1 || p.m_tiles < 1 || p.workspace == nullptr ||
       static_cast<int64_t>(p.m_tiles) * ba::kBM < static_cast<int64_t>(p.group) * p.T ||
@@ -698,6 +741,8 @@ cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t s
       static_cast<int64_t>(p.B) * p.T * p.Hq > static_cast<int64_t>(INT_MAX) * ba::kMergeRowsPerBlock)
     return cudaErrorInvalidValue;
   switch (p.D) {
+    case 32:
+      return ba::run<T, 32>(p, stream);
     case 64:
       return ba::run<T, 64>(p, stream);
     case 128:

@@ -33,7 +33,7 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   sbd::BlockAttentionStatus* status;
 };
 
-bool block_attention_supports_head_dim(int64_t D);  // 64 and 128
+bool block_attention_supports_head_dim(int64_t D);  // 32, 64 and 128
 // Fills group, m_tiles, splits for a GPU with `num_sms` SMs.
 void block_attention_plan(BlockAttentionParams& p, int num_sms);
 size_t block_attention_workspace_bytes(const BlockAttentionParams& p);
@@ -47,7 +47,7 @@ sbd::BlockAttentionStatus* block_attention_status();
 bool block_attention_take_status(sbd::BlockAttentionStatus* out);
 
 // Launches on `stream`: the attention kernel (which also appends the committed rows to the caches) and the
-// merge kernel. B == 0 or T == 0 launches nothing. T = float, __nv_bfloat16 or __half.
+// merge kernel. B == 0 launches nothing; T == 0 only the check of the lengths (an invalid one is recorded). T = float, __nv_bfloat16 or __half.
 template <typename T>
 cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t stream);
 
