@@ -47,7 +47,8 @@ sbd::BlockAttentionStatus* block_attention_status();
 bool block_attention_take_status(sbd::BlockAttentionStatus* out);
 
 // Launches on `stream`: the attention kernel (which also appends the committed rows to the caches) and the
-// merge kernel. B == 0 launches nothing; T == 0 only the check of the lengths (an invalid one is recorded). T = float, __nv_bfloat16 or __half.
+// merge kernel. B == 0 launches nothing; T == 0 only the check of the lengths (an invalid one is recorded).
+// T = float, __nv_bfloat16 or __half.
 template <typename T>
 cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t stream);
 
