@@ -227,9 +227,12 @@ def test_compiled_step_gates_like_eager():
     assert not torch.equal(eager.sequences, base_sbd.sequences)  # the drafter drafts differently from the base
     torch._dynamo.reset()
     traced = []
-    real_delta, real_factors = drafter.GatedLoRALinear._delta, drafter.GatedLoRALinear._factors
-    with pytest.MonkeyPatch.context() as mp:  # the adapter's two paths: gated (compiled graphs), sliced (eager)
+    real_delta, real_rows = drafter.GatedLoRALinear._delta, drafter.GatedLoRALinear._delta_rows
+    real_factors = drafter.GatedLoRALinear._factors
+    with pytest.MonkeyPatch.context() as mp:  # the adapter's paths: gated (compiled graphs), sliced (eager), each
+        # with row_linear on fp32 CPU rows (_delta_rows) or GEMMs otherwise
         mp.setattr(drafter.GatedLoRALinear, "_delta", lambda self, x: traced.append(1) or real_delta(self, x))
+        mp.setattr(drafter.GatedLoRALinear, "_delta_rows", lambda self, x: traced.append(1) or real_rows(self, x))
         mp.setattr(drafter.GatedLoRALinear, "_factors", lambda self, t: traced.append(1) or real_factors(self, t))
         ntp = sbd_ext.generate(model, ids, att, compile=True, mode="ntp", max_new_tokens=16)
         assert torch.equal(ntp.sequences, ref.sequences) and not traced  # NTP graphs: the base alone
@@ -379,3 +382,25 @@ def test_a_forward_without_block_rows_is_the_base_exactly():
             outs.append(m(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, sbd_plan=plan))
     assert torch.equal(outs[0].logits, outs[1].logits)
     assert not drafter.get_drafter(model).holder.on
+
+
+def test_row_kernel_adapter_equals_the_gemm_reference():
+    """Decoding rows (fp32, CPU, no grad) run the adapter's two products through row_linear (_delta_rows); they
+    equal the F.linear definition used in training (_delta), over every row (compiled gate) and on a slice."""
+    _, model = _with_drafter(seed=8)
+    layer = next(m for _, m in model.sbd_drafter.lora_modules(model))
+    x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = layer._delta(x)
+        assert layer._row_kernel(x)
+        got = layer._delta_rows(x.reshape(-1, x.shape[-1])).view(want.shape)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        gate = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0]]).unsqueeze(-1)
+        model.sbd_drafter.holder.gate = gate
+        torch.testing.assert_close(layer(x), layer.base(x) + want * gate, rtol=1e-5, atol=1e-5)
+        model.sbd_drafter.holder.gate, model.sbd_drafter.holder.rows = None, (1, 4)
+        sliced = layer.base(x)
+        sliced[:, 1:4] += want[:, 1:4]
+        torch.testing.assert_close(layer(x), sliced, rtol=1e-5, atol=1e-5)
+        model.sbd_drafter.holder.clear()
+    assert not layer._row_kernel(x.double()) and not layer._row_kernel(x.requires_grad_())

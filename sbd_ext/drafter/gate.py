@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters import LORA_TARGETS, MaskRow
+from ..linear import as_rows, row_count
+from ..ops import row_linear
 
 
 class RowGate:
@@ -76,14 +78,36 @@ class GatedLoRALinear(nn.Module):
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
 
+    def _row_kernel(self, x: torch.Tensor) -> bool:
+        """Decoding rows that row_linear's CPU kernel takes: fp32 on the CPU, no autograd graph."""
+        a = self.lora_A
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and a.dtype == torch.float32
+            and a.device.type == "cpu"
+            and not torch.is_grad_enabled()
+        )
+
+    def _delta_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """``scale · (x A^T) B^T`` of decoding rows [n, K] (``_row_kernel``) with row_linear: the factors as stored
+        ([r, K] and [N, r] are its weight layout), each read once for all rows. In a compiled step these are two
+        kernel calls per adapter where inductor's own code for the two skinny GEMMs cost ~18 % of a SmolLM2 verify
+        forward (7 of 41 ms, 210 adapters; measured 2026-11-26)."""
+        return row_linear(row_linear(x2, self.lora_A), self.lora_B) * self.scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         gate, rows = self.holder.gate, self.holder.rows
         if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
             lo, hi = rows
-            a_t, b_t = self._factors(x.dtype)
             xs = x[:, lo:hi].reshape(-1, x.shape[-1])
             ys = y[:, lo:hi]
+            if self._row_kernel(x):
+                delta = self._delta_rows(as_rows(xs, xs.shape[0])).view(ys.shape)
+                ys += delta if gate is None else delta * gate.to(y.dtype)
+                return y
+            a_t, b_t = self._factors(x.dtype)
             if gate is None and ys.is_contiguous():  # one sequence: two GEMMs, the second accumulating into y
                 ys.view(-1, ys.shape[-1]).addmm_(torch.mm(xs, a_t), b_t)
             else:
@@ -92,6 +116,9 @@ class GatedLoRALinear(nn.Module):
             return y
         if gate is None:
             return y
+        if self._row_kernel(x):  # a compiled decoding step: the gate over every row of the forward
+            delta = self._delta_rows(as_rows(x, row_count(x))).view(*x.shape[:-1], self.out_features)
+            return y + delta * gate.to(y.dtype)
         return y + self._delta(x) * gate.to(y.dtype)
 
 
