@@ -32,8 +32,9 @@ How a forward is routed (decided per layer call, in this order):
    the kernel has no backward), dropout in training mode, ``output_attentions``, dtypes, devices or head dims
    without an ``sbd_ext`` kernel (CUDA: :data:`CUDA_HEAD_DIMS`). With a ``None`` mask and ``1 < T < S`` (a
    multi-token forward on top of a cache), or a sliding window, the fallback builds the lower-right (sliding) causal
-   mask itself, because SDPA's ``is_causal`` is upper-left aligned and transformers' SDPA path would crop the keys. With ``softcap`` the fallback is an eager
-   attention (the one of transformers' Gemma-2: scale, soft-cap, mask, fp32 softmax), which SDPA cannot do.
+   mask itself, because SDPA's ``is_causal`` is upper-left aligned and transformers' SDPA path would crop the keys.
+   With ``softcap`` the fallback is an eager attention (the one of transformers' Gemma-2: scale, soft-cap, mask, fp32
+   softmax), which SDPA cannot do.
 """
 
 from __future__ import annotations

@@ -101,12 +101,13 @@ class GatedLoRALinear(nn.Module):
         gate, rows = self.holder.gate, self.holder.rows
         if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
             lo, hi = rows
-            xs = x[:, lo:hi].reshape(-1, x.shape[-1])
             ys = y[:, lo:hi]
             if self._row_kernel(x):
-                delta = self._delta_rows(as_rows(xs, xs.shape[0])).view(ys.shape)
+                xs = x[:, lo:hi]
+                delta = self._delta_rows(as_rows(xs, row_count(xs))).view(ys.shape)
                 ys += delta if gate is None else delta * gate.to(y.dtype)
                 return y
+            xs = x[:, lo:hi].reshape(-1, x.shape[-1])
             a_t, b_t = self._factors(x.dtype)
             if gate is None and ys.is_contiguous():  # one sequence: two GEMMs, the second accumulating into y
                 ys.view(-1, ys.shape[-1]).addmm_(torch.mm(xs, a_t), b_t)
