@@ -404,3 +404,41 @@ def test_row_kernel_adapter_equals_the_gemm_reference():
         torch.testing.assert_close(layer(x), sliced, rtol=1e-5, atol=1e-5)
         model.sbd_drafter.holder.clear()
     assert not layer._row_kernel(x.double()) and not layer._row_kernel(x.requires_grad_())
+
+
+def test_row_kernel_adapter_follows_a_changed_factor_and_any_width():
+    """The decoding copy of ``scale · B`` (row_linear's packed layout) is rebuilt when B changes in place (an
+    optimizer step); a width that is not a multiple of 16 uses the plain factor. Both equal the F.linear definition."""
+    _, model = _with_drafter(seed=8)
+    layer = next(m for _, m in model.sbd_drafter.lora_modules(model))
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        first = layer.packed_b()
+        assert first is not None and first.shape == (layer.out_features // 16, layer.rank, 16)
+        torch.testing.assert_close(layer._delta_rows(x), layer._delta(x), rtol=1e-5, atol=1e-5)
+        layer.lora_B.mul_(-2.0).add_(0.5)  # in place, as an optimizer step: same tensor, new version
+        torch.testing.assert_close(layer._delta_rows(x), layer._delta(x), rtol=1e-5, atol=1e-5)
+        assert layer.packed_b() is not first
+        odd = drafter.GatedLoRALinear(torch.nn.Linear(24, 40, bias=False), 4, 8.0, drafter.RowGate())
+        torch.nn.init.normal_(odd.lora_B)
+        x = torch.randn(3, 24, generator=torch.Generator().manual_seed(10))
+        assert odd.packed_b() is None
+        torch.testing.assert_close(odd._delta_rows(x), odd._delta(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_step_sees_a_drafter_changed_between_generations():
+    """The compiled graphs read the adapters' decoding copies of B without checking them: generate refreshes them
+    first, so a drafter trained further between two compiled generations drafts as eager does with the new factors."""
+    _, model = _with_drafter(seed=13)
+    ids, att = random_prompts([6, 7], seed=14)
+    kw = dict(max_new_tokens=12, block_size=4)
+    before = sbd_ext.generate(model, ids, att, **kw)  # eager first: its copies exist when the graphs are traced
+    assert torch.equal(sbd_ext.generate(model, ids, att, compile=True, **kw).sequences, before.sequences)
+    g = torch.Generator().manual_seed(15)
+    with torch.no_grad():
+        for _, m in model.sbd_drafter.lora_modules(model):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.3)  # in place: the graphs' inputs stay
+    after = sbd_ext.generate(model, ids, att, compile=True, **kw)  # before any eager forward sees the new factors
+    eager = sbd_ext.generate(model, ids, att, **kw)
+    assert not torch.equal(eager.sequences, before.sequences)  # the new factors draft differently
+    assert torch.equal(after.sequences, eager.sequences)

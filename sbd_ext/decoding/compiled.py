@@ -82,6 +82,9 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
     if not _compiled_variant_ok(variant):
         decode(seqs, job, EagerStep(model, cache, device))
         return
+    drafter = getattr(model, "sbd_drafter", None)
+    if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
+        drafter.refresh(model)
     step = StaticStep(model, cache, job, device, variant)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count

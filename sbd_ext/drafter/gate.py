@@ -14,6 +14,7 @@ from torch import nn
 from ..adapters import LORA_TARGETS, MaskRow
 from ..linear import as_rows, row_count
 from ..ops import row_linear
+from ..packing import PANEL, pack_row_linear_weight
 
 
 class RowGate:
@@ -89,12 +90,32 @@ class GatedLoRALinear(nn.Module):
             and not torch.is_grad_enabled()
         )
 
+    def packed_b(self) -> torch.Tensor | None:
+        """``scale · B`` in row_linear's packed fp32 layout ([N / 16, r, 16]: the CPU kernel's panel path; the plain
+        [N, r] layout sums lanes over r = 16 and took ~2x as long), or None where the layout does not apply (N not a
+        multiple of 16: the plain factor is used). Rebuilt when B changes (an optimizer step, a load bumps its
+        version); a compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
+        if torch.compiler.is_compiling():
+            return getattr(self, "_packed_b", None)
+        b = self.lora_B
+        key = (b._version, b.data_ptr(), b.dtype, self.scale)
+        if getattr(self, "_packed_b_key", None) != key:
+            packed = None
+            if b.shape[0] % PANEL == 0:
+                with torch.no_grad():
+                    packed = pack_row_linear_weight((b.detach().float() * self.scale).contiguous())
+            self._packed_b, self._packed_b_key = packed, key
+        return self._packed_b
+
     def _delta_rows(self, x2: torch.Tensor) -> torch.Tensor:
-        """``scale · (x A^T) B^T`` of decoding rows [n, K] (``_row_kernel``) with row_linear: the factors as stored
-        ([r, K] and [N, r] are its weight layout), each read once for all rows. In a compiled step these are two
-        kernel calls per adapter where inductor's own code for the two skinny GEMMs cost ~18 % of a SmolLM2 verify
-        forward (7 of 41 ms, 210 adapters; measured 2026-11-26)."""
-        return row_linear(row_linear(x2, self.lora_A), self.lora_B) * self.scale
+        """``scale · (x A^T) B^T`` of decoding rows [n, K] (``_row_kernel``) with row_linear: A as stored ([r, K] is
+        its weight layout), ``scale · B`` packed (:meth:`packed_b`), each read once for all rows. In a compiled step
+        these are two kernel calls per adapter where inductor's own code for the two skinny GEMMs cost ~18 % of a
+        SmolLM2 verify forward (7 of 41 ms, 210 adapters; measured 2026-11-26)."""
+        b = self.packed_b()
+        if b is None:
+            return row_linear(row_linear(x2, self.lora_A), self.lora_B) * self.scale
+        return row_linear(row_linear(x2, self.lora_A), b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -176,6 +197,13 @@ class Drafter(nn.Module):
 
     def lora_modules(self, model: nn.Module) -> list[tuple[str, GatedLoRALinear]]:
         return [(n, m) for n, m in model.named_modules() if isinstance(m, GatedLoRALinear)]
+
+    def refresh(self, model: nn.Module) -> None:
+        """Bring every adapter's decoding copy of its factors up to date (:meth:`GatedLoRALinear.packed_b`): called
+        before a compiled step runs, which reads the copies without checking them."""
+        with torch.no_grad():
+            for _, m in self.lora_modules(model):
+                m.packed_b()
 
 
 def gate_rows(n_commit: torch.Tensor, n_valid: torch.Tensor, rows: int, device) -> torch.Tensor:
