@@ -330,3 +330,34 @@ def test_compiled_calls_put_the_op_schemas_in_inductors_cache_key(monkeypatch):
     with torch.compiler.config.patch(cache_key_tag="mine"):
         fn(1, 2)
     assert seen == [tag, f"mine|{tag}"] and torch.compiler.config.cache_key_tag == ""
+
+
+@pytest.mark.slow
+def test_compiled_step_follows_changes_deep_in_the_model(sbd):
+    """The step's guards are built with recursive dict tags (a module whose __dict__ is unchanged skips its
+    subtree's guards): a changed attribute of one attention layer, or a hook added to one MLP, must still reach the
+    compiled forwards (equal to eager with the change, unlike before it). The hook failed before 2026-11-26 (dynamo's
+    default skips hook guards: the stale graph decoded other tokens than eager); the settings stay scoped to the
+    step."""
+    model, tok, info = sbd
+    ids, mask = _batch(tok, info, 44)
+    settings = _settings(tok, info, max_new_tokens=24)
+    before = _compiled_and_eager(model, ids, mask, settings)
+    attn = model.get_decoder().layers[-1].self_attn
+    scaling = attn.scaling
+    try:
+        attn.scaling = scaling * 0.25  # a constant of the traced graph
+        changed = _compiled_and_eager(model, ids, mask, settings)
+        assert not torch.equal(changed.sequences, before.sequences)
+    finally:
+        attn.scaling = scaling
+    mlp = model.get_decoder().layers[0].mlp
+    handle = mlp.register_forward_hook(lambda module, args, out: out * -3.0)
+    try:
+        hooked = _compiled_and_eager(model, ids, mask, settings)
+        assert not torch.equal(hooked.sequences, before.sequences)
+    finally:
+        handle.remove()
+    _assert_same(generate(model, ids, mask, settings, compile=True), before)
+    config = torch._dynamo.config  # the process's settings untouched
+    assert config.use_recursive_dict_tags_for_guards is False and config.skip_nnmodule_hook_guards is True
