@@ -9,7 +9,9 @@
 #include <torch/library.h>
 #include <torch/headeronly/version.h>
 
+#include <iterator>
 #include <string>
+#include <vector>
 
 #include "cpu/block_attention_kernel.h"
 #include "cpu/isa.h"
@@ -67,6 +69,9 @@ pybind11::dict build_info() {
 #else
   d["debug"] = false;
 #endif
+  // the head dims the CUDA block_attention kernels are built for (in a CPU-only build too: what a CUDA build has)
+  d["cuda_head_dims"] = std::vector<int64_t>(std::begin(sbd::kCudaBlockAttentionHeadDims),
+                                             std::end(sbd::kCudaBlockAttentionHeadDims));
   d["cpu_isa"] = std::string(sbd_cpu::isa_name(sbd_cpu::active_isa()));
   d["cpu_isas"] = sbd_cpu::available_isas();
   // block_attention's matrix products for bf16 / fp16 under the automatic choice ("gemm": cpublas GEMM on the

@@ -52,7 +52,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils.import_utils import is_tracing
 
-from . import families, ops
+from . import _C, families, ops
 
 __all__ = ["ATTN_IMPLEMENTATION", "CUDA_HEAD_DIMS", "sbd_attention_forward", "sbd_mask", "register", "kernel_available"]
 
@@ -62,9 +62,9 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernel_on_device: dict[str, bool] = {}
 
 
-# Head dims the CUDA block_attention kernels are built for (csrc/cuda: block_attention_supports_head_dim); the CPU
-# kernel takes any.
-CUDA_HEAD_DIMS = (32, 64, 128)
+# Head dims the CUDA block_attention kernels are built for, as the extension reports them (its one definition:
+# sbd::kCudaBlockAttentionHeadDims in csrc/include/sbd/block_attention_params.h); the CPU kernel takes any.
+CUDA_HEAD_DIMS: tuple[int, ...] = tuple(int(d) for d in _C.build_info()["cuda_head_dims"])
 
 
 def kernel_available(device: torch.device, head_dim: int | None = None) -> bool:

@@ -57,6 +57,15 @@ def run_both(q, k, v, kc, vc, lens, commit, valid, scale=None):
 CUDA_HEAD_DIMS = (32, 64, 128)
 
 
+def test_the_python_layer_reads_the_cuda_head_dims_from_the_extension():
+    """sbd_ext.hf.CUDA_HEAD_DIMS (what SBD decoding checks up front) is the extension's own list, not a copy: the
+    C++ kernels' one definition, reported by build_info in a CPU-only build too; checked here against the dims these
+    tests run on CUDA."""
+    assert sbd_ext.build_info()["cuda_head_dims"] == list(CUDA_HEAD_DIMS)
+    assert sbd_ext.hf.CUDA_HEAD_DIMS == CUDA_HEAD_DIMS
+    assert sbd_ext.hf.kernel_available(torch.device("cuda"), 96) is False
+
+
 # The CPU runs every kernel variant twice: its own micro-kernel ("vector") and the GEMM path ("gemm": both matrix
 # products through ATen's cpublas, as chosen automatically for bf16 / fp16 on CPUs with AMX-BF16 /
 # AMX-FP16; on other CPUs cpublas runs its reference loops, the same calls). Other devices run once.

@@ -703,7 +703,7 @@ cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
 
 }  // namespace ba
 
-bool block_attention_supports_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128; }
+bool block_attention_supports_head_dim(int64_t D) { return sbd::cuda_block_attention_supports_head_dim(D); }
 
 void block_attention_plan(BlockAttentionParams& p, int num_sms) {
   p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
@@ -740,6 +740,10 @@ cudaError_t launch_block_attention(const BlockAttentionParams& p, cudaStream_t s
       static_cast<int64_t>(p.B) * p.Hkv > 65535 || p.splits + 1 > 65535 ||
       static_cast<int64_t>(p.B) * p.T * p.Hq > static_cast<int64_t>(INT_MAX) * ba::kMergeRowsPerBlock)
     return cudaErrorInvalidValue;
+  static_assert(sizeof(sbd::kCudaBlockAttentionHeadDims) == 3 * sizeof(int64_t) &&
+                    sbd::kCudaBlockAttentionHeadDims[0] == 32 && sbd::kCudaBlockAttentionHeadDims[1] == 64 &&
+                    sbd::kCudaBlockAttentionHeadDims[2] == 128,
+                "the cases below instantiate exactly sbd::kCudaBlockAttentionHeadDims");
   switch (p.D) {
     case 32:
       return ba::run<T, 32>(p, stream);

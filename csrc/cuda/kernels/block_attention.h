@@ -33,7 +33,7 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   sbd::BlockAttentionStatus* status;
 };
 
-bool block_attention_supports_head_dim(int64_t D);  // 32, 64 and 128
+bool block_attention_supports_head_dim(int64_t D);  // sbd::kCudaBlockAttentionHeadDims: 32, 64 and 128
 // Fills group, m_tiles, splits for a GPU with `num_sms` SMs.
 void block_attention_plan(BlockAttentionParams& p, int num_sms);
 size_t block_attention_workspace_bytes(const BlockAttentionParams& p);

@@ -13,6 +13,18 @@
 
 namespace sbd {
 
+// The head dims the CUDA kernels are instantiated for (csrc/cuda/kernels/block_attention.cuh dispatches on them; the
+// CPU kernel takes any). The Python layer reads the list from build_info() (sbd_ext.hf.CUDA_HEAD_DIMS), so this is
+// its one definition.
+inline constexpr int64_t kCudaBlockAttentionHeadDims[] = {32, 64, 128};
+
+constexpr bool cuda_block_attention_supports_head_dim(int64_t D) {  // host code
+  for (int64_t d : kCudaBlockAttentionHeadDims) {
+    if (d == D) return true;
+  }
+  return false;
+}
+
 // Why a sequence's lengths are invalid; kNone when they are valid. The order is the order of the checks.
 enum class LengthError : int32_t {
   kNone = 0,
