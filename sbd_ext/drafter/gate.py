@@ -93,7 +93,7 @@ class GatedLoRALinear(nn.Module):
     def packed_b(self) -> torch.Tensor | None:
         """``scale · B`` in row_linear's packed fp32 layout ([N / 16, r, 16]: the CPU kernel's panel path; the plain
         [N, r] layout sums lanes over r = 16 and took ~2x as long), or None where the layout does not apply (N not a
-        multiple of 16: the plain factor is used). Rebuilt when B changes (an optimizer step, a load bumps its
+        multiple of 16, or B not on the CPU, which has the only packed kernel: the plain factor is used). Rebuilt when B changes (an optimizer step, a load bumps its
         version); a compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
             return getattr(self, "_packed_b", None)
@@ -101,7 +101,7 @@ class GatedLoRALinear(nn.Module):
         key = (b._version, b.data_ptr(), b.dtype, self.scale)
         if getattr(self, "_packed_b_key", None) != key:
             packed = None
-            if b.shape[0] % PANEL == 0:
+            if b.shape[0] % PANEL == 0 and b.device.type == "cpu":
                 with torch.no_grad():
                     packed = pack_row_linear_weight((b.detach().float() * self.scale).contiguous())
             self._packed_b, self._packed_b_key = packed, key
