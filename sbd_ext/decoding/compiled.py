@@ -156,8 +156,8 @@ def cache_tag() -> str:
     return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
 
 
-# How the step's guards are built (patched while it compiles; other compiled functions in the process keep the
-# process's settings):
+# How the step's guards are built (patched around each call of the step, since any call may compile and the guards
+# are built then; ~20 us a call; outside the step the process's settings hold):
 # - skip_nnmodule_hook_guards=False: dynamo's default skips guards on module hooks, so a forward hook a user adds
 #   after the first compiled generation was silently ignored (stale graph, other tokens than eager); now it recompiles.
 # - recursive dict tags: dynamo checks ~10k guards on every call of the step (a SmolLM2 verify forward with its

@@ -93,8 +93,9 @@ class GatedLoRALinear(nn.Module):
     def packed_b(self) -> torch.Tensor | None:
         """``scale · B`` in row_linear's packed fp32 layout ([N / 16, r, 16]: the CPU kernel's panel path; the plain
         [N, r] layout sums lanes over r = 16 and took ~2x as long), or None where the layout does not apply (N not a
-        multiple of 16, or B not on the CPU, which has the only packed kernel: the plain factor is used). Rebuilt when B changes (an optimizer step, a load bumps its
-        version); a compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
+        multiple of 16, or B not on the CPU, which has the only packed kernel: the plain factor is used). Rebuilt
+        when B changes (an optimizer step, a load bumps its version); a compiled step reads the copy refreshed before
+        it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
             return getattr(self, "_packed_b", None)
         b = self.lora_B
