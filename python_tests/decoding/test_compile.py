@@ -210,6 +210,11 @@ def test_compiled_generation_leaves_the_users_compiled_code_alone(sbd, monkeypat
 
     model, tok, info = sbd
     ids, mask = _batch(tok, info, 40)
+    # The step must compile here: compiled variants left by earlier tests in the process (e.g. test_drafter.py's,
+    # run before this file) can exhaust the variant budget and decode this one eagerly, never calling the hook below.
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_VARIANTS", set())
+    monkeypatch.setattr(compiled, "_EAGER", set())
 
     @torch.compile(backend="eager")
     def user(x):
