@@ -51,6 +51,7 @@ except ImportError:  # pragma: no cover - only on a machine without torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import cuda_toolkit  # noqa: E402  (tools/cuda_toolkit.py: whether to build CUDA, and where its toolkit is)
+import link_flags  # noqa: E402  (tools/link_flags.py: -lstdc++ as the path of torch's shared libstdc++)
 
 with open(os.path.join(ROOT, "tools", "build_config.json")) as _f:
     CONFIG = json.load(_f)
@@ -159,10 +160,8 @@ def _extension():
         name="sbd_ext._C",
         sources=sources,
         include_dirs=include_dirs,
-        # The shared libstdc++ named explicitly, ahead of the driver's own: a g++ set to link it statically (the
-        # GPU image's /opt/gcc/bin/g++ adds -static-libstdc++) gave the extension a private copy whose stream
-        # formatting is broken in torch's process (error messages lost their numbers; on the H200, a segfault).
-        extra_link_args=CONFIG["openmp_flags"] + CONFIG["link_flags"],
+        # The shared libstdc++ torch runs with, named by path (tools/link_flags.py says why).
+        extra_link_args=CONFIG["openmp_flags"] + link_flags.link_flags(CONFIG["link_flags"]),
     )
     if not with_cuda:
         kwargs["extra_compile_args"] = {"cxx": cxx}

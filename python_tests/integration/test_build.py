@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import cuda_toolkit  # noqa: E402
+import link_flags  # noqa: E402
 
 
 def _toolkit(folder: Path, with_cudart: bool = True) -> Path:
@@ -102,6 +103,35 @@ def test_setuptools_sees_every_package(tmp_path):
     assert "absent from the `packages` configuration" not in r.stdout + r.stderr
     gen = tmp_path / "out" / "sbd_ext" / "integration" / "custom_generate"
     assert (gen / "generate.py").is_file() and (gen / "requirements.txt").is_file()
+
+
+def test_link_flags_name_the_shared_libstdcxx_where_the_search_path_has_only_the_archive(tmp_path):
+    """The GPU image's toolchain (/opt/gcc, found on the H200) searches a folder holding only libstdc++.a first, so
+    -lstdc++ linked a private static copy. Reproduced with -L to such a folder: -lstdc++ alone gives a library
+    without libstdc++.so in NEEDED; tools/link_flags.py's flags (torch's shared libstdc++ by path) give it."""
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is part of the build toolchain"
+    archive = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    assert os.path.isabs(archive) and os.path.isfile(archive), archive
+    static_only = tmp_path / "static_only"
+    static_only.mkdir()
+    (static_only / "libstdc++.a").symlink_to(archive)
+    src = tmp_path / "fmt.cpp"
+    src.write_text(
+        "#include <sstream>\n#include <string>\nstd::string f(int x){std::ostringstream o;o<<x;return o.str();}\n"
+    )
+    flags = link_flags.link_flags(["-lstdc++"])
+    assert flags != ["-lstdc++"] and os.path.basename(flags[0]).startswith("libstdc++.so"), flags
+
+    def needed(extra):
+        out = tmp_path / "fmt.so"
+        subprocess.run([gxx, "-shared", "-fPIC", str(src), "-o", str(out), f"-L{static_only}", *extra], check=True)
+        return subprocess.run(["readelf", "-d", str(out)], capture_output=True, text=True, check=True).stdout
+
+    assert "[libstdc++.so" not in needed(["-lstdc++"])  # the image's failure, reproduced
+    assert "[libstdc++.so" in needed(flags)
+    # a machine where none is mapped (or not Linux): the config's flag unchanged
+    assert link_flags.link_flags(["-lstdc++", "-x"], maps_path=str(tmp_path / "absent")) == ["-lstdc++", "-x"]
 
 
 def test_extension_links_the_shared_libstdcxx():
