@@ -251,8 +251,10 @@ void range(const RowLinearParams& p, int64_t n0, int64_t n1) {
 // loop runs at the FMA rate where the dot-product tiles above pay for their loads of x and their final lane sums.
 // AVX-512 takes up to 16 x rows per tile (16 accumulators + the weight vector + a broadcast; 24-row tiles measured
 // slower: 17-24 rows are two tiles), so a verify forward's 9-16 rows read every panel once; fewer rows split K over KS
-// accumulator sets (even / odd steps ...) so that at least 8 FMA chains are in flight (one x row: 4 sets, a
-// bandwidth-bound stream). The first x tile of a panel
+// accumulator sets (even / odd steps ...) so that about 8 FMA chains are in flight (one x row: 4 sets, a
+// bandwidth-bound stream; three rows: 2 sets, since 4 sets of 3 -- 12 chains -- ran a third slower than four rows'
+// 8: 99 vs 70 us for SmolLM2's 1536 x 576 in cache, 85 us with 2 sets; verify's forwards after a correction have
+// 3 rows). The first x tile of a panel
 // prefetches kPanelAhead bytes ahead in the stream (the later tiles, with more than 16 rows, find it in L2).
 // On an AMD EPYC Zen 4 (1 thread) SmolLM2's linears at 16 rows ran at ~86 GFLOP/s this way (the 6 x 4 dot-product
 // tile: 58), its 49152-row head at ~100.
@@ -297,7 +299,7 @@ constexpr int64_t kPanelAhead = 4096;
 template <int MR>
 constexpr int k_sets() {
   constexpr int chains = MR * kPV;
-  return chains >= 8 ? 1 : chains >= 4 ? 2 : 4;
+  return chains >= 8 ? 1 : chains >= 3 ? 2 : 4;
 }
 
 template <int MR, bool PREFETCH>
