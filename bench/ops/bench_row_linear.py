@@ -6,8 +6,8 @@ Reproduce: OMP_NUM_THREADS=1 pytest bench/ops/bench_row_linear.py --benchmark-on
 CPU work: every linear of one SmolLM2-135M forward for M rows (30 layers x q, k, v, o, gate, up, down, then the
 49153-row output head: 537 MB of fp32 weights, more than any cache, so each call streams them from memory as a
 decoding forward does), M in {1, 2, 3, 4, 8, 16, 24} (NTP; verify at k = 2: 3-4 rows; an SBD block of 8; verify's
-committed block + block; the limit region), fp32; and the output head alone. GB/s = weight bytes / time (the one-row case's floor is the
-memory's rate). The reference (float64) runs the head only, at M = 8.
+committed block + block; the limit region), fp32; and the output head alone. GB/s = weight bytes / time (the
+one-row case's floor is the memory's rate). The reference (float64) runs the head only, at M = 8.
 CUDA: Llama-3.1-8B's MLP up projection (14336 x 4096) and output head (128256 x 4096), fp32, M in {1, 16}: the op is
 cuBLAS there (at::mm), so this checks it adds nothing.
 """
