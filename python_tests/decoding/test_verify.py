@@ -376,3 +376,39 @@ def test_lookup_yields_to_a_sure_block_slot(models):
         extra = seq._draft_from_context(block, 4, confidence)
         assert block == want_block, (confidence, block)
         assert block + extra == (want_all or want_block), (confidence, extra)
+
+
+def test_lookup_cap_doubles_in_a_streak_and_resets_after_a_miss(models):
+    """The lookup's drafts per cycle start at LOOKUP_START (a row of the next forward each), double after a cycle
+    whose lookup drafts filled the cap and were all accepted (up to ``lookup``), and are back to the start after a
+    rejected lookup draft; a miss in the block's own tokens, or a short proposal, leaves the cap."""
+    from sbd_ext.decoding.settings import GenerationSettings, make_job
+    from sbd_ext.decoding.state import LOOKUP_START, SequenceState
+
+    prompt = [5, 6, 7, 8] * 10  # the context repeats: the lookup proposes "5 6 7 8 ..." as far as it may
+    settings = GenerationSettings(verify=True, lookup=16, block_size=2, max_new_tokens=200)
+    job = make_job(models[0], torch.tensor([prompt]), None, settings)
+    seq = SequenceState(list(prompt), job)
+    assert seq.lookup_cap == LOOKUP_START == 4
+
+    def cycle(looked: int, wrong_at: int | None = None) -> int:
+        """Drafts: slot 0, then ``looked`` lookup tokens, then one of the block's own; the NTP choices agree up to
+        ``wrong_at`` (an index into the drafts). Returns the cap after their check."""
+        seq.gen, seq.n_looked = [], looked
+        drafts = [9] + [10 + i for i in range(looked)] + [99]
+        seq.pending, seq.n_draft = list(drafts), len(drafts)
+        ntp = drafts[1:] + [42]  # ntp[r]: the choice after row r, which checks draft r + 1
+        if wrong_at is not None:
+            ntp[wrong_at - 1] = 77
+        seq._verify(0, ntp)
+        return seq.lookup_cap
+
+    assert cycle(4) == 8 and cycle(8) == 16 and cycle(16) == 16  # a streak: doubled, bounded by lookup
+    assert cycle(16, wrong_at=17) == 16  # the block's own token (after the lookup's) was wrong: no change
+    assert cycle(16, wrong_at=3) == 4  # a lookup draft was wrong: back to the start
+    assert cycle(3) == 4  # a shorter proposal than the cap, all right: no change
+    # the cap bounds the proposal: slot 1 and 3 more past the block at cap 4, recorded as the lookup's
+    seq.gen, seq.pending, seq.n_draft = [], [], 0
+    block = [5, 0]
+    extra = seq._draft_from_context(block, 2, None)
+    assert block == [5, 6] and extra == [7, 8, 5] and seq.n_looked == 4
