@@ -23,10 +23,15 @@ have 0.8 M parameters: more threads only add synchronisation). One round = all p
 
 Each row's extra_info holds tokens generated, tokens/s, mean NFE and accuracy; a summary at the end of the module
 prints every row's tokens/s and how many times faster it answers than HF generate.
+
+On a GPU (``bash bench/run_gpu.sh e2e-cuda``): ``SBD_BENCH_DEVICE=cuda`` runs every row with the models on the GPU
+(fp32; sbd_ext's compiled rows are CUDA graphs, HF's static row its ``torch.compile``), each generation synchronised
+before its time is taken; ``SBD_BENCH_N`` sets the number of problems (default 50). Without a GPU those rows skip.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -36,10 +41,22 @@ from transformers import CompileConfig
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
 
-N_PROMPTS = 50
+N_PROMPTS = int(os.environ.get("SBD_BENCH_N", "50"))
 MAX_NEW = 160
-GROUP = f"e2e arith: {N_PROMPTS} held-out prompts, batch 1, greedy (CPU fp32, 1 thread)"
+DEVICE = torch.device(os.environ.get("SBD_BENCH_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="SBD_BENCH_DEVICE=cuda needs a GPU")
+    _WHERE = f"CUDA {torch.cuda.get_device_name() if torch.cuda.is_available() else ''} fp32".replace("  ", " ")
+else:
+    _WHERE = "CPU fp32, 1 thread"
+GROUP = f"e2e arith: {N_PROMPTS} held-out prompts, batch 1, greedy ({_WHERE})"
 _results: dict[str, dict] = {}
+
+
+def _sync():
+    """A generation's time ends when the device is done with it."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,17 +75,17 @@ def problems():
 
 @pytest.fixture(scope="module")
 def control():
-    return models.load(models.CONTROL_MODEL)  # attn_implementation="sbd", for sbd_ext's rows
+    return models.load(models.CONTROL_MODEL, device=DEVICE)  # attn_implementation="sbd", for sbd_ext's rows
 
 
 @pytest.fixture(scope="module")
 def control_sdpa():
-    return models.load(models.CONTROL_MODEL, attn_implementation="sdpa")  # HF generate as users run it
+    return models.load(models.CONTROL_MODEL, device=DEVICE, attn_implementation="sdpa")  # HF generate as users run it
 
 
 @pytest.fixture(scope="module")
 def sbd_model():
-    return models.load(models.DEFAULT_MODEL)
+    return models.load(models.DEFAULT_MODEL, device=DEVICE)
 
 
 def _prompts(name, probs):
@@ -126,6 +143,7 @@ def _hf_run(model, tok, encs, **kw):
                 **kw,
             )
             outs.append(g[0, enc.input_ids.shape[1] :])
+        _sync()
         return outs
 
     return run
@@ -133,7 +151,7 @@ def _hf_run(model, tok, encs, **kw):
 
 def _hf_row(benchmark, name, model, tok, problems, first_call=False, **kw):
     prompts = _prompts(models.CONTROL_MODEL, problems)
-    encs = [tok(p, return_tensors="pt") for p in prompts]
+    encs = [tok(p, return_tensors="pt").to(DEVICE) for p in prompts]
     first = None
     if first_call:
         t0 = time.perf_counter()
@@ -164,7 +182,9 @@ def test_hf_generate_static_compiled(benchmark, control_sdpa, problems):
 
 def _sbd_ext_row(benchmark, name, role, model, tok, prompts, problems, **kw):
     def run(ps=prompts):
-        return decode(model, tok, ps, batch_size=1, max_new_tokens=MAX_NEW, **kw)
+        out = decode(model, tok, ps, batch_size=1, max_new_tokens=MAX_NEW, **kw)
+        _sync()
+        return out
 
     first = None
     if kw.get("compile"):

@@ -14,7 +14,9 @@
 #   ncu       Nsight Compute on attention at 4k and 32k and entropy_sample: time, DRAM % of peak, occupancy
 #   sanitize  compute-sanitizer memcheck, then racecheck, on small cases of every kernel
 #   smollm2   SmolLM2-135M tests + bench_smollm2 (needs the GGUF: see "SmolLM2" below)
-#   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models)
+#   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models), on the host CPU
+#   e2e-cuda  the same rows with the models on the GPU (SBD_BENCH_DEVICE=cuda; SBD_BENCH_N problems, default 20):
+#             end-to-end wall-clock of SBD decoding on a GPU, CUDA graphs for the compiled rows, ~5-8 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -41,7 +43,7 @@
 # calls as possible (a call that finds the machine warm reuses its build):
 #  1. run(command='export SBD_RUNBOOK_REST=0 SBD_RUNBOOK_DEADLINE=$(( $(date +%s) + 580 )); bash bench/run_gpu.sh build
 #       && for s in test bench sanitize; do bash bench/run_gpu.sh $s; done', timeout_s=600)
-#  2. at once, while warm: the same with `for s in ncu e2e`, then what the results of 1 call for (a failing test
+#  2. at once, while warm: the same with `for s in e2e-cuda ncu`, then what the results of 1 call for (a failing test
 #     file on its own, `cuda-gdb -batch -ex run -ex bt --args python3 -m pytest ...` for a crash).
 # SmolLM2 on the GPU needs its GGUF carried (94 MiB: more than one call carries). Here, once, before the session:
 #       echo /.whl/ >> .git/info/exclude; echo /.carry/ >> .git/info/exclude
@@ -67,7 +69,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e gguf-part cpu"
+STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -278,6 +280,16 @@ stage_e2e() {
   py=$(pytest_cmd)
   # shellcheck disable=SC2086
   step bench_e2e 480 $py bench/bench_e2e.py --benchmark-only -q -s --benchmark-json="$RES/bench_e2e.json"
+}
+
+stage_e2e-cuda() {
+  ensure_built
+  local py
+  py=$(pytest_cmd)
+  py=${py/--timeout=120/--timeout=300}  # a compiled row's first generation records its CUDA graphs
+  # shellcheck disable=SC2086
+  step bench_e2e_cuda 540 env SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" $py bench/bench_e2e.py \
+    --benchmark-only -q -s --benchmark-json="$RES/bench_e2e_cuda.json"
 }
 
 stage_cpu() {
