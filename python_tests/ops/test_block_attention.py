@@ -57,6 +57,14 @@ def run_both(q, k, v, kc, vc, lens, commit, valid, scale=None):
 CUDA_HEAD_DIMS = (32, 64, 128)
 
 
+def assert_cuda_refuses_head_dim(D, kc, call):
+    """On CUDA a head dim the kernels are not built for is refused with the supported list, the cache untouched."""
+    before = kc.clone()
+    with pytest.raises(ValueError, match=rf"the CUDA kernels support head dims 32, 64 and 128, got D = .* = {D}"):
+        call()
+    assert torch.equal(kc, before)
+
+
 def test_the_python_layer_reads_the_cuda_head_dims_from_the_extension():
     """sbd_ext.hf.CUDA_HEAD_DIMS (what SBD decoding checks up front) is the extension's own list, not a copy: the
     C++ kernels' one definition, reported by build_info in a CPU-only build too; checked here against the dims these
@@ -113,9 +121,8 @@ def test_fp32_matches_reference(isa_device, case):
     B, Hkv, g, T, D, lens, commit, valid = case
     q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, 300, device=isa_device)
     if isa_device.type == "cuda" and D not in CUDA_HEAD_DIMS:
-        msg = rf"the CUDA kernels support head dims 32, 64 and 128, got D = .* = {D}"
-        with pytest.raises(ValueError, match=msg):
-            sbd_ext.block_attention(q, k, v, kc, vc, *(lengths(x, isa_device) for x in (lens, commit, valid)))
+        L, C, V = (lengths(x, isa_device) for x in (lens, commit, valid))
+        assert_cuda_refuses_head_dim(D, kc, lambda: sbd_ext.block_attention(q, k, v, kc, vc, L, C, V))
         return
     out, ref, caches, ref_caches = run_both(
         q, k, v, kc, vc, lengths(lens, isa_device), lengths(commit, isa_device), lengths(valid, isa_device)
@@ -685,11 +692,10 @@ def test_fp32_matches_reference_with_features(isa_device, case, features):
     q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, 300, device=isa_device)
     q = q * 3.0  # scores of a few units, so that a cap of 1-2.5 bends them
     L, C, V = (lengths(x, isa_device) for x in (lens, commit, valid))
-    if isa_device.type == "cuda" and D not in CUDA_HEAD_DIMS:  # refused with the features too, nothing written
-        before = kc.clone()
-        with pytest.raises(ValueError, match=rf"the CUDA kernels support head dims 32, 64 and 128, got .* = {D}"):
-            sbd_ext.block_attention(q, k, v, kc, vc, L, C, V, softcap=softcap, window_left=window)
-        assert torch.equal(kc, before)
+    if isa_device.type == "cuda" and D not in CUDA_HEAD_DIMS:  # refused with the features too
+        assert_cuda_refuses_head_dim(
+            D, kc, lambda: sbd_ext.block_attention(q, k, v, kc, vc, L, C, V, softcap=softcap, window_left=window)
+        )
         return
     out, ref = run_both_features(q, k, v, kc, vc, L, C, V, softcap, window)
     assert_close(out, ref, msg=f"softcap={softcap} window_left={window}")

@@ -75,9 +75,9 @@ class GenerationSettings:
     :mod:`sbd_ext.decoding.lookup`): the tokens that followed the latest earlier occurrence of the text's final
     4, 3 or 2 tokens. They take the block's later slots (the drafter's tokens stay where the lookup has none) and
     may run past the block; a cycle proposes 4 at first, twice as many after a fully accepted proposal, 4 again
-    after a rejected one (``sbd_ext.decoding.state.LOOKUP_START``); 0 (default): off. The output stays verify's, exactly. Outside verify mode it does
-    nothing (unchecked drafts would change the output), so a checkpoint can recommend it next to ``sbd_verify``
-    and a call with ``verify=False`` still decodes plain SBD.
+    after a rejected one (``sbd_ext.decoding.state.LOOKUP_START``); 0 (default): off. The output stays verify's,
+    exactly. Outside verify mode it does nothing (unchecked drafts would change the output), so a checkpoint can
+    recommend it next to ``sbd_verify`` and a call with ``verify=False`` still decodes plain SBD.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
