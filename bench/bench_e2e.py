@@ -108,6 +108,7 @@ def _record(benchmark, name, role, completions, nfe, n_tokens, probs, first_call
         f", NFE {info['mean_nfe']:.1f}" if nfe else ""
     )
     _results[name] = dict(info, median_s=med)
+    print(f"\n[row] {name}: {med:.3f} s, {benchmark.extra_info['note']}", flush=True)  # kept if a run is cut short
 
 
 def _summary():

@@ -17,6 +17,9 @@
 #   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models), on the host CPU
 #   e2e-cuda  the same rows with the models on the GPU (SBD_BENCH_DEVICE=cuda; SBD_BENCH_N problems, default 20):
 #             end-to-end wall-clock of SBD decoding on a GPU, CUDA graphs for the compiled rows, ~5-8 min
+#   drafter-cuda  bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
+#             vs HF generate / prompt lookup / sbd_ext NTP, eager and compiled, and the two-forward ablation, on
+#             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -69,7 +72,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda gguf-part cpu"
+STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -288,8 +291,25 @@ stage_e2e-cuda() {
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=300}  # a compiled row's first generation records its CUDA graphs
   # shellcheck disable=SC2086
-  step bench_e2e_cuda 540 env SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" $py bench/bench_e2e.py \
+  step bench_e2e_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" $py bench/bench_e2e.py \
     --benchmark-only -q -s --benchmark-json="$RES/bench_e2e_cuda.json"
+}
+
+stage_drafter-cuda() {
+  ensure_built
+  local py
+  py=$(pytest_cmd)
+  py=${py/--timeout=120/--timeout=400}  # a compiled row's first generation records its CUDA graphs
+  if [ "$DRY" != 1 ]; then
+    assemble_gguf >"$RES/gguf_assemble.log" 2>&1
+    printf 'gguf_assemble\t%s\t0\n' "$?" >>"$RES/steps.tsv"
+  fi
+  # Rows print as they finish ([row] lines, unbuffered), so a run cut at the deadline keeps what it measured.
+  # shellcheck disable=SC2086
+  step bench_drafter_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_THREADS_LIST=1 \
+    SBD_BENCH_N="${SBD_BENCH_N:-8}" SBD_BENCH_MAX_NEW="${SBD_BENCH_MAX_NEW:-64}" $py bench/bench_drafter.py \
+    -k "not plain and not ungated and not no_lookup" --benchmark-only -q -s \
+    --benchmark-json="$RES/bench_drafter_cuda.json"
 }
 
 stage_cpu() {

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "gguf-part", "cpu"]
+STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "drafter-cuda", "gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],
     "test": ["test_cuda", "test_rest"],
@@ -24,6 +24,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "smollm2": ["test_smollm2", "bench_smollm2"],
     "e2e": ["bench_e2e"],
     "e2e-cuda": ["bench_e2e_cuda"],
+    "drafter-cuda": ["bench_drafter_cuda"],
     "gguf-part": [],
     "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }
