@@ -1,0 +1,22 @@
+import cProfile, pstats, time, torch, sbd_ext
+from sbd_ext.demo import models
+from sbd_ext.recipes.smollm2 import checkpoint
+from sbd_ext.recipes.smollm2.prompts import eval_prompts
+dev = torch.device("cuda")
+model, tok = models.load("smollm2-drafter", device=dev)
+eos = tok.convert_tokens_to_ids("<|im_end|>")
+ps = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=dev) for p in eval_prompts()[:4]]
+for name, kw in [("ntp", dict(mode="ntp", verify=False, compile=True)), ("verify", dict(verify=True, compile=True)),
+                 ("verify_nolookup", dict(verify=True, lookup=0, compile=True))]:
+    kw.update(max_new_tokens=64, eos_token_id=eos)
+    for p in ps: sbd_ext.generate(model, p, **kw)
+    torch.cuda.synchronize(); t = time.perf_counter(); nfe = 0; n = 0
+    for p in ps:
+        o = sbd_ext.generate(model, p, **kw); nfe += int(o.nfe.sum()); n += o.sequences.shape[1] - p.shape[1]
+    torch.cuda.synchronize(); dt = time.perf_counter() - t
+    print(f"== {name}: {dt:.3f} s, {nfe} fwd, {1000*dt/nfe:.2f} ms/fwd, {n/dt:.1f} tok/s", flush=True)
+    pr = cProfile.Profile(); pr.enable()
+    for p in ps: sbd_ext.generate(model, p, **kw)
+    torch.cuda.synchronize(); pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
