@@ -22,6 +22,9 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
   (``lookup=0``: the drafter's tokens only);
 - ``*_packed_compiled`` (ours): NTP and verify, compiled, on the packed fp32 weights (``sbd_ext.quantize(model,
   "packed")``: the same values, the CPU's fastest fp32 layout);
+- ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
+  CUDA's default merged ``[W; W + sBA]`` GEMMs (``drafter.merge``; on the CPU the products are the default and the
+  merged GEMMs are slow: 133 ms per SmolLM2 verify forward at 1 thread);
 - ``sbd_verify_two_forward`` (ablation): the same drafter, two forwards per cycle (commit rows, then the block rows;
   :class:`sbd_ext.decoding.step.TwoForwardStep`), as two-forward speculative schemes run;
 - ``sbd_plain`` (ours): plain SBD with the drafter (no check: not the base's answers);
@@ -178,6 +181,8 @@ ROWS = {
     "sbd_ntp_packed_compiled": dict(mode="ntp", verify=False, compile=True, packed=True),
     "sbd_verify_packed_compiled": dict(verify=True, compile=True, packed=True),
 }
+if DEVICE.type == "cuda":  # the compiled adapters' LoRA products, against the merged GEMMs of CUDA's default
+    ROWS["sbd_verify_compiled_other_merge"] = dict(verify=True, compile=True, other_merge=True)
 _packed: dict = {}
 
 
@@ -196,6 +201,11 @@ def test_sbd(benchmark, setup, threads, impl):
         if "model" not in _packed:
             _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
         model = _packed["model"]
+    d = model.sbd_drafter if hasattr(model, "sbd_drafter") else None
+    if kw.pop("other_merge", False):
+        d.merge = not d.merges(model, DEVICE)
+    elif d is not None:
+        d.merge = None  # auto
     counters = []
     if kw.get("step_cls") is TwoForwardStep:
 
@@ -228,6 +238,8 @@ def test_sbd(benchmark, setup, threads, impl):
     _results[(threads, impl)]["answers"] = answers
     if first is not None:
         benchmark.extra_info["first_call_s"] = round(first, 1)
+    if d is not None and kw.get("compile"):
+        benchmark.extra_info["merged_adapters"] = d.merges(model, DEVICE)
 
 
 def _summary() -> None:

@@ -19,7 +19,8 @@
 #             end-to-end wall-clock of SBD decoding on a GPU, CUDA graphs for the compiled rows, ~5-8 min
 #   drafter-cuda  bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
 #             vs HF generate / prompt lookup / sbd_ext NTP, eager and compiled, and the two-forward ablation, on
-#             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min
+#             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min;
+#             SBD_BENCH_K: another pytest -k selection of its rows
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -291,7 +292,8 @@ stage_e2e-cuda() {
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=300}  # a compiled row's first generation records its CUDA graphs
   # shellcheck disable=SC2086
-  step bench_e2e_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" $py bench/bench_e2e.py \
+  step bench_e2e_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" \
+    $py bench/bench_e2e.py \
     --benchmark-only -q -s --benchmark-json="$RES/bench_e2e_cuda.json"
 }
 
@@ -308,7 +310,7 @@ stage_drafter-cuda() {
   # shellcheck disable=SC2086
   step bench_drafter_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_THREADS_LIST=1 \
     SBD_BENCH_N="${SBD_BENCH_N:-8}" SBD_BENCH_MAX_NEW="${SBD_BENCH_MAX_NEW:-64}" $py bench/bench_drafter.py \
-    -k "not plain and not ungated and not no_lookup" --benchmark-only -q -s \
+    -k "${SBD_BENCH_K:-not plain and not ungated and not no_lookup}" --benchmark-only -q -s \
     --benchmark-json="$RES/bench_drafter_cuda.json"
 }
 

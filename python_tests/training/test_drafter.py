@@ -426,10 +426,13 @@ def test_row_kernel_adapter_follows_a_changed_factor_and_any_width():
         torch.testing.assert_close(odd._delta_rows(x), odd._delta(x), rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_step_sees_a_drafter_changed_between_generations():
-    """The compiled graphs read the adapters' decoding copies of B without checking them: generate refreshes them
-    first, so a drafter trained further between two compiled generations drafts as eager does with the new factors."""
+@pytest.mark.parametrize("merge", [None, True], ids=["auto", "merged"])
+def test_compiled_step_sees_a_drafter_changed_between_generations(merge):
+    """The compiled graphs read the adapters' decoding copies of B (and, merged, of [W; W + sBA]) without checking
+    them: generate refreshes them first (in place), so a drafter trained further between two compiled generations
+    drafts as eager does with the new factors."""
     _, model = _with_drafter(seed=13)
+    model.sbd_drafter.merge = merge
     ids, att = random_prompts([6, 7], seed=14)
     kw = dict(max_new_tokens=12, block_size=4)
     before = sbd_ext.generate(model, ids, att, **kw)  # eager first: its copies exist when the graphs are traced
@@ -442,3 +445,103 @@ def test_compiled_step_sees_a_drafter_changed_between_generations():
     eager = sbd_ext.generate(model, ids, att, **kw)
     assert not torch.equal(eager.sequences, before.sequences)  # the new factors draft differently
     assert torch.equal(after.sequences, eager.sequences)
+
+
+def test_merged_adapter_equals_the_lora_products():
+    """The merged path (one GEMM with [W; W + scale·B A], the gate selecting per row; a compiled CUDA step's
+    default) gives the base's output on clean rows and base + the adapter on block rows, to fp32 rounding, with or
+    without a bias; a factor changed in place is seen, in the same tensor (a captured graph holds it)."""
+    _, model = _with_drafter(seed=16)
+    d = model.sbd_drafter
+    layer = next(m for _, m in d.lora_modules(model))
+    biased = drafter.GatedLoRALinear(torch.nn.Linear(24, 40), 4, 8.0, drafter.RowGate())
+    torch.nn.init.normal_(biased.lora_B)
+    gate = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0]]).unsqueeze(-1)
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for m in (layer, biased):
+            x = torch.randn(2, 5, m.in_features, generator=g)
+            m.holder.gate, m.holder.merge = gate, True
+            want = m.base(x) + m._delta(x) * gate
+            got = m(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[gate[..., 0] == 0], m.base(x)[gate[..., 0] == 0], rtol=1e-6, atol=1e-6)
+            first = m.merged_weight()[0]
+            m.lora_B.mul_(-2.0)  # in place, as an optimizer step
+            torch.testing.assert_close(m(x), m.base(x) + m._delta(x) * gate, rtol=1e-5, atol=1e-5)
+            assert m.merged_weight()[0] is first
+            m.holder.merge = False
+            torch.testing.assert_close(m(x), m.base(x) + m._delta(x) * gate, rtol=1e-5, atol=1e-5)
+            assert m.merged_weight() is None
+            m.holder.clear()
+
+
+def test_merge_policy():
+    """auto: merged for a compiled CUDA step while the copies fit MERGE_LIMIT_BYTES, never on the CPU; forced on or
+    off by ``drafter.merge``; merged with a projection that is not a plain nn.Linear is refused; refresh drops the
+    copies when the policy is off."""
+    _, model = _with_drafter(seed=18)
+    d = model.sbd_drafter
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert d.merges(model, cuda) and not d.merges(model, cpu)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drafter.Drafter, "MERGE_LIMIT_BYTES", 16)
+        assert not d.merges(model, cuda)
+    d.merge = True
+    assert d.merges(model, cpu)
+    d.refresh(model, cpu)
+    layers = [m for _, m in d.lora_modules(model)]
+    assert d.holder.merge and all(m.merged_w.shape[0] == 2 * m.out_features for m in layers)
+    assert not any("merged" in k for k in model.state_dict())  # never saved
+    d.merge = False
+    assert not d.merges(model, cuda)
+    d.refresh(model, cpu)
+    assert not d.holder.merge and not any("merged" in n for n, _ in model.named_buffers())
+
+    class Wrapped(torch.nn.Linear):  # e.g. a quantized projection
+        pass
+
+    layers[0].base.__class__ = Wrapped
+    d.merge = None
+    assert not d.merges(model, cuda)
+    d.merge = True
+    with pytest.raises(ValueError, match="plain nn.Linear"):
+        d.merges(model, cpu)
+
+
+@pytest.mark.slow
+def test_merged_compiled_verify_equals_the_base():
+    """A compiled step with the merged adapters (forced on the CPU): verify equals the base's NTP decoding token for
+    token, and the graphs took the merged path."""
+    base, model = _with_drafter(seed=19)
+    model.sbd_drafter.merge = True
+    ids, att = random_prompts([5, 8], seed=20)
+    kw = dict(max_new_tokens=16, block_size=4)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", max_new_tokens=16)
+    torch._dynamo.reset()
+    used = []
+    real = drafter.GatedLoRALinear.merged_weight
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drafter.GatedLoRALinear, "merged_weight", lambda self: used.append(1) or real(self))
+        ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
+    assert used and torch.equal(ver.sequences, ref.sequences)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_compiled_verify_merges_and_equals_the_base():
+    """On CUDA the compiled step merges the adapters by default (auto) and verify still equals the base's NTP
+    decoding; forced off, the LoRA products give the same tokens."""
+    base, model = _with_drafter(seed=21)
+    base, model = base.cuda(), model.cuda()
+    ids, att = random_prompts([5, 8], seed=22)
+    ids, att = ids.cuda(), att.cuda()
+    kw = dict(max_new_tokens=16, block_size=4, compile=True, verify=True)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", max_new_tokens=16)
+    d = model.sbd_drafter
+    assert d.merge is None and d.merges(model, torch.device("cuda"))
+    merged = sbd_ext.generate(model, ids, att, **kw)
+    assert any(n.endswith("merged_w") for n, _ in model.named_buffers())
+    d.merge = False
+    products = sbd_ext.generate(model, ids, att, **kw)
+    assert not any(n.endswith("merged_w") for n, _ in model.named_buffers())
+    assert torch.equal(merged.sequences, ref.sequences) and torch.equal(products.sequences, ref.sequences)

@@ -84,7 +84,7 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
         return
     drafter = getattr(model, "sbd_drafter", None)
     if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
-        drafter.refresh(model)
+        drafter.refresh(model, device)
     step = StaticStep(model, cache, job, device, variant)
     f = 0
     if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters import LORA_TARGETS, MaskRow
-from ..linear import as_rows, row_count
+from ..linear import RowLinear, as_rows, row_count
 from ..ops import row_linear
 from ..packing import PANEL, pack_row_linear_weight
 
@@ -28,6 +28,9 @@ class RowGate:
     def __init__(self):
         self.gate: torch.Tensor | None = None
         self.rows: tuple[int, int] | None = None
+        # The adapters' merged path for a gate over every row (GatedLoRALinear.merged_weight), as the last
+        # Drafter.refresh decided (eager decoding gives a row range instead and never takes it).
+        self.merge = False
 
     @property
     def on(self) -> bool:
@@ -108,6 +111,47 @@ class GatedLoRALinear(nn.Module):
             self._packed_b, self._packed_b_key = packed, key
         return self._packed_b
 
+    def merged_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``([W; W + scale · B A], [b; b])`` ([2N, K] and [2N] or None) where the gate has the merged path on
+        (:attr:`Drafter.merge`), else None. One GEMM then gives every row's base output and its adapted output; the
+        gate selects per row. A compiled CUDA step replays hundreds of tiny kernels per forward, so the adapter's two
+        skinny GEMMs and its gated add (~3 kernels per projection, 630 for SmolLM2) took ~45 % of a verify forward on
+        an H200 (7.1 vs 3.8 ms per forward, bench/results/gpu-h200/run3); the merged GEMM reads the weight twice,
+        ~0.1 ms for SmolLM2. The copies are non-persistent buffers (not saved; static addresses for CUDA graphs),
+        rebuilt in place when W, A or B changes (a captured graph keeps reading them); a compiled step reads the
+        copies refreshed before it runs (:meth:`Drafter.refresh`)."""
+        if not self.holder.merge:
+            return None
+        if torch.compiler.is_compiling():
+            w2 = getattr(self, "merged_w", None)
+            return None if w2 is None else (w2, getattr(self, "merged_b", None))
+        w, a, b = self.base.weight, self.lora_A, self.lora_B
+        key = (w._version, a._version, b._version, w.data_ptr(), a.data_ptr(), b.data_ptr(), w.dtype, self.scale)
+        if getattr(self, "_merged_key", None) != key:
+            with torch.no_grad():
+                adapted = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+                full = torch.cat([w.detach(), adapted])
+                bias = self.base.bias
+                bias = None if bias is None else torch.cat([bias.detach(), bias.detach()])
+                old, old_b = getattr(self, "merged_w", None), getattr(self, "merged_b", None)
+                same = old is not None and (old.shape, old.dtype, old.device) == (full.shape, full.dtype, full.device)
+                if same and (old_b is None) == (bias is None):
+                    old.copy_(full)  # in place: a captured graph keeps reading this tensor
+                    if bias is not None:
+                        old_b.copy_(bias)
+                else:
+                    self.register_buffer("merged_w", full, persistent=False)
+                    self.register_buffer("merged_b", bias, persistent=False)
+            self._merged_key = key
+        return self.merged_w, self.merged_b
+
+    def drop_merged(self) -> None:
+        """Free the merged copies (:meth:`merged_weight`)."""
+        for name in ("merged_w", "merged_b"):
+            if name in self._buffers:
+                del self._buffers[name]
+        self._merged_key = None
+
     def _delta_rows(self, x2: torch.Tensor) -> torch.Tensor:
         """``scale · (x A^T) B^T`` of decoding rows [n, K] (``_row_kernel``) with row_linear: A as stored ([r, K] is
         its weight layout), ``scale · B`` packed (:meth:`packed_b`), each read once for all rows. In a compiled step
@@ -119,8 +163,14 @@ class GatedLoRALinear(nn.Module):
         return row_linear(row_linear(x2, self.lora_A), b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         gate, rows = self.holder.gate, self.holder.rows
+        if gate is not None and rows is None and not torch.is_grad_enabled():  # a compiled step's gate over all rows
+            merged = self.merged_weight()
+            if merged is not None:
+                both = F.linear(x, merged[0], merged[1])
+                n = self.out_features
+                return torch.where(gate > 0, both[..., n:], both[..., :n])
+        y = self.base(x)
         if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
             lo, hi = rows
             ys = y[:, lo:hi]
@@ -162,9 +212,14 @@ class GatedMaskRow(MaskRow):
 class Drafter(nn.Module):
     """What :func:`attach` adds to a model (``model.sbd_drafter``): the gate holder, the mask row, the hook."""
 
+    MERGE_LIMIT_BYTES = 4 << 30  # "auto" merges while the merged copies ([W; W + sBA]) take at most this much
+
     def __init__(self, model: nn.Module, mask_token_id: int, rank: int, alpha: float, targets: tuple[str, ...]):
         super().__init__()
         self.holder = RowGate()
+        # The compiled step's adapter path: None ("auto": merged on CUDA while the merged copies of the projections
+        # take at most MERGE_LIMIT_BYTES), True (merged on any device), False (the LoRA products).
+        self.merge: bool | None = None
         self.rank, self.alpha, self.targets = int(rank), float(alpha), tuple(sorted(targets))
         self.mask_token_id = int(mask_token_id)
         self._hook = model.get_decoder().register_forward_pre_hook(self._gate_from_plan, with_kwargs=True)
@@ -199,12 +254,32 @@ class Drafter(nn.Module):
     def lora_modules(self, model: nn.Module) -> list[tuple[str, GatedLoRALinear]]:
         return [(n, m) for n, m in model.named_modules() if isinstance(m, GatedLoRALinear)]
 
-    def refresh(self, model: nn.Module) -> None:
-        """Bring every adapter's decoding copy of its factors up to date (:meth:`GatedLoRALinear.packed_b`): called
-        before a compiled step runs, which reads the copies without checking them."""
+    def merges(self, model: nn.Module, device: torch.device) -> bool:
+        """Whether a compiled step on ``device`` runs the adapters merged (:meth:`GatedLoRALinear.merged_weight`):
+        :attr:`merge` if set, else on CUDA (where a forward's cost is its kernel count at small batch) while every
+        wrapped projection is a plain ``nn.Linear`` (or :class:`~sbd_ext.linear.RowLinear`) and their merged copies
+        fit in :attr:`MERGE_LIMIT_BYTES`."""
+        mods = [m for _, m in self.lora_modules(model)]
+        plain = all(type(m.base) in (nn.Linear, RowLinear) for m in mods)  # RowLinear: nn.Linear's weights
+        if self.merge is not None:
+            if self.merge and not plain:
+                raise ValueError("drafter.merge=True needs plain nn.Linear projections (not quantized ones)")
+            return bool(self.merge)
+        extra = 2 * sum(m.base.weight.numel() * m.base.weight.element_size() for m in mods)  # [W; W + sBA]
+        return torch.device(device).type == "cuda" and plain and extra <= self.MERGE_LIMIT_BYTES
+
+    def refresh(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
+        """Bring every adapter's decoding copies up to date for a compiled step on ``device`` (the packed B of
+        :meth:`GatedLoRALinear.packed_b`, the merged weights of :meth:`GatedLoRALinear.merged_weight` where
+        :meth:`merges`; dropped where not): called before a compiled step runs, which reads them unchecked."""
+        self.holder.merge = self.merges(model, torch.device(device))
         with torch.no_grad():
             for _, m in self.lora_modules(model):
                 m.packed_b()
+                if self.holder.merge:
+                    m.merged_weight()
+                else:  # the memory back
+                    m.drop_merged()
 
 
 def gate_rows(n_commit: torch.Tensor, n_valid: torch.Tensor, rows: int, device) -> torch.Tensor:
