@@ -13,6 +13,8 @@ cut short keeps them.
 Workload: each prompt in SmolLM2's chat template, one after the other at batch 1, greedy, fp32, EOS on. Rows:
 
 - ``hf_generate`` (baseline): HF ``model.generate`` on the unmodified base (sdpa, DynamicCache, torch's linears);
+- ``hf_static_compiled`` (baseline): the same with transformers' fast path, a static cache and the decode forward
+  under ``torch.compile`` (CUDA graphs on a GPU);
 - ``hf_prompt_lookup`` (baseline): the same with ``prompt_lookup_num_tokens=10`` (transformers' training-free,
   lossless speed-up: n-gram drafts from the prompt);
 - ``sbd_ntp`` / ``sbd_ntp_compiled`` (ours): sbd_ext's next-token decoding of the base (the drafter is attached
@@ -45,6 +47,7 @@ import time
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 import sbd_ext
 from sbd_ext.decoding.step import TwoForwardStep
@@ -143,15 +146,27 @@ def _answers(seqs: torch.Tensor, prompt_len: int, eos: int) -> list[int]:
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
-@pytest.mark.parametrize("impl", ["hf_generate", "hf_prompt_lookup"])
+@pytest.mark.parametrize("impl", ["hf_generate", "hf_prompt_lookup", "hf_static_compiled"])
 def test_hf(benchmark, setup, threads, impl):
     base, _, tok, eos, prompts = setup
     kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
     if impl == "hf_prompt_lookup":
         kw["prompt_lookup_num_tokens"] = 10
+    first = None
+    if impl == "hf_static_compiled":  # HF's fast path: a static cache, the decode forward under torch.compile
+        # (CUDA: transformers' default compile config, CUDA graphs; CPU: asked for, mode "default", as bench_e2e)
+        cc = CompileConfig(fullgraph=True) if DEVICE.type == "cuda" else CompileConfig(fullgraph=True, mode="default")
+        cc._compile_all_devices = True
+        max_len = max(p.shape[1] for p in prompts) + MAX_NEW  # one cache size for every prompt: no recompilation
+        kw.update(cache_implementation="static", max_cache_len=max_len, compile_config=cc)
+        t0 = time.perf_counter()
+        base.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **kw)
+        _sync()
+        first = time.perf_counter() - t0
 
     calls = []
-    hook = base.register_forward_pre_hook(lambda *_: calls.append(1))  # forwards (prompt lookup: fewer than tokens)
+    # forwards (prompt lookup: fewer than tokens); the compiled path's forwards are one per token (counted below)
+    hook = None if first is not None else base.register_forward_pre_hook(lambda *_: calls.append(1))
 
     def run():
         calls.clear()
@@ -163,10 +178,14 @@ def test_hf(benchmark, setup, threads, impl):
     try:
         answers = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
     if impl == "hf_generate":
         _hf[threads] = answers
-    _record(benchmark, setup, threads, impl, "baseline", answers, nfe=len(calls))
+    nfe = len(calls) if hook is not None else sum(len(a) for a in answers)
+    _record(benchmark, setup, threads, impl, "baseline", answers, nfe=nfe)
+    if first is not None:
+        benchmark.extra_info["first_call_s"] = round(first, 1)
 
 
 ROWS = {

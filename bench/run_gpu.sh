@@ -20,7 +20,8 @@
 #   drafter-cuda  bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
 #             vs HF generate / prompt lookup / sbd_ext NTP, eager and compiled, and the two-forward ablation, on
 #             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min;
-#             SBD_BENCH_K: another pytest -k selection of its rows
+#             SBD_BENCH_K: another pytest -k selection of its rows; then bench/profile_drafter.py (kernels per forward
+#             and their time: compiled NTP, verify merged, verify with the LoRA products), ~1.5 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -312,6 +313,12 @@ stage_drafter-cuda() {
     SBD_BENCH_N="${SBD_BENCH_N:-8}" SBD_BENCH_MAX_NEW="${SBD_BENCH_MAX_NEW:-64}" $py bench/bench_drafter.py \
     -k "${SBD_BENCH_K:-not plain and not ungated and not no_lookup}" --benchmark-only -q -s \
     --benchmark-json="$RES/bench_drafter_cuda.json"
+  # Where a forward's time goes, NTP vs verify merged vs verify with the LoRA products: kernels per forward and their
+  # time (bench/profile_drafter.py). Dry run: the same rows eager on the CPU, one prompt x 4 tokens.
+  local prof=()
+  [ "$DRY" = 1 ] && prof=(--device cpu --prompts 1 --max-new 4 --no-compile)
+  step profile_drafter 150 env PYTHONUNBUFFERED=1 "$PY" bench/profile_drafter.py "${prof[@]}" \
+    --json "$RES/profile_drafter.json"
 }
 
 stage_cpu() {

@@ -24,7 +24,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "smollm2": ["test_smollm2", "bench_smollm2"],
     "e2e": ["bench_e2e"],
     "e2e-cuda": ["bench_e2e_cuda"],
-    "drafter-cuda": ["bench_drafter_cuda"],
+    "drafter-cuda": ["bench_drafter_cuda", "profile_drafter"],
     "gguf-part": [],
     "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }
