@@ -59,6 +59,12 @@
 #       mv /tmp/gguf.part.ab .carry/b/ && (cd "$(dirname "$f")" && sha256sum "$(basename "$f")") > .carry/b/SHA256
 #     then run(command="bash bench/run_gpu.sh gguf-part", carry=[".carry/a"], timeout_s=120) and, while still warm,
 #     run(command="bash bench/run_gpu.sh smollm2", carry=[".carry/b", ".whl"], timeout_s=600).
+#   The working tree counts against the 64 MiB too, and it holds ~57 MB (the SmolLM2 adapters of
+#   sbd_ext/demo/models/): move the model folders a call does not need out of the tree for it and back after
+#   (`bash tools/gpu_carry.sh a` before the gguf-part call: every model folder out; `bash tools/gpu_carry.sh b`
+#   before the drafter-cuda / smollm2 call: all but smollm2-drafter out; `bash tools/gpu_carry.sh restore`).
+#   The third run (run3/) did, in one session: call 1 `gguf-part; build; e2e-cuda` (130 s, the arithmetic models
+#   kept: `tools/gpu_carry.sh a-arith`), call 2 `drafter-cuda` (250 s), 15 min in all with two more calls.
 # `bash bench/run_gpu.sh cpu` measures the GPU machine's host CPU (issue 13). After each call, copy the files from
 # files_at into bench/results/gpu-<gpu name>/ and commit them before the next call.
 set -u -o pipefail

@@ -74,3 +74,33 @@ def test_runbook_dry_run(stage, dry_runs):
 def test_runbook_refuses_an_unknown_stage():
     r = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "benchh"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_gpu_carry_moves_the_model_folders_out_and_back(tmp_path):
+    """tools/gpu_carry.sh (making room for a carried GGUF part): `b` keeps only smollm2-drafter in the tree, `a`
+    none, `restore` puts every folder back; the files are unchanged."""
+    root = tmp_path / "repo"
+    (root / "tools").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "gpu_carry.sh", root / "tools" / "gpu_carry.sh")
+    models = root / "sbd_ext" / "demo" / "models"
+    names = ["ntp-arith", "sbd-arith", "smollm2-drafter", "smollm2-sbd"]
+    for n in names:
+        (models / n).mkdir(parents=True)
+        (models / n / "w.bin").write_bytes(n.encode())
+    (models / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    env = dict(os.environ, SBD_CARRY_ASIDE=str(tmp_path / "aside"))
+
+    def carry(arg):
+        r = subprocess.run(["bash", "tools/gpu_carry.sh", arg], cwd=root, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return sorted(p.name for p in models.iterdir() if p.is_dir())
+
+    assert carry("b") == ["smollm2-drafter"]
+    assert carry("a-arith") == ["ntp-arith", "sbd-arith"]
+    assert carry("a") == []
+    assert carry("restore") == sorted(names)
+    assert all((models / n / "w.bin").read_bytes() == n.encode() for n in names)
+    assert (models / "__init__.py").exists()
+    bad = subprocess.run(["bash", "tools/gpu_carry.sh", "x"], cwd=root, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
