@@ -507,6 +507,10 @@ def test_merge_policy():
     d.merge = True
     with pytest.raises(ValueError, match="plain nn.Linear"):
         d.merges(model, cpu)
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(TypeError, match="None \\(auto\\), True or False"):
+            d.merge = bad
+    assert d.merge is True
 
 
 @pytest.mark.slow

@@ -217,9 +217,7 @@ class Drafter(nn.Module):
     def __init__(self, model: nn.Module, mask_token_id: int, rank: int, alpha: float, targets: tuple[str, ...]):
         super().__init__()
         self.holder = RowGate()
-        # The compiled step's adapter path: None ("auto": merged on CUDA while the merged copies of the projections
-        # take at most MERGE_LIMIT_BYTES), True (merged on any device), False (the LoRA products).
-        self.merge: bool | None = None
+        self._merge: bool | None = None
         self.rank, self.alpha, self.targets = int(rank), float(alpha), tuple(sorted(targets))
         self.mask_token_id = int(mask_token_id)
         self._hook = model.get_decoder().register_forward_pre_hook(self._gate_from_plan, with_kwargs=True)
@@ -253,6 +251,18 @@ class Drafter(nn.Module):
 
     def lora_modules(self, model: nn.Module) -> list[tuple[str, GatedLoRALinear]]:
         return [(n, m) for n, m in model.named_modules() if isinstance(m, GatedLoRALinear)]
+
+    @property
+    def merge(self) -> bool | None:
+        """The compiled step's adapter path: None ("auto": merged on CUDA while the merged copies of the projections
+        take at most :attr:`MERGE_LIMIT_BYTES`), True (merged on any device), False (the LoRA products)."""
+        return self._merge
+
+    @merge.setter
+    def merge(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"drafter.merge must be None (auto), True or False, got {value!r}")
+        self._merge = value
 
     def merges(self, model: nn.Module, device: torch.device) -> bool:
         """Whether a compiled step on ``device`` runs the adapters merged (:meth:`GatedLoRALinear.merged_weight`):
