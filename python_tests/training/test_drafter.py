@@ -504,6 +504,8 @@ def test_merge_policy():
     layers[0].base.__class__ = Wrapped
     d.merge = None
     assert not d.merges(model, cuda)
+    layers[1].base = torch.nn.Identity()  # a projection with no plain weight at all: auto just says no
+    assert not d.merges(model, cuda) and not d.merges(model, cpu)
     d.merge = True
     with pytest.raises(ValueError, match="plain nn.Linear"):
         d.merges(model, cpu)

@@ -275,8 +275,10 @@ class Drafter(nn.Module):
             if self.merge and not plain:
                 raise ValueError("drafter.merge=True needs plain nn.Linear projections (not quantized ones)")
             return bool(self.merge)
+        if torch.device(device).type != "cuda" or not plain:
+            return False
         extra = 2 * sum(m.base.weight.numel() * m.base.weight.element_size() for m in mods)  # [W; W + sBA]
-        return torch.device(device).type == "cuda" and plain and extra <= self.MERGE_LIMIT_BYTES
+        return extra <= self.MERGE_LIMIT_BYTES
 
     def refresh(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
         """Bring every adapter's decoding copies up to date for a compiled step on ``device`` (the packed B of
