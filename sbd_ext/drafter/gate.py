@@ -130,18 +130,21 @@ class GatedLoRALinear(nn.Module):
         if getattr(self, "_merged_key", None) != key:
             with torch.no_grad():
                 adapted = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
-                full = torch.cat([w.detach(), adapted])
                 bias = self.base.bias
-                bias = None if bias is None else torch.cat([bias.detach(), bias.detach()])
+                n = w.shape[0]
                 old, old_b = getattr(self, "merged_w", None), getattr(self, "merged_b", None)
-                same = old is not None and (old.shape, old.dtype, old.device) == (full.shape, full.dtype, full.device)
-                if same and (old_b is None) == (bias is None):
-                    old.copy_(full)  # in place: a captured graph keeps reading this tensor
+                want = ((2 * n, *w.shape[1:]), w.dtype, w.device)
+                same = old is not None and (old.shape, old.dtype, old.device) == want
+                if same and (old_b is None) == (bias is None):  # in place: a captured graph keeps reading these
+                    old[:n].copy_(w)
+                    old[n:].copy_(adapted)
                     if bias is not None:
-                        old_b.copy_(bias)
+                        old_b[:n].copy_(bias)
+                        old_b[n:].copy_(bias)
                 else:
-                    self.register_buffer("merged_w", full, persistent=False)
-                    self.register_buffer("merged_b", bias, persistent=False)
+                    self.register_buffer("merged_w", torch.cat([w.detach(), adapted]), persistent=False)
+                    both_b = None if bias is None else torch.cat([bias.detach(), bias.detach()])
+                    self.register_buffer("merged_b", both_b, persistent=False)
             self._merged_key = key
         return self.merged_w, self.merged_b
 
@@ -274,7 +277,7 @@ class Drafter(nn.Module):
         if self.merge is not None:
             if self.merge and not plain:
                 raise ValueError("drafter.merge=True needs plain nn.Linear projections (not quantized ones)")
-            return bool(self.merge)
+            return self.merge
         if torch.device(device).type != "cuda" or not plain:
             return False
         extra = 2 * sum(m.base.weight.numel() * m.base.weight.element_size() for m in mods)  # [W; W + sBA]
