@@ -423,6 +423,9 @@ def test_drafter_recipe_smoke(converted, tmp_path, monkeypatch):
         recipe.main(args)
     with pytest.raises(ValueError, match="other settings"):
         recipe.main([*args, "--resume", "--rank", "8"])
+    with pytest.raises(ValueError, match="other settings"):
+        recipe.main([*args, "--resume", "--divergence", "tv"])
+    assert "distill_loss (KL to the base)" in drafter.read_drafter_config(out / "artifact")["sbd"]["training"]
     cont = tmp_path / "cont"
     (cont).mkdir()
     (cont / recipe.SAMPLES_FILE).write_bytes((out / recipe.SAMPLES_FILE).read_bytes())
@@ -441,9 +444,12 @@ def test_drafter_recipe_smoke(converted, tmp_path, monkeypatch):
             "1",
             "--init-from",
             str(out / "artifact"),
+            "--divergence",
+            "ce",
         ]
     )
-    assert "continuing the drafter 'artifact'" in drafter.read_drafter_config(cont / "artifact")["sbd"]["training"]
+    training = drafter.read_drafter_config(cont / "artifact")["sbd"]["training"]
+    assert "continuing the drafter 'artifact'" in training and "distill_loss (CE on the base's tokens)" in training
 
     dest = tmp_path / "shipped"
     recipe.main(

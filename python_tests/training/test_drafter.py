@@ -68,10 +68,11 @@ def test_ntp_and_verify_equal_the_unmodified_base(temperature):
         assert torch.equal(out.sequences, ref.sequences)
 
 
-@pytest.mark.parametrize("answer_start", [3, 9])
-def test_distill_loss_matches_the_one_forward_reference(answer_start):
+@pytest.mark.parametrize("answer_start,divergence", [(3, "kl"), (9, "kl"), (3, "tv"), (9, "ce")])
+def test_distill_loss_matches_the_one_forward_reference(answer_start, divergence):
     """Two phases (clean half without autograd, noisy half with the adapter on the clean K/V) == one forward over the
-    2L input with the gate 0 on the clean half and 1 on the noisy half, KL computed here in float64."""
+    2L input with the gate 0 on the clean half and 1 on the noisy half, each divergence (KL, total variation,
+    cross-entropy on the base's argmax) computed here in float64."""
     _, model = _with_drafter(seed=4, attn="sdpa")
     B, L, k = 3, 20, 4
     g = torch.Generator().manual_seed(0)
@@ -82,7 +83,9 @@ def test_distill_loss_matches_the_one_forward_reference(answer_start):
     lm[:, answer_start:] = True
     lm[1, answer_start + 1 :] = False  # ragged answers
     lm[1, answer_start + 2 :] = True
-    loss = drafter.distill_loss(model, x, lm, k, attention_mask=att, generator=torch.Generator().manual_seed(7))
+    loss = drafter.distill_loss(
+        model, x, lm, k, attention_mask=att, generator=torch.Generator().manual_seed(7), divergence=divergence
+    )
 
     # the reference: the same draws, one 2L forward
     gen = torch.Generator().manual_seed(7)
@@ -106,9 +109,22 @@ def test_distill_loss_matches_the_one_forward_reference(answer_start):
     b, t = sel.nonzero(as_tuple=True)
     logp = F.log_softmax(logits[b, t - 1], -1)  # clean row t-1: the base's next-token distribution at t
     logq = F.log_softmax(logits[b, L + t], -1)
-    kl = (logp.exp() * (logp - logq)).nan_to_num(0.0).sum(-1).mean()
+    p, q = logp.exp(), logq.exp()
+    want = {
+        "kl": (p * (logp - logq)).nan_to_num(0.0).sum(-1).mean(),
+        "tv": 0.5 * (p - q).abs().sum(-1).mean(),
+        "ce": torch.stack([-logq[i, int(p[i].argmax())] for i in range(p.shape[0])]).mean(),
+    }
     assert sel.sum() > 5
-    torch.testing.assert_close(loss.double(), kl, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.double(), want[divergence], rtol=1e-4, atol=1e-5)
+    assert len({round(float(v), 6) for v in want.values()}) == 3  # the three are different numbers here
+
+
+def test_distill_loss_refuses_an_unknown_divergence():
+    _, model = _with_drafter(seed=4)
+    x = torch.randint(0, MASK_ID, (1, 8))
+    with pytest.raises(ValueError, match="divergence must be one of"):
+        drafter.distill_loss(model, x, torch.ones_like(x, dtype=torch.bool), 4, divergence="js")
 
 
 def test_distill_training_moves_only_the_drafter_and_lowers_the_loss():

@@ -21,7 +21,8 @@ Where the gate comes from:
 
 The objective (:func:`distill_loss`) distils the base: on each masked position t of the noisy half the drafter's
 distribution is pulled to the base's own next-token distribution at t (read from the clean half's row t-1, so the
-teacher costs nothing extra), KL(p_base || q_drafter) over the vocabulary without the mask token. Trained on the
+teacher costs nothing extra), KL(p_base || q_drafter) over the vocabulary without the mask token (or, with
+``divergence``, the total variation or the cross-entropy on the base's greedy token; see docs/drafter.md). Trained on the
 base's own answers (self-distillation, :mod:`sbd_ext.recipes.smollm2.drafter`) the drafter learns what *this* model
 says, on whatever it is asked.
 
@@ -48,7 +49,7 @@ from .artifact import (
     save_drafter,
 )
 from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, detach, gate_rows, get_drafter, unwrapped
-from .loss import distill_loss
+from .loss import DIVERGENCES, distill_loss
 
 __all__ = [
     "RowGate",
@@ -61,6 +62,7 @@ __all__ = [
     "gate_rows",
     "unwrapped",
     "distill_loss",
+    "DIVERGENCES",
     "save_drafter",
     "load_drafter",
     "load_weights",

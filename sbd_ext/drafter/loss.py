@@ -14,6 +14,9 @@ from .. import families
 from ..training.mask import sbd_attention_mask
 from .gate import get_drafter
 
+# What the drafter's distribution q is pulled towards the base's p with, on each masked position (see distill_loss).
+DIVERGENCES = ("kl", "tv", "ce")
+
 
 def distill_loss(
     model: nn.Module,
@@ -26,6 +29,7 @@ def distill_loss(
     eta: torch.Tensor | None = None,
     full_block_prob: float = 0.0,
     first_slot_loss: bool = True,
+    divergence: str = "kl",
     return_parts: bool = False,
 ):
     """The drafter's loss on x [B, L]: the SBD layout of Alg. 1 with the clean half run by the frozen base.
@@ -40,6 +44,9 @@ def distill_loss(
        q_drafter), the mask token excluded from both. ``first_slot_loss=False`` leaves each fully masked block's
        first position out: in verify decoding the commit row before the block supplies that token, so the drafts
        that can be accepted are the 2-ahead and later ones (the loss then spends the adapter on them alone).
+       ``divergence`` picks the per-position term: "kl" KL(p || q) (soft targets, the default), "tv" the total
+       variation 0.5 * sum |p - q| (Uno's; 1 - TV is the acceptance rate of speculative sampling), "ce" the
+       cross-entropy -log q(argmax p) on the base's greedy token (hard targets: what greedy verify accepts).
     ``attention_mask`` [B, L]: right padding (1 = token). Returns the loss, or ``(loss, parts)`` with
     ``mask_accuracy`` (drafter argmax == base argmax), ``num_masked`` and ``offset_accuracy`` (the accuracy at each
     block position 0..k-1 of the fully masked blocks, NaN where there were none).
@@ -47,6 +54,8 @@ def distill_loss(
     drafter = get_drafter(model)
     if drafter is None:
         raise ValueError("distill_loss: the model has no gated drafter (sbd_ext.drafter.attach)")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"distill_loss: divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape:
         raise ValueError(
             f"distill_loss: input_ids [B, L] and loss_mask of the same shape, got "
@@ -120,8 +129,13 @@ def distill_loss(
     student = families.lm_logits(model, hidden[bi, ti - s]).float()
     student = student.masked_fill(torch.arange(student.shape[-1], device=device) == mask_id, -math.inf)
     logq = F.log_softmax(student, dim=-1)
-    kl = (p * (logp - logq)).nan_to_num(0.0).sum(-1)  # 0 * -inf at the mask column -> 0
-    loss = kl.mean()
+    if divergence == "kl":
+        per = (p * (logp - logq)).nan_to_num(0.0).sum(-1)  # 0 * -inf at the mask column -> 0
+    elif divergence == "tv":
+        per = 0.5 * (p - logq.exp()).abs().sum(-1)
+    else:
+        per = -logq.gather(1, teacher.argmax(-1, keepdim=True)).squeeze(1)
+    loss = per.mean()
     if not return_parts:
         return loss
     with torch.no_grad():

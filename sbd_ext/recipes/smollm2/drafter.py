@@ -85,6 +85,7 @@ class DrafterConfig:
     full_block_prob: float = 0.5  # sequences with every block fully masked (verify drafts such blocks)
     block_size_range: tuple[int, int] = (2, 16)
     first_slot_loss: bool = True  # False: a fully masked block's first slot has no loss (verify takes it from NTP)
+    divergence: str = "kl"  # distill_loss's per-position term: "kl", "tv" or "ce" (sbd_ext.drafter.DIVERGENCES)
     seed: int = 0
     log_every: int = 5
     checkpoint_every: int = 10
@@ -181,7 +182,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     if resume:
         if not ck.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
-        saved = {"task": "general", "first_slot_loss": True} | json.loads(cfg_file.read_text())  # older runs
+        saved = {"task": "general", "first_slot_loss": True, "divergence": "kl"} | json.loads(cfg_file.read_text())
         saved["block_size_range"] = tuple(saved["block_size_range"])
         if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
@@ -219,6 +220,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             generator=gen,
             full_block_prob=cfg.full_block_prob,
             first_slot_loss=cfg.first_slot_loss,
+            divergence=cfg.divergence,
             return_parts=True,
         )
         by_offset = parts.pop("offset_accuracy")
@@ -269,6 +271,9 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
 _BASE_NAMES = {"general": "SmolLM2-135M-Instruct", "arith": "SmolLM2-135M-Instruct NTP control (arithmetic)"}
 
 
+_DIVERGENCE_NAMES = {"kl": "KL to the base", "tv": "total variation to the base", "ce": "CE on the base's tokens"}
+
+
 def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = None) -> dict:
     return {
         "base_loader": TASKS[cfg.task][0],
@@ -277,7 +282,7 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "sbd_block_size_range": list(cfg.block_size_range),
         "generation": generation
         or {"sbd_mode": "sbd", "sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
-        "training": f"{cfg.steps} steps of distill_loss (KL to the base), batch {cfg.batch_size}, max_len "
+        "training": f"{cfg.steps} steps of distill_loss ({_DIVERGENCE_NAMES[cfg.divergence]}), batch {cfg.batch_size}, max_len "
         f"{cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, block sizes "
         f"{cfg.block_size_range[0]}-{cfg.block_size_range[1]}"
         + ("" if cfg.first_slot_loss else ", no loss on a full block's first slot")
@@ -417,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         default=None,
         help="leave a fully masked block's first slot out of the loss (verify takes that token from the commit row)",
+    )
+    t.add_argument(
+        "--divergence", choices=list(drafter_mod.DIVERGENCES), help="distill_loss's per-position term (default: kl)"
     )
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
     t.add_argument("--task", choices=sorted(TASKS), help="default: general")
