@@ -22,9 +22,9 @@ Where the gate comes from:
 The objective (:func:`distill_loss`) distils the base: on each masked position t of the noisy half the drafter's
 distribution is pulled to the base's own next-token distribution at t (read from the clean half's row t-1, so the
 teacher costs nothing extra), KL(p_base || q_drafter) over the vocabulary without the mask token (or, with
-``divergence``, the total variation or the cross-entropy on the base's greedy token; see docs/drafter.md). Trained on the
-base's own answers (self-distillation, :mod:`sbd_ext.recipes.smollm2.drafter`) the drafter learns what *this* model
-says, on whatever it is asked.
+``divergence``, the total variation or the cross-entropy on the base's greedy token; see docs/drafter.md).
+Trained on the base's own answers (self-distillation, :mod:`sbd_ext.recipes.smollm2.drafter`) the drafter learns
+what *this* model says, on whatever it is asked.
 
 Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layout:
 
