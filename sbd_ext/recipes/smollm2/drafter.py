@@ -283,8 +283,8 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         "generation": generation
         or {"sbd_mode": "sbd", "sbd_block_size": 8, "sbd_sampler": "eb", "sbd_threshold": 0.35, "sbd_verify": True},
         "training": f"{cfg.steps} steps of distill_loss ({_DIVERGENCE_NAMES[cfg.divergence]}), batch "
-        f"{cfg.batch_size}, max_len {cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob {cfg.full_block_prob}, block sizes "
-        f"{cfg.block_size_range[0]}-{cfg.block_size_range[1]}"
+        f"{cfg.batch_size}, max_len {cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob "
+        f"{cfg.full_block_prob}, block sizes {cfg.block_size_range[0]}-{cfg.block_size_range[1]}"
         + ("" if cfg.first_slot_loss else ", no loss on a full block's first slot")
         + f", seed {cfg.seed}, on {n_samples} self-distilled answers"
         + (" to arithmetic training problems" if cfg.task == "arith" else "")
