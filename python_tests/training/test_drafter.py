@@ -120,6 +120,48 @@ def test_distill_loss_matches_the_one_forward_reference(answer_start, divergence
     assert len({round(float(v), 6) for v in want.values()}) == 3  # the three are different numbers here
 
 
+def test_slot_accuracy_matches_a_one_forward_count():
+    """slot_accuracy over ragged prompts and answers (two batches) == counting, per block slot, where the drafter's
+    argmax on a fully masked noisy half equals the base's next-token argmax, from one 2L forward per sequence."""
+    _, model = _with_drafter(seed=6, attn="sdpa")
+    g = torch.Generator().manual_seed(2)
+    lens = [(3, 9), (5, 4), (2, 13), (6, 1), (4, 7)]
+    prompts = [torch.randint(0, MASK_ID, (p,), generator=g).tolist() for p, _ in lens]
+    answers = [torch.randint(0, MASK_ID, (a,), generator=g).tolist() for _, a in lens]
+    k = 3
+    got = drafter.slot_accuracy(model, prompts, answers, k, batch_size=2)
+    hits, counts = [0] * k, [0] * k
+    holder = drafter.get_drafter(model).holder
+    for p, a in zip(prompts, answers, strict=True):
+        x = torch.tensor([p + a])
+        L = x.shape[1]
+        inp = torch.cat([x, torch.full_like(x, MASK_ID)], 1)
+        pos = torch.arange(L).view(1, L)
+        holder.gate = torch.cat([torch.zeros(1, L, 1), torch.ones(1, L, 1)], 1)
+        try:
+            with torch.no_grad():
+                logits = model(
+                    input_ids=inp,
+                    position_ids=torch.cat([pos, pos], 1),
+                    attention_mask=sbd_attention_mask(L, k, torch.tensor([L]), mask_format="bool"),
+                ).logits[0]
+        finally:
+            holder.gate = None
+        logits[:, MASK_ID] = -math.inf
+        for t in range(len(p), L):
+            hits[t % k] += int(logits[L + t].argmax() == logits[t - 1].argmax())
+            counts[t % k] += 1
+    assert all(c > 0 for c in counts)
+    assert got == pytest.approx([h / c for h, c in zip(hits, counts, strict=True)], abs=1e-6)
+    model.train()
+    drafter.slot_accuracy(model, prompts[:1], answers[:1], k)
+    assert model.training
+    with pytest.raises(ValueError, match="block_size"):
+        drafter.slot_accuracy(model, prompts, answers, 0)
+    with pytest.raises(ValueError, match="prompts but"):
+        drafter.slot_accuracy(model, prompts, answers[:2], k)
+
+
 def test_distill_loss_refuses_an_unknown_divergence():
     _, model = _with_drafter(seed=4)
     x = torch.randint(0, MASK_ID, (1, 8))

@@ -49,7 +49,7 @@ from .artifact import (
     save_drafter,
 )
 from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, detach, gate_rows, get_drafter, unwrapped
-from .loss import DIVERGENCES, distill_loss
+from .loss import DIVERGENCES, distill_loss, slot_accuracy
 
 __all__ = [
     "RowGate",
@@ -63,6 +63,7 @@ __all__ = [
     "unwrapped",
     "distill_loss",
     "DIVERGENCES",
+    "slot_accuracy",
     "save_drafter",
     "load_drafter",
     "load_weights",

@@ -149,3 +149,45 @@ def distill_loss(
     return loss, dict(
         mask_loss=loss.detach(), mask_accuracy=acc, num_masked=torch.tensor(n), block_size=k, offset_accuracy=by_offset
     )
+
+
+def slot_accuracy(
+    model: nn.Module, prompts: list[list[int]], answers: list[list[int]], block_size: int, batch_size: int = 8
+) -> list[float]:
+    """The drafter's teacher-forced accuracy at each slot 0..k-1 of fully masked blocks of ``block_size`` over
+    ``answers`` (token lists, each after its prompt in ``prompts``; the base's own answers for a held-out measure):
+    the fraction of answer positions where the drafter's argmax is the base's next-token argmax, by the position's
+    slot in the block grid (``position % k``). Every position of the noisy half is masked (how verify drafts), so
+    slot 1 is the 2-ahead draft that verify can accept; slot 0, which verify takes from the commit row, is the
+    drafter's next-token guess. NaN for a slot no answer position falls on."""
+    k = int(block_size)
+    if k < 1:
+        raise ValueError(f"slot_accuracy: block_size must be >= 1, got {block_size}")
+    if len(prompts) != len(answers):
+        raise ValueError(f"slot_accuracy: {len(prompts)} prompts but {len(answers)} answers")
+    was_training = model.training
+    model.eval()
+    hits, counts = [0.0] * k, [0] * k
+    rows = [(list(p), list(a)) for p, a in zip(prompts, answers, strict=True) if a]
+    try:
+        for lo in range(0, len(rows), batch_size):
+            chunk = rows[lo : lo + batch_size]
+            L = max(len(p) + len(a) for p, a in chunk)
+            ids = torch.zeros((len(chunk), L), dtype=torch.long)
+            att, lm = torch.zeros_like(ids), torch.zeros((len(chunk), L), dtype=torch.bool)
+            for i, (p, a) in enumerate(chunk):
+                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+                att[i, : len(p) + len(a)] = 1
+                lm[i, len(p) : len(p) + len(a)] = True
+            eta = torch.full((len(chunk), 1), 2.0)  # every position masked
+            with torch.no_grad():
+                _, parts = distill_loss(model, ids, lm, k, attention_mask=att, eta=eta, return_parts=True)
+            pos = torch.arange(L).view(1, L)
+            for j, acc in enumerate(parts["offset_accuracy"]):
+                c = int((lm & (pos >= 1) & (pos % k == j)).sum())  # the positions offset_accuracy averaged over
+                if c and acc == acc:
+                    hits[j] += acc * c
+                    counts[j] += c
+    finally:
+        model.train(was_training)
+    return [h / c if c else math.nan for h, c in zip(hits, counts, strict=True)]

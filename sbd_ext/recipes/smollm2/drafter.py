@@ -298,10 +298,20 @@ def artifact_task(artifact: Path) -> str:
     return next((t for t, (name, *_) in TASKS.items() if name == loader), "general")
 
 
-def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], batch_size: int = 8) -> list[dict]:
+def slot_accuracy(artifact: Path, prompts: list[list[int]], answers: list[list[int]], block_size: int) -> list[float]:
+    """:func:`sbd_ext.drafter.slot_accuracy` of the drafter in ``artifact`` on its task's frozen base."""
+    model, _, _ = _load_task_base(artifact_task(artifact), attn_implementation="sdpa")
+    drafter_mod.load_weights(model, artifact)
+    return drafter_mod.slot_accuracy(model, prompts, answers, block_size)
+
+
+def evaluate(
+    artifact: Path, n: int, max_new_tokens: int, settings: list[dict], batch_size: int = 8, slots: int = 0
+) -> list[dict]:
     """Tokens per forward of each decoding ``settings`` (dicts of sbd_ext.generate keywords) with the drafter in
     ``artifact`` on the first ``n`` held-out prompts of its task, and whether verify / NTP equal the base's NTP
-    decoding; arithmetic drafters also get each row's accuracy on the held-out problems."""
+    decoding; arithmetic drafters also get each row's accuracy on the held-out problems. ``slots`` > 0: also the
+    drafter's teacher-forced accuracy per slot of blocks of that size on the base's answers (:func:`slot_accuracy`)."""
     import sbd_ext
 
     from ...demo import models
@@ -343,6 +353,10 @@ def evaluate(artifact: Path, n: int, max_new_tokens: int, settings: list[dict], 
         | accuracy(ntp_answers)
     ]
     print(json.dumps(rows[-1]), flush=True)
+    if slots:
+        acc = slot_accuracy(artifact, prompts, ntp_answers, slots)
+        rows.append({"block_size": slots, "slot_accuracy": [round(a, 4) for a in acc]})
+        print(json.dumps(rows[-1]), flush=True)
     for kw in settings:
         toks, nfe, answers = run(**kw)
         same = sum(a == b for a, b in zip(answers, ntp_answers, strict=True))
@@ -436,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0], help="entropy bounds of the verify rows")
     e.add_argument("--plain-thresholds", type=float, nargs="*", default=[0.35], help="entropy bounds of plain SBD rows")
     e.add_argument("--lookups", type=int, nargs="*", default=[0], help="verify rows' lookup (drafts per cycle; 0: off)")
+    e.add_argument(
+        "--slot-accuracy",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also the drafter's teacher-forced accuracy per slot of fully masked blocks of K on the base's answers",
+    )
     e.add_argument("--threads", type=int)
     e.add_argument("--json", help="write the rows here")
     s = sub.add_parser("ship")
@@ -456,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         make_samples(out, args.n, args.max_new_tokens, args.batch_size, task=args.task)
     elif args.cmd == "eval":
         settings = [
-            dict(block_size=k, verify=True, sampler="eb", threshold=g) | (dict(lookup=n) if n else {})
+            dict(block_size=k, verify=True, sampler="eb", threshold=g, lookup=n)  # 0: off, whatever the artifact says
             for k in args.block_sizes
             for g in args.thresholds
             for n in args.lookups
@@ -466,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.block_sizes
             for g in args.plain_thresholds
         ]
-        rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings)
+        rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings, slots=args.slot_accuracy)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     elif args.cmd == "train":
