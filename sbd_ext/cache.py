@@ -221,18 +221,46 @@ class SBDCache(Cache):
             raise RuntimeError("SBDCache.forward_plan: a forward plan is already active")
         self._planned = True
 
+    def check_branch(self, n_commit: Sequence[int], branch_at: Sequence[int], branch_valid: Sequence[int], rows: int):
+        """Validate a forward's branch (see :class:`SBDForwardPlan`) -> (branch_at, branch_valid) as int lists:
+        sequence b's branch rows see its first ``branch_at[b]`` committed rows (0 < branch_at <= n_commit where
+        ``branch_valid[b]`` > 0, else 0), and 0 <= branch_valid <= rows."""
+        at, bv = [int(x) for x in branch_at], [int(x) for x in branch_valid]
+        if len(at) != self.batch_size or len(bv) != self.batch_size:
+            raise ValueError(f"SBDCache.forward_plan: need {self.batch_size} branch_at / branch_valid entries")
+        for b in range(self.batch_size):
+            if not 0 <= bv[b] <= rows or not (0 < at[b] <= int(n_commit[b]) if bv[b] else at[b] == 0):
+                raise ValueError(
+                    f"SBDCache.forward_plan: sequence {b}'s branch needs 0 <= branch_valid <= {rows} and "
+                    f"0 < branch_at <= n_commit ({int(n_commit[b])}), got branch_at {at[b]}, branch_valid {bv[b]}"
+                )
+        return at, bv
+
     @contextlib.contextmanager
-    def forward_plan(self, n_commit: Sequence[int], n_valid: Sequence[int]):
+    def forward_plan(
+        self,
+        n_commit: Sequence[int],
+        n_valid: Sequence[int],
+        branch: tuple[int, Sequence[int], Sequence[int]] | None = None,
+    ):
         """Validate and expose one forward's plan (eager forwards); on a normal exit, advance ``seq_lens`` by
-        ``n_commit``. See :meth:`check_plan` for what the counts mean."""
+        ``n_commit``. See :meth:`check_plan` for what the counts mean; ``branch``: ``(rows, branch_at,
+        branch_valid)``, the forward's last ``rows`` rows are a second set block (:class:`SBDForwardPlan`)."""
         n_commit, n_valid = self.check_plan(n_commit, n_valid)
+        if branch is not None and branch[0]:
+            at, bv = self.check_branch(n_commit, branch[1], branch[2], branch[0])
         self._claim()
         device = self.layers[0].keys.device
         try:
-            meta = torch.tensor([self.seq_lens, n_commit, n_valid], dtype=torch.int32).to(device, non_blocking=True)
+            rows = [self.seq_lens, n_commit, n_valid]
+            if branch is not None and branch[0]:
+                rows += [[L + a for L, a in zip(self.seq_lens, at, strict=True)], bv]
+            meta = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
             spans = [(c, v) for c, v in zip(n_commit, n_valid, strict=True) if v > c]
             block_rows = (min(c for c, _ in spans), max(v for _, v in spans)) if spans else (0, 0)
             plan = SBDForwardPlan(self, meta[0], meta[1], meta[2], block_rows=block_rows)
+            if branch is not None and branch[0]:
+                plan.branch_rows, plan.branch_lens, plan.branch_valid = int(branch[0]), meta[3], meta[4]
             yield plan
         finally:
             self._planned = False
@@ -257,10 +285,20 @@ class SBDCache(Cache):
         finally:
             self._planned = False
 
-    def device_plan(self, cache_lens: torch.Tensor, n_commit: torch.Tensor, n_valid: torch.Tensor) -> SBDForwardPlan:
+    def device_plan(
+        self,
+        cache_lens: torch.Tensor,
+        n_commit: torch.Tensor,
+        n_valid: torch.Tensor,
+        branch: tuple[int, torch.Tensor, torch.Tensor] | None = None,
+    ) -> SBDForwardPlan:
         """The plan of one forward from device tensors [B] int32 (traceable: reads no host length). Only inside
-        :meth:`static_forwards`; the caller has validated the counts with :meth:`check_plan`."""
-        return SBDForwardPlan(self, cache_lens, n_commit, n_valid)
+        :meth:`static_forwards`; the caller has validated the counts with :meth:`check_plan` (and
+        :meth:`check_branch`). ``branch``: ``(rows, branch_lens, branch_valid)`` (:class:`SBDForwardPlan`)."""
+        plan = SBDForwardPlan(self, cache_lens, n_commit, n_valid)
+        if branch is not None and branch[0]:
+            plan.branch_rows, plan.branch_lens, plan.branch_valid = branch
+        return plan
 
 
 @dataclass
@@ -276,9 +314,17 @@ class SBDForwardPlan:
     n_commit: torch.Tensor  # [B] int32
     n_valid: torch.Tensor  # [B] int32
     layers_done: int = 0
-    # Host hint (eager plans): rows [lo, hi) hold every set-block row of the forward ((0, 0): none). None when the
-    # plan is built from device tensors (compiled step); readers then use n_commit / n_valid.
+    # Host hint (eager plans): rows [lo, hi) hold every set-block row of the forward ((0, 0): none) but the branch's.
+    # None when the plan is built from device tensors (compiled step); readers then use n_commit / n_valid.
     block_rows: tuple[int, int] | None = None
+    # The branch (verify decoding with ``branch=True``): the forward's last ``branch_rows`` rows are a second set
+    # block of each sequence, placed behind its first committed rows only: they attend to the cache up to
+    # ``branch_lens[b]`` rows (the rows before the forward plus the committed rows up to the branch point, whose K/V
+    # the first call of each layer has just appended) and bidirectionally to each other, and write nothing.
+    # ``branch_valid[b]`` of them are real (0: sequence b has no branch in this forward).
+    branch_rows: int = 0
+    branch_lens: torch.Tensor | None = None  # [B] int32
+    branch_valid: torch.Tensor | None = None  # [B] int32
 
     def attend(
         self,
@@ -305,10 +351,14 @@ class SBDForwardPlan:
             )
         if layer.keys.dtype != query.dtype:
             raise TypeError(f"SBDCache holds {layer.keys.dtype} but the model computes in {query.dtype}")
+        T, R = query.shape[2], self.branch_rows
+        if R and not 0 < R < T:
+            raise RuntimeError(f"sbd_plan: a branch of {R} rows in a forward of {T} rows")
+        main = slice(0, T - R)
         out = ops.block_attention(
-            query,
-            key,
-            value,
+            query[:, :, main],
+            key[:, :, main],
+            value[:, :, main],
             layer.keys,
             layer.values,
             self.cache_lens,
@@ -318,6 +368,28 @@ class SBDForwardPlan:
             softcap,
             window_left,
         )
+        if R:  # the branch: over the cache as the first call left it, cut at the branch point; writes nothing
+            br = slice(T - R, T)
+            none = torch.zeros_like(self.branch_valid)
+            out = torch.cat(
+                [
+                    out,
+                    ops.block_attention(
+                        query[:, :, br],
+                        key[:, :, br],
+                        value[:, :, br],
+                        layer.keys,
+                        layer.values,
+                        self.branch_lens,
+                        none,
+                        self.branch_valid,
+                        scaling,
+                        softcap,
+                        window_left,
+                    ),
+                ],
+                dim=1,
+            )
         self.layers_done += 1
         return out
 

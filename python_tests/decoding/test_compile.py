@@ -153,6 +153,21 @@ def test_verify_compiled_equals_eager_and_ntp(sbd):
 
 
 @pytest.mark.slow
+def test_verify_branch_compiled_equals_eager_and_ntp(sbd):
+    """Verify with the branch: every compiled forward carries the branch's rows (one graph, used or not); the run
+    equals the eager one (which adds the rows only where a sequence has a branch) and NTP decoding (k = 16 with a
+    greedy gamma: the model's far guesses are corrected; test_branch.py checks the forwards the branch saves)."""
+    model, tok, info = sbd
+    ids, mask = _batch(tok, info, 6)
+    s = _settings(tok, info, block_size=16, threshold=2.0, eos_token_id=[], max_new_tokens=40)
+    for temperature in (0.0, 0.8):
+        v = GenerationSettings.of(s, verify=True, temperature=temperature, seed=2)
+        out = _compiled_and_eager(model, ids, mask, GenerationSettings.of(v, branch=True))
+        assert torch.equal(out.sequences, generate(model, ids, mask, v, mode="ntp", verify=False).sequences)
+        assert out.num_corrected.sum() > 0
+
+
+@pytest.mark.slow
 def test_concurrent_compiled_generations(sbd):
     """Threads running compiled generations (and an eager one) at once each get eager decoding's tokens: compiled
     runs are serialised (the guard-skipping stance they use is process-global), eager ones are not held up."""
@@ -195,6 +210,11 @@ def test_cuda_graph_step_equals_eager():
         _compiled_and_eager(model, *_batch(tok, info, 3, device="cuda"), s)
         _compiled_and_eager(model, *_batch(tok, info, 3, device="cuda"), GenerationSettings.of(s, temperature=0.8))
     assert counters["stats"]["unique_graphs"] == graphs
+    # verify with the branch: [B, 2k + k] rows, the branch's block_attention call inside the graph
+    v = GenerationSettings.of(s, verify=True, branch=True, eos_token_id=[])
+    out = _compiled_and_eager(model, *_batch(tok, info, 6, device="cuda"), v)
+    ntp = generate(model, *_batch(tok, info, 6, device="cuda"), v, mode="ntp", verify=False)
+    assert torch.equal(out.sequences, ntp.sequences)
     assert not counters["inductor"]["cudagraph_skips"]
 
 

@@ -17,7 +17,7 @@ from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
 from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, finish
-from .step import EagerStep, decode
+from .step import EagerStep, TwoForwardStep, decode
 from .streaming import FinalTokensCallback, StreamingState
 
 __all__ = ["generate"]
@@ -83,6 +83,8 @@ def generate(
     families.check_model(model)  # an unsupported family or attention feature fails before any work
     job = make_job(model, input_ids, attention_mask, resolve_settings(model, settings, overrides))
     device, dtype = _check_runnable(model)
+    if job.branch_rows and issubclass(step_cls, TwoForwardStep):
+        raise ValueError("branch=True drafts the branch in the fused forward; the two-forward ablation has no branch")
     _use_sbd_attention(model)
     ensure_row_linear(model, device, dtype)  # fp32 CPU: the few-row linear kernel (sbd_ext.linear)
     if on_final_tokens is None:

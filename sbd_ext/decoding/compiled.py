@@ -39,7 +39,8 @@ _FALLBACK_WARNED = False
 
 
 def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
-    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, dtype, device.type)
+    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows, dtype)
+    key += (device.type,)
     return key + (row_linear_state(model), quantized_scheme(model))  # the linear layers' class: its own graph
 
 
@@ -98,19 +99,26 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
 
 
 def _static_forward(
-    model, cache: SBDCache, tokens: torch.Tensor, meta: torch.Tensor, block_rows: int, sbd: bool = True
+    model,
+    cache: SBDCache,
+    tokens: torch.Tensor,
+    meta: torch.Tensor,
+    block_rows: int,
+    sbd: bool = True,
+    branch_rows: int = 0,
 ) -> torch.Tensor:
     """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
 
     tokens: [2, B, T] int64, the input ids and the position ids; meta: [3, B] int32, per sequence the cache length,
-    committed rows and valid rows. Runs the decoder and the output head; with ``block_rows`` > 0 only each
+    committed rows and valid rows ([5, B] with ``branch_rows``: then the branch's cache length and valid rows, the
+    branch being the last ``branch_rows`` rows). Runs the decoder and the output head; with ``block_rows`` > 0 only each
     sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
     small model with a large vocabulary). ``sbd`` False (NTP forwards): the plan says there are no set-block rows,
     so a gated drafter adds nothing to the graph (not even a zero-gated adapter). Returns logits [B, block_rows or
     T, V].
     """
     B = tokens.shape[1]
-    plan = cache.device_plan(meta[0], meta[1], meta[2])
+    plan = cache.device_plan(meta[0], meta[1], meta[2], (branch_rows, meta[3], meta[4]) if branch_rows else None)
     if not sbd:
         plan.block_rows = (0, 0)
     hidden = model.get_decoder()(
@@ -239,17 +247,25 @@ class StaticStep(DecodeStep):
         self.sbd, self.block_size = job.sbd, job.block_size
         # Plain SBD reads only the block rows; verify / first_from_ntp also read committed rows: every row then.
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
+        self.branch_rows = job.branch_rows  # every forward carries them (one graph), used or not
+        self.static_branch = self.branch_rows > 0
         self.fn = _compiled_forward(device)
 
     def rows(self, needed: int) -> int:
         if not self.sbd:
             return 1
-        return max(needed, 2) if self.dynamic_rows else 2 * self.block_size
+        return max(needed, 2) if self.dynamic_rows else 2 * self.block_size  # (+ the branch's rows, after these)
 
     def __call__(self, fw: ForwardRows) -> StepLogits:
         n_commit, n_valid = self.cache.check_plan(fw.n_commit, fw.n_valid)
         tokens = torch.stack([fw.ids, fw.pos])
-        meta = torch.tensor([self.cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
+        rows = [self.cache.seq_lens, n_commit, n_valid]
+        if self.branch_rows:
+            if fw.branch_rows != self.branch_rows:
+                raise RuntimeError(f"internal: a static forward needs {self.branch_rows} branch rows")
+            at, bv = self.cache.check_branch(n_commit, fw.branch_at, fw.branch_valid, self.branch_rows)
+            rows += [[L + a for L, a in zip(self.cache.seq_lens, at, strict=True)], bv]
+        meta = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
             meta = meta.pin_memory().to(self.device, non_blocking=True)
@@ -258,7 +274,7 @@ class StaticStep(DecodeStep):
             torch._dynamo.mark_dynamic(tokens, 2)
         # Every guard is checked on every call (see COMPILED_RUN_LOCK: no process-wide stance is changed).
         try:
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd)
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows)
         except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
             if not _recompile_limit_hit(e):
                 raise
@@ -266,6 +282,6 @@ class StaticStep(DecodeStep):
             # count, add graphs): the same forward, uncompiled, for the rest of this variant; nothing ran yet.
             _fall_back(self.variant)
             self.fn = _static_forward
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd)
+            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)

@@ -1,6 +1,6 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
 ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``, ``sbd_strict_block_size``,
-``sbd_lookup``), saved in
+``sbd_lookup``, ``sbd_branch``), saved in
 ``generation_config.json`` so that a checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and
 to ``model.generate``.
 
@@ -34,6 +34,7 @@ SBD_FIELDS = {
     "sbd_compile": "compile",
     "sbd_strict_block_size": "strict_block_size",
     "sbd_lookup": "lookup",
+    "sbd_branch": "branch",
 }
 # Every sbd_* generation-config field: the settings above, and sbd_seed (the Philox seed of ``model.generate``).
 KNOWN_SBD_FIELDS = (*SBD_FIELDS, "sbd_seed")

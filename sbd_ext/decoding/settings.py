@@ -78,6 +78,11 @@ class GenerationSettings:
     after a rejected one (``sbd_ext.decoding.state.LOOKUP_START``); 0 (default): off. The output stays verify's,
     exactly. Outside verify mode it does nothing (unchecked drafts would change the output), so a checkpoint can
     recommend it next to ``sbd_verify`` and a call with ``verify=False`` still decodes plain SBD.
+    branch (verify): each forward that checks drafts also drafts a second block behind the last verified token
+    (the branch: its rows see the committed rows up to that token only), so that when the first draft is
+    rejected the next cycle has drafts after the correction instead of none: one forward per cycle yields
+    1 + a tokens at a first-draft acceptance rate a instead of 2 / (2 - a), for k more rows per forward. Same
+    output as verify without it; like ``lookup``, it does nothing outside verify mode.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -98,6 +103,7 @@ class GenerationSettings:
     first_from_ntp: bool = False
     compile: bool = False
     lookup: int = 0
+    branch: bool = False
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
@@ -135,6 +141,8 @@ class GenerationSettings:
             raise TypeError(f"first_from_ntp must be a bool, got {self.first_from_ntp!r}")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {self.compile!r}")
+        if not isinstance(self.branch, bool):
+            raise TypeError(f"branch must be a bool, got {self.branch!r}")
         if not _is_int(self.lookup) or not 0 <= self.lookup <= MAX_LOOKUP:
             raise ValueError(
                 f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}"
@@ -188,6 +196,8 @@ class Job:
     max_new_tokens = property(lambda self: self.settings.max_new_tokens)
     pad_id = property(lambda self: self.settings.pad_token_id)
     lookup = property(lambda self: self.settings.lookup)
+    # The branch's rows per forward (verify with ``branch``; 0: none): a block of the job's size.
+    branch_rows = property(lambda self: self.block_size if self.settings.verify and self.settings.branch else 0)
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:

@@ -94,6 +94,12 @@ class SequenceState:
     def block_start(self) -> int:
         return len(self.prompt) + len(self.gen) + self.n_draft
 
+    def branch_size(self) -> int:
+        """Rows of this sequence's branch in the next forward (verify with ``branch``): the job's branch rows when
+        the pending rows are a verified token followed by drafts (the first draft, ``pending[1]``, is checked by
+        row 0, behind which the branch sits), else 0."""
+        return self.job.branch_rows if self.n_draft > 0 and len(self.pending) >= 2 else 0
+
     def _start_block(self) -> None:
         k = min(self.job.block_size, self.job.max_new_tokens - len(self.gen) - self.n_draft)
         self.block = [self.job.mask_id] * k  # k = 0: the drafts fill the budget, only their verification is left
@@ -142,7 +148,7 @@ class SequenceState:
                 )
             if row >= 0 and d != ntp[row]:
                 c = ntp[row]
-                if 1 <= t <= looked:  # a lookup draft was wrong: short proposals again
+                if 1 - base <= t <= looked - base:  # a lookup draft was wrong: short proposals again
                     self.lookup_cap = min(self.job.lookup, LOOKUP_START)
                 pos = self.block_start - self.n_draft + t
                 self._cut_trace(pos)
@@ -167,23 +173,29 @@ class SequenceState:
         b: int,
         ntp: list[int | None] | None = None,
         confidence: list[float] | None = None,
+        branch: list[int] | None = None,
+        branch_confidence: list[float] | None = None,
     ) -> int | None:
         """Update after an SBD forward (``block``: the block as revealed in place; ``ntp``, verify mode: the NTP
         choice after each of this sequence's committed rows, None where not computed; ``confidence``, verify with
-        lookup: each block slot's probability of its token, None: the lookup always wins). Returns, after a
-        correction, how many of this forward's committed rows keep their K/V (the caller rolls the cache back to
-        the length before the forward + that); else None."""
+        lookup: each block slot's probability of its token, None: the lookup always wins; ``branch`` /
+        ``branch_confidence``: the same for the branch block behind row 0, its slot 0 that row's NTP choice, when
+        the forward had one). Returns, after a correction, how many of this forward's committed rows keep their K/V
+        (the caller rolls the cache back to the length before the forward + that); else None."""
         job = self.job
         self.nfe += 1
         n_commit = len(self.pending)
         if self.n_draft:  # verify mode: this forward committed a finished block's drafts
             keep_rows = self._verify(f, ntp)
             if keep_rows is not None:
-                # The block's predictions of this forward were conditioned on rejected drafts: drop them and start
-                # the block after the correction.
+                # The block's predictions of this forward were conditioned on rejected drafts: drop them. The next
+                # cycle drafts from the branch (which sat behind row 0) if the first draft was the rejected one,
+                # else from a new block after the correction.
                 self.block = []
                 if self._finished():
                     self.done = True
+                elif keep_rows == 1 and branch and branch[0] == self.pending[0]:
+                    self._take_branch(f, branch, branch_confidence)
                 else:
                     self._start_block()
                 return keep_rows
@@ -241,19 +253,55 @@ class SequenceState:
             self._start_block()  # (after a stop token only the drafts' verification is left)
         return None
 
-    def _draft_from_context(self, block: list[int], keep: int, confidence: list[float] | None) -> list[int]:
+    def _take_branch(self, f: int, branch: list[int], confidence: list[float] | None) -> None:
+        """After a correction of the first draft: the branch's slot 0 is the correction (the NTP choice of row 0,
+        now the output's last token) and its revealed slots after it are drafts for the next forward to check,
+        as a finished block's are (with the lookup's proposals from the context ending in the correction)."""
+        job = self.job
+        room = job.max_new_tokens - len(self.gen)  # drafts that still fit the budget
+        if self.draft_cap is not None:
+            room = min(room, self.draft_cap - 1)
+        keep, stopped = 1, False
+        while keep < len(branch) and keep - 1 < room and branch[keep] != job.mask_id:
+            keep += 1
+            if branch[keep - 1] in job.stop_ids:
+                stopped = True
+                break
+        block = branch[:keep]
+        extra = []
+        if not stopped and self.lookup is not None:
+            extra = self._draft_from_context(block, keep, confidence, context=self.prompt + self.gen, room=room)
+        drafts = block[1:] + extra
+        if drafts:
+            start = len(self.prompt) + len(self.gen)
+            self.trace.append((f, list(range(start, start + len(drafts))), list(drafts)))
+        self.pending, self.n_draft = [self.pending[0]] + drafts, len(drafts)
+        if not stopped:
+            self._start_block()
+
+    def _draft_from_context(
+        self,
+        block: list[int],
+        keep: int,
+        confidence: list[float] | None,
+        context: list[int] | None = None,
+        room: int | None = None,
+    ) -> list[int]:
         """Verify with ``lookup``: up to ``job.lookup`` drafts from the tokens that followed the latest earlier
         occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP choice). Walking
         slots 1..keep-1 of the finished ``block`` (in place), a proposal replaces the slot's token unless the slot
         is sure of a different one (probability >= LOOKUP_YIELD_BELOW): there the block's tokens stay, from that
         slot on. A proposal that covers the block continues past it: returned (drafts past the block). Capped by
         the token budget and ``draft_cap``; a proposal stops before a stop or mask id (no unverified stop in the
-        middle of a draft)."""
-        m = min(self.lookup_cap, self.job.max_new_tokens - len(self.gen) - 1)
-        if self.draft_cap is not None:
-            m = min(m, self.draft_cap - 1)
+        middle of a draft). ``context`` / ``room``: the text the proposal continues and the drafts that fit (default:
+        the output + slot 0, and what the budget and ``draft_cap`` leave after slot 0)."""
+        if room is None:
+            room = self.job.max_new_tokens - len(self.gen) - 1
+            if self.draft_cap is not None:
+                room = min(room, self.draft_cap - 1)
+        m = min(self.lookup_cap, room)
         cont = []
-        for t in self.lookup.propose(self.prompt + self.gen + block[:1], m):
+        for t in self.lookup.propose(self.prompt + self.gen + block[:1] if context is None else context, m):
             if t in self.job.stop_ids or t == self.job.mask_id:
                 break
             cont.append(t)

@@ -45,6 +45,15 @@ class ForwardRows:
     n_commit: list[int]
     n_valid: list[int]
     first_read: int  # the first row whose logits any sequence reads (a step may skip the rows before it)
+    # The branch (verify with ``branch``): the last ``branch_rows`` rows of every sequence; sequence b's branch
+    # sees its first ``branch_at[b]`` committed rows, and ``branch_valid[b]`` of its rows are real (0: none).
+    branch_rows: int = 0
+    branch_at: tuple[int, ...] = ()
+    branch_valid: tuple[int, ...] = ()
+
+    @property
+    def branch(self) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+        return (self.branch_rows, self.branch_at, self.branch_valid) if self.branch_rows else None
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,10 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
     n_commit = [len(seq.pending) if a else 0 for seq, a in zip(seqs, active, strict=True)]
     n_block = [len(seq.block) if (a and job.sbd) else 0 for seq, a in zip(seqs, active, strict=True)]
     n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
+    # The branch, behind each sequence's first committed row (its last verified token) where the rows after it
+    # are drafts: the block the next cycle drafts from if the first draft is rejected (SequenceState.use_branch).
+    branch = [seq.branch_size() if a else 0 for seq, a in zip(seqs, active, strict=True)] if job.branch_rows else []
+    R = job.branch_rows if any(branch) or step.static_branch else 0
     T = step.rows(max(n_valid))
     if T < max(n_valid):
         raise RuntimeError(f"internal: a forward of {T} rows cannot hold {max(n_valid)} rows")
@@ -84,11 +97,18 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
         pad = [0] * (T - len(row))
         ids.append(row + pad)
         pos.append(list(range(seq.n_cached, seq.n_cached + len(row))) + pad)
+        if R:  # the branch's rows: mask slots at the positions after the branch point (row 0)
+            n = branch[b] if branch else 0
+            ids[b] += [job.mask_id] * n + [0] * (R - n)
+            pos[b] += list(range(seq.n_cached + 1, seq.n_cached + 1 + n)) + [0] * (R - n)
     both = torch.tensor([ids, pos], dtype=torch.int64)
     # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
     # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
     first = min(first_row_read(seq, c, job) for seq, c, a in zip(seqs, n_commit, active, strict=True) if a)
-    return ForwardRows(both[0], both[1], n_commit, n_valid, first)
+    if not R:
+        return ForwardRows(both[0], both[1], n_commit, n_valid, first)
+    valid = tuple(branch) if branch else (0,) * len(seqs)
+    return ForwardRows(both[0], both[1], n_commit, n_valid, first, R, tuple(int(v > 0) for v in valid), valid)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,6 +119,7 @@ class DecodeStep:
 
     cache: SBDCache
     max_drafts: int | None = None  # most drafts a cycle may commit (verify's lookup past the block); None: any
+    static_branch: bool = False  # every forward carries the branch's rows (static shapes), used or not
 
     def rows(self, needed: int) -> int:
         """The row count T of a forward whose longest sequence has ``needed`` rows (a static step pads)."""
@@ -117,7 +138,7 @@ class EagerStep(DecodeStep):
 
     def __call__(self, fw: ForwardRows) -> StepLogits:
         T = fw.ids.shape[1]
-        with self.cache.forward_plan(fw.n_commit, fw.n_valid) as plan:
+        with self.cache.forward_plan(fw.n_commit, fw.n_valid, fw.branch) as plan:
             logits = self.model(
                 input_ids=fw.ids.to(self.device, non_blocking=True),
                 position_ids=fw.pos.to(self.device, non_blocking=True),
@@ -224,6 +245,30 @@ def _commit_row_choices(
     return ntp, lo
 
 
+def _sample_branch(
+    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor, lo: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The branch block of each sequence ([B, Rb] tokens and the slots' max probabilities): slot 0 is the NTP choice
+    of committed row 0 (the token after the last verified one: the correction if the first draft is rejected),
+    the others revealed from the branch rows (the last Rb rows of the forward) by the sampler, as the block is.
+    Sequences without a branch get a filler that is not the mask id (nothing revealed)."""
+    B, Rb, T = len(seqs), fw.branch_rows, fw.ids.shape[1]
+    device = out.logits.device
+    fill = job.pad_id if job.pad_id != job.mask_id else (0 if job.mask_id != 0 else 1)
+    valid = torch.tensor(fw.branch_valid).view(B, 1)
+    branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, fill).long().to(device)
+    first = ntp.gather(1, torch.tensor([-x for x in lo], device=device).clamp(min=0).view(B, 1)).view(B)
+    branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
+    x = gather_rows(out, (T - Rb + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    keys = None
+    if job.temperature > 0:  # drafts drawn with the noise their checks will use
+        keys = [position_key(b, seqs[b].n_cached + 1 + j) for b in range(B) for j in range(Rb)]
+    _, _, _, pmax, _ = sample_block(
+        x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )
+    return branch, pmax
+
+
 def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> dict[int, int]:
     """Alg. 3, "reveal": sample every block position and reveal by the sampler rule in place (SBD; NTP mode: the
     next token); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
@@ -249,19 +294,36 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     lookup = job.verify and job.lookup > 0
     if lookup:  # the block rows' confidence, which decides between their tokens and the lookup's (in millionths)
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
+    Rb = fw.branch_rows
+    if Rb:  # the branch behind row 0: its slot 0 is row 0's NTP choice, the rest revealed by the sampler
+        branch, bpmax = _sample_branch(out, fw, seqs, job, f, ntp, lo)
+        parts += [branch] + ([(bpmax * CONFIDENCE_SCALE).round().long()] if lookup else [])
     back = torch.cat(parts, dim=1).cpu()  # the one sync
     R = ntp.shape[1] if job.verify else 0  # the columns: n_rev, n_rem, block [K], ntp [R], confidence [K]
+    cb = 2 + K + R + (K if lookup else 0)  # then the branch [Rb] and its confidence [Rb]
     rollback = {}
     for b, seq in enumerate(seqs):
         if seq.done:
             continue
-        ntp_b = conf = None
+        ntp_b = conf = br = br_conf = None
         if job.verify:
             ntp_b = [None] * lo[b] + back[b, 2 + K : 2 + K + R].tolist()[: fw.n_commit[b] - lo[b]]
         if lookup:
-            conf = [c / CONFIDENCE_SCALE for c in back[b, 2 + K + R :].tolist()]
+            conf = [c / CONFIDENCE_SCALE for c in back[b, 2 + K + R : 2 + 2 * K + R].tolist()]
+        if Rb and fw.branch_valid[b]:
+            br = back[b, cb : cb + fw.branch_valid[b]].tolist()
+            if lookup:
+                br_conf = [c / CONFIDENCE_SCALE for c in back[b, cb + Rb : cb + Rb + fw.branch_valid[b]].tolist()]
         keep = seq.after_sbd_forward(
-            f, back[b, 2 : 2 + K].tolist(), int(back[b, 0]), int(back[b, 1]), b, ntp_b, confidence=conf
+            f,
+            back[b, 2 : 2 + K].tolist(),
+            int(back[b, 0]),
+            int(back[b, 1]),
+            b,
+            ntp_b,
+            confidence=conf,
+            branch=br,
+            branch_confidence=br_conf,
         )
         if keep is not None:
             rollback[b] = keep

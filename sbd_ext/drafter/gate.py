@@ -236,15 +236,21 @@ class Drafter(nn.Module):
         if ids is None and args:
             ids = args[0]
         self.holder.clear()  # nothing left over from a forward that raised
+        T, R = ids.shape[1], plan.branch_rows
+        branch = (T - R, plan.branch_valid) if R else None  # the branch's rows: the last R, branch_valid[b] real
         if plan.block_rows is None:  # a device plan (compiled step): the gate over every row, traceable
-            self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, ids.shape[1], ids.device)
+            self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, T, ids.device, branch)
             return None
         lo, hi = plan.block_rows
+        if R:
+            lo, hi = (min(lo, T - R), T) if lo < hi else (T - R, T)
         if lo >= hi:  # no block rows (NTP forwards, prefill): the base alone, nothing added (cleared above)
             return None
         self.holder.rows = (lo, hi)
-        if ids.shape[0] > 1:  # sequences' blocks differ: the 0/1 gate within the slice
-            self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device)
+        if ids.shape[0] > 1 or R:  # sequences' blocks differ, or padding between a block and the branch: 0/1 gate
+            if R:
+                branch = (T - R - lo, plan.branch_valid)
+            self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device, branch)
         return None
 
     def _clear_plan_gate(self, module, args, kwargs, output):
@@ -297,13 +303,24 @@ class Drafter(nn.Module):
                     m.drop_merged()
 
 
-def gate_rows(n_commit: torch.Tensor, n_valid: torch.Tensor, rows: int, device) -> torch.Tensor:
+def gate_rows(
+    n_commit: torch.Tensor,
+    n_valid: torch.Tensor,
+    rows: int,
+    device,
+    branch: tuple[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The block-row gate [B, rows, 1] (float 0/1): row r of sequence b is a set-block row iff
-    ``n_commit[b] <= r < n_valid[b]``."""
+    ``n_commit[b] <= r < n_valid[b]``, or, with ``branch = (start, branch_valid)``, iff
+    ``start <= r < start + branch_valid[b]`` (the branch block's rows)."""
     r = torch.arange(rows, device=device).view(1, rows)
     lo = n_commit.to(device=device, dtype=torch.long).view(-1, 1)
     hi = n_valid.to(device=device, dtype=torch.long).view(-1, 1)
-    return ((r >= lo) & (r < hi)).to(torch.float32).unsqueeze(-1)
+    gate = (r >= lo) & (r < hi)
+    if branch is not None:
+        start, valid = branch
+        gate |= (r >= start) & (r < start + valid.to(device=device, dtype=torch.long).view(-1, 1))
+    return gate.to(torch.float32).unsqueeze(-1)
 
 
 def get_drafter(model: nn.Module) -> Drafter | None:
