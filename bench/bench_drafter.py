@@ -24,6 +24,8 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
   (``lookup=0``: the drafter's tokens only);
 - ``*_packed_compiled`` (ours): NTP and verify, compiled, on the packed fp32 weights (``sbd_ext.quantize(model,
   "packed")``: the same values, the CPU's fastest fp32 layout);
+- ``sbd_verify_branch`` / ``_compiled`` / ``_packed_compiled`` (ours): verify with ``branch=True`` (each forward
+  also drafts a block behind the last verified token, the next cycle's drafts when the first draft is rejected);
 - ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
   CUDA's default merged ``[W; W + sBA]`` GEMMs (``drafter.merge``; on the CPU the products are the default and the
   merged GEMMs take 2x as long: 147.5 vs 75.2 ms per compiled SmolLM2 verify forward at 1 thread, unpacked);
@@ -74,6 +76,8 @@ _ON = "" if DEVICE.type == "cpu" or _NO_GPU else f", {torch.cuda.get_device_name
 def _sync() -> None:  # a GPU row's time ends when its work has
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
+
+
 _hf: dict[int, list[list[int]]] = {}
 
 
@@ -199,6 +203,10 @@ ROWS = {
     # packed fp32 weights (sbd_ext.quantize(model, "packed"): the same values, the CPU's fastest fp32 layout)
     "sbd_ntp_packed_compiled": dict(mode="ntp", verify=False, compile=True, packed=True),
     "sbd_verify_packed_compiled": dict(verify=True, compile=True, packed=True),
+    # verify's branch: a second block behind the last verified token (drafts after a rejected first draft)
+    "sbd_verify_branch": dict(verify=True, branch=True),
+    "sbd_verify_branch_compiled": dict(verify=True, branch=True, compile=True),
+    "sbd_verify_branch_packed_compiled": dict(verify=True, branch=True, compile=True, packed=True),
 }
 if DEVICE.type == "cuda":  # the compiled adapters' LoRA products, against the merged GEMMs of CUDA's default
     ROWS["sbd_verify_compiled_other_merge"] = dict(verify=True, compile=True, other_merge=True)

@@ -32,6 +32,7 @@ ROWS = {
     "ntp": dict(mode="ntp", verify=False, merge=None),
     "verify_merged": dict(verify=True, merge=True),
     "verify_products": dict(verify=True, merge=False),
+    "verify_branch_merged": dict(verify=True, branch=True, merge=True),  # + the branch's k rows and attention call
 }
 
 

@@ -394,6 +394,7 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
         threshold=generation["sbd_threshold"],
         verify=True,
         lookup=generation.get("sbd_lookup", 0),
+        branch=generation.get("sbd_branch", False),
     )
     ntp, row = evaluate(dest, check_n, max_new_tokens, [kw])
     record = {
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0], help="entropy bounds of the verify rows")
     e.add_argument("--plain-thresholds", type=float, nargs="*", default=[0.35], help="entropy bounds of plain SBD rows")
     e.add_argument("--lookups", type=int, nargs="*", default=[0], help="verify rows' lookup (drafts per cycle; 0: off)")
+    e.add_argument("--branches", type=int, nargs="*", choices=[0, 1], default=[0], help="verify rows' branch (1: on)")
     e.add_argument(
         "--slot-accuracy",
         type=int,
@@ -466,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, default=0.35)
     s.add_argument("--lookup", type=int, default=0, help="drafts from the context per cycle (0: off)")
+    s.add_argument("--branch", action="store_true", help="recommend verify's branch (behind the verified token)")
     s.add_argument("--check-n", type=int, default=8)
     s.add_argument("--max-new-tokens", type=int, help="default: 96 for arith (its answers), else 64")
     s.add_argument("--threads", type=int)
@@ -478,9 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "eval":
         settings = [
             dict(block_size=k, verify=True, sampler="eb", threshold=g, lookup=n)  # 0: off, whatever the artifact says
+            | ({"branch": True} if br else {})
             for k in args.block_sizes
             for g in args.thresholds
             for n in args.lookups
+            for br in args.branches
         ]
         settings += [
             dict(block_size=k, verify=False, sampler="eb", threshold=g)
@@ -502,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             "sbd_sampler": args.sampler,
             "sbd_threshold": args.threshold,
             "sbd_verify": True,
-        } | ({"sbd_lookup": args.lookup} if args.lookup else {})
+        } | ({"sbd_lookup": args.lookup} if args.lookup else {}) | ({"sbd_branch": True} if args.branch else {})
         task = artifact_task(out / "artifact")
         dest = args.dest or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[task][2]
         max_new = args.max_new_tokens or (96 if task == "arith" else 64)
