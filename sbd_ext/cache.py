@@ -222,9 +222,10 @@ class SBDCache(Cache):
         self._planned = True
 
     def check_branch(self, n_commit: Sequence[int], branch_at: Sequence[int], branch_valid: Sequence[int], rows: int):
-        """Validate a forward's branch (see :class:`SBDForwardPlan`) -> (branch_at, branch_valid) as int lists:
+        """Validate a forward's branch (see :class:`SBDForwardPlan`) -> (branch_lens, branch_valid) as int lists:
         sequence b's branch rows see its first ``branch_at[b]`` committed rows (0 < branch_at <= n_commit where
-        ``branch_valid[b]`` > 0, else 0), and 0 <= branch_valid <= rows."""
+        ``branch_valid[b]`` > 0, else 0), so its cache length is ``seq_lens[b] + branch_at[b]``; and
+        0 <= branch_valid <= rows."""
         at, bv = [int(x) for x in branch_at], [int(x) for x in branch_valid]
         if len(at) != self.batch_size or len(bv) != self.batch_size:
             raise ValueError(f"SBDCache.forward_plan: need {self.batch_size} branch_at / branch_valid entries")
@@ -234,7 +235,7 @@ class SBDCache(Cache):
                     f"SBDCache.forward_plan: sequence {b}'s branch needs 0 <= branch_valid <= {rows} and "
                     f"0 < branch_at <= n_commit ({int(n_commit[b])}), got branch_at {at[b]}, branch_valid {bv[b]}"
                 )
-        return at, bv
+        return [L + a for L, a in zip(self.seq_lens, at, strict=True)], bv
 
     @contextlib.contextmanager
     def forward_plan(
@@ -247,20 +248,17 @@ class SBDCache(Cache):
         ``n_commit``. See :meth:`check_plan` for what the counts mean; ``branch``: ``(rows, branch_at,
         branch_valid)``, the forward's last ``rows`` rows are a second set block (:class:`SBDForwardPlan`)."""
         n_commit, n_valid = self.check_plan(n_commit, n_valid)
-        if branch is not None and branch[0]:
-            at, bv = self.check_branch(n_commit, branch[1], branch[2], branch[0])
+        R = int(branch[0]) if branch is not None else 0
+        rows = [self.seq_lens, n_commit, n_valid] + (list(self.check_branch(n_commit, *branch[1:], R)) if R else [])
         self._claim()
         device = self.layers[0].keys.device
         try:
-            rows = [self.seq_lens, n_commit, n_valid]
-            if branch is not None and branch[0]:
-                rows += [[L + a for L, a in zip(self.seq_lens, at, strict=True)], bv]
             meta = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
             spans = [(c, v) for c, v in zip(n_commit, n_valid, strict=True) if v > c]
             block_rows = (min(c for c, _ in spans), max(v for _, v in spans)) if spans else (0, 0)
             plan = SBDForwardPlan(self, meta[0], meta[1], meta[2], block_rows=block_rows)
-            if branch is not None and branch[0]:
-                plan.branch_rows, plan.branch_lens, plan.branch_valid = int(branch[0]), meta[3], meta[4]
+            if R:
+                plan.set_branch(R, meta[3], meta[4])
             yield plan
         finally:
             self._planned = False
@@ -297,7 +295,7 @@ class SBDCache(Cache):
         :meth:`check_branch`). ``branch``: ``(rows, branch_lens, branch_valid)`` (:class:`SBDForwardPlan`)."""
         plan = SBDForwardPlan(self, cache_lens, n_commit, n_valid)
         if branch is not None and branch[0]:
-            plan.branch_rows, plan.branch_lens, plan.branch_valid = branch
+            plan.set_branch(*branch)
         return plan
 
 
@@ -325,6 +323,11 @@ class SBDForwardPlan:
     branch_rows: int = 0
     branch_lens: torch.Tensor | None = None  # [B] int32
     branch_valid: torch.Tensor | None = None  # [B] int32
+    branch_commit: torch.Tensor | None = None  # [B] int32 zeros: the branch commits nothing
+
+    def set_branch(self, rows: int, lens: torch.Tensor, valid: torch.Tensor) -> None:
+        self.branch_rows, self.branch_lens, self.branch_valid = int(rows), lens, valid
+        self.branch_commit = torch.zeros_like(valid)  # once per forward, not per layer
 
     def attend(
         self,
@@ -354,42 +357,17 @@ class SBDForwardPlan:
         T, R = query.shape[2], self.branch_rows
         if R and not 0 < R < T:
             raise RuntimeError(f"sbd_plan: a branch of {R} rows in a forward of {T} rows")
-        main = slice(0, T - R)
-        out = ops.block_attention(
-            query[:, :, main],
-            key[:, :, main],
-            value[:, :, main],
-            layer.keys,
-            layer.values,
-            self.cache_lens,
-            self.n_commit,
-            self.n_valid,
-            scaling,
-            softcap,
-            window_left,
-        )
-        if R:  # the branch: over the cache as the first call left it, cut at the branch point; writes nothing
-            br = slice(T - R, T)
-            none = torch.zeros_like(self.branch_valid)
-            out = torch.cat(
-                [
-                    out,
-                    ops.block_attention(
-                        query[:, :, br],
-                        key[:, :, br],
-                        value[:, :, br],
-                        layer.keys,
-                        layer.values,
-                        self.branch_lens,
-                        none,
-                        self.branch_valid,
-                        scaling,
-                        softcap,
-                        window_left,
-                    ),
-                ],
-                dim=1,
+
+        def attend_rows(rows: slice, cache_lens, n_commit, n_valid) -> torch.Tensor:
+            q, k, v = query[:, :, rows], key[:, :, rows], value[:, :, rows]
+            return ops.block_attention(
+                q, k, v, layer.keys, layer.values, cache_lens, n_commit, n_valid, scaling, softcap, window_left
             )
+
+        out = attend_rows(slice(0, T - R), self.cache_lens, self.n_commit, self.n_valid)
+        if R:  # the branch: over the cache as the first call left it, cut at the branch point; writes nothing
+            branch = attend_rows(slice(T - R, T), self.branch_lens, self.branch_commit, self.branch_valid)
+            out = torch.cat([out, branch], dim=1)
         self.layers_done += 1
         return out
 

@@ -21,11 +21,6 @@ from sbd_ext.drafter import gate_rows
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-@pytest.fixture(scope="module")
-def models():
-    return [tiny_llama(seed=s, lm_scale=8.0) for s in range(2)]
-
-
 def _generated_positions(out) -> list[list[int]]:
     P, G = out.prompt_lengths.tolist(), out.num_generated.tolist()
     return [list(range(p, p + g)) for p, g in zip(P, G, strict=True)]

@@ -39,9 +39,8 @@ _FALLBACK_WARNED = False
 
 
 def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
-    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows, dtype)
-    key += (device.type,)
-    return key + (row_linear_state(model), quantized_scheme(model))  # the linear layers' class: its own graph
+    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows)
+    return key + (dtype, device.type, row_linear_state(model), quantized_scheme(model))  # linear layers: own graph
 
 
 def _compiled_variant_ok(key: tuple) -> bool:
@@ -263,8 +262,7 @@ class StaticStep(DecodeStep):
         if self.branch_rows:
             if fw.branch_rows != self.branch_rows:
                 raise RuntimeError(f"internal: a static forward needs {self.branch_rows} branch rows")
-            at, bv = self.cache.check_branch(n_commit, fw.branch_at, fw.branch_valid, self.branch_rows)
-            rows += [[L + a for L, a in zip(self.cache.seq_lens, at, strict=True)], bv]
+            rows += self.cache.check_branch(n_commit, *fw.branch[1:], self.branch_rows)
         meta = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)

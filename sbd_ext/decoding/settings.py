@@ -196,6 +196,8 @@ class Job:
     max_new_tokens = property(lambda self: self.settings.max_new_tokens)
     pad_id = property(lambda self: self.settings.pad_token_id)
     lookup = property(lambda self: self.settings.lookup)
+    # A token id that is not the mask id: fills the block slots of sequences without a block (nothing is revealed).
+    filler = property(lambda self: self.pad_id if self.pad_id != self.mask_id else (0 if self.mask_id != 0 else 1))
     # The branch's rows per forward (verify with ``branch``; 0: none): a block of the job's size.
     branch_rows = property(lambda self: self.block_size if self.settings.verify and self.settings.branch else 0)
 

@@ -328,8 +328,7 @@ class SequenceState:
 
 def block_tensor(seqs: list[SequenceState], active: list[bool], job: Job) -> torch.Tensor:
     """[B, block_size] int64 on the CPU: each active sequence's block, then a filler that is not the mask id."""
-    fill = job.pad_id if job.pad_id != job.mask_id else (0 if job.mask_id != 0 else 1)
-    block = torch.full((len(seqs), job.block_size), fill, dtype=torch.int64)
+    block = torch.full((len(seqs), job.block_size), job.filler, dtype=torch.int64)
     for b, seq in enumerate(seqs):
         if active[b] and seq.block:
             block[b, : len(seq.block)] = torch.tensor(seq.block, dtype=torch.int64)

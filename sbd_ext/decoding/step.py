@@ -45,15 +45,17 @@ class ForwardRows:
     n_commit: list[int]
     n_valid: list[int]
     first_read: int  # the first row whose logits any sequence reads (a step may skip the rows before it)
-    # The branch (verify with ``branch``): the last ``branch_rows`` rows of every sequence; sequence b's branch
-    # sees its first ``branch_at[b]`` committed rows, and ``branch_valid[b]`` of its rows are real (0: none).
+    # The branch (verify with ``branch``): the last ``branch_rows`` rows of every sequence; ``branch_valid[b]`` of
+    # them are real (0: sequence b has none), behind its first committed row.
     branch_rows: int = 0
-    branch_at: tuple[int, ...] = ()
     branch_valid: tuple[int, ...] = ()
 
     @property
     def branch(self) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
-        return (self.branch_rows, self.branch_at, self.branch_valid) if self.branch_rows else None
+        """``(rows, branch_at, branch_valid)`` for :meth:`SBDCache.forward_plan` (None: no branch rows)."""
+        if not self.branch_rows:
+            return None
+        return self.branch_rows, tuple(int(v > 0) for v in self.branch_valid), self.branch_valid
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
     n_block = [len(seq.block) if (a and job.sbd) else 0 for seq, a in zip(seqs, active, strict=True)]
     n_valid = [c + k for c, k in zip(n_commit, n_block, strict=True)]
     # The branch, behind each sequence's first committed row (its last verified token) where the rows after it
-    # are drafts: the block the next cycle drafts from if the first draft is rejected (SequenceState.use_branch).
-    branch = [seq.branch_size() if a else 0 for seq, a in zip(seqs, active, strict=True)] if job.branch_rows else []
+    # are drafts: the block the next cycle drafts from if the first draft is rejected (SequenceState._take_branch).
+    branch = tuple(seq.branch_size() if a else 0 for seq, a in zip(seqs, active, strict=True))
     R = job.branch_rows if any(branch) or step.static_branch else 0
     T = step.rows(max(n_valid))
     if T < max(n_valid):
@@ -98,17 +100,14 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
         ids.append(row + pad)
         pos.append(list(range(seq.n_cached, seq.n_cached + len(row))) + pad)
         if R:  # the branch's rows: mask slots at the positions after the branch point (row 0)
-            n = branch[b] if branch else 0
+            n = branch[b]
             ids[b] += [job.mask_id] * n + [0] * (R - n)
             pos[b] += list(range(seq.n_cached + 1, seq.n_cached + 1 + n)) + [0] * (R - n)
     both = torch.tensor([ids, pos], dtype=torch.int64)
     # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
     # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
     first = min(first_row_read(seq, c, job) for seq, c, a in zip(seqs, n_commit, active, strict=True) if a)
-    if not R:
-        return ForwardRows(both[0], both[1], n_commit, n_valid, first)
-    valid = tuple(branch) if branch else (0,) * len(seqs)
-    return ForwardRows(both[0], both[1], n_commit, n_valid, first, R, tuple(int(v > 0) for v in valid), valid)
+    return ForwardRows(both[0], both[1], n_commit, n_valid, first, R, branch if R else ())
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -246,18 +245,19 @@ def _commit_row_choices(
 
 
 def _sample_branch(
-    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor, lo: list[int]
+    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The branch block of each sequence ([B, Rb] tokens and the slots' max probabilities): slot 0 is the NTP choice
     of committed row 0 (the token after the last verified one: the correction if the first draft is rejected),
     the others revealed from the branch rows (the last Rb rows of the forward) by the sampler, as the block is.
-    Sequences without a branch get a filler that is not the mask id (nothing revealed)."""
+    Sequences without a branch get a filler that is not the mask id (nothing revealed). A sequence with a branch
+    reads its committed rows' choices from row 0 on (``first_row_read`` is 0 when the rows after row 0 are all
+    drafts), so row 0's choice is column 0 of ``ntp``."""
     B, Rb, T = len(seqs), fw.branch_rows, fw.ids.shape[1]
     device = out.logits.device
-    fill = job.pad_id if job.pad_id != job.mask_id else (0 if job.mask_id != 0 else 1)
     valid = torch.tensor(fw.branch_valid).view(B, 1)
-    branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, fill).long().to(device)
-    first = ntp.gather(1, torch.tensor([-x for x in lo], device=device).clamp(min=0).view(B, 1)).view(B)
+    branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, job.filler).long().to(device)
+    first = ntp[:, 0]
     branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
     x = gather_rows(out, (T - Rb + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
     keys = None
@@ -296,7 +296,7 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
     Rb = fw.branch_rows
     if Rb:  # the branch behind row 0: its slot 0 is row 0's NTP choice, the rest revealed by the sampler
-        branch, bpmax = _sample_branch(out, fw, seqs, job, f, ntp, lo)
+        branch, bpmax = _sample_branch(out, fw, seqs, job, f, ntp)
         parts += [branch] + ([(bpmax * CONFIDENCE_SCALE).round().long()] if lookup else [])
     back = torch.cat(parts, dim=1).cpu()  # the one sync
     R = ntp.shape[1] if job.verify else 0  # the columns: n_rev, n_rem, block [K], ntp [R], confidence [K]

@@ -236,9 +236,9 @@ class Drafter(nn.Module):
         if ids is None and args:
             ids = args[0]
         self.holder.clear()  # nothing left over from a forward that raised
-        T, R = ids.shape[1], plan.branch_rows
-        branch = (T - R, plan.branch_valid) if R else None  # the branch's rows: the last R, branch_valid[b] real
+        T, R = ids.shape[1], plan.branch_rows  # the branch's rows: the last R, branch_valid[b] of them real
         if plan.block_rows is None:  # a device plan (compiled step): the gate over every row, traceable
+            branch = (T - R, plan.branch_valid) if R else None
             self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, T, ids.device, branch)
             return None
         lo, hi = plan.block_rows
@@ -248,8 +248,7 @@ class Drafter(nn.Module):
             return None
         self.holder.rows = (lo, hi)
         if ids.shape[0] > 1 or R:  # sequences' blocks differ, or padding between a block and the branch: 0/1 gate
-            if R:
-                branch = (T - R - lo, plan.branch_valid)
+            branch = (T - R - lo, plan.branch_valid) if R else None
             self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device, branch)
         return None
 

@@ -48,8 +48,9 @@ def distill_loss(
        variation 0.5 * sum |p - q| (Uno's; 1 - TV is the acceptance rate of speculative sampling), "ce" the
        cross-entropy -log q(argmax p) on the base's greedy token (hard targets: what greedy verify accepts).
     ``attention_mask`` [B, L]: right padding (1 = token). Returns the loss, or ``(loss, parts)`` with
-    ``mask_accuracy`` (drafter argmax == base argmax), ``num_masked`` and ``offset_accuracy`` (the accuracy at each
-    block position 0..k-1 of the fully masked blocks, NaN where there were none).
+    ``mask_accuracy`` (drafter argmax == base argmax), ``num_masked``, ``offset_accuracy`` (the accuracy at each
+    block position 0..k-1 of the fully masked blocks, NaN where there were none) and ``offset_count`` (how many
+    positions each of those averages).
     """
     drafter = get_drafter(model)
     if drafter is None:
@@ -142,12 +143,16 @@ def distill_loss(
         hit = (student.argmax(-1) == teacher.argmax(-1)).float()
         acc = hit.mean()
         offset, full_sel = ti % k, block_full[bi, ti]
-        by_offset = [
-            float(hit[full_sel & (offset == j)].mean()) if bool((full_sel & (offset == j)).any()) else math.nan
-            for j in range(k)
-        ]
+        at = [full_sel & (offset == j) for j in range(k)]
+        count = [int(a.sum()) for a in at]
+        by_offset = [float(hit[a].mean()) if c else math.nan for a, c in zip(at, count, strict=True)]
     return loss, dict(
-        mask_loss=loss.detach(), mask_accuracy=acc, num_masked=torch.tensor(n), block_size=k, offset_accuracy=by_offset
+        mask_loss=loss.detach(),
+        mask_accuracy=acc,
+        num_masked=torch.tensor(n),
+        block_size=k,
+        offset_accuracy=by_offset,
+        offset_count=count,
     )
 
 
@@ -182,10 +187,8 @@ def slot_accuracy(
             eta = torch.full((len(chunk), 1), 2.0)  # every position masked
             with torch.no_grad():
                 _, parts = distill_loss(model, ids, lm, k, attention_mask=att, eta=eta, return_parts=True)
-            pos = torch.arange(L).view(1, L)
-            for j, acc in enumerate(parts["offset_accuracy"]):
-                c = int((lm & (pos >= 1) & (pos % k == j)).sum())  # the positions offset_accuracy averaged over
-                if c and acc == acc:
+            for j, (acc, c) in enumerate(zip(parts["offset_accuracy"], parts["offset_count"], strict=True)):
+                if c:
                     hits[j] += acc * c
                     counts[j] += c
     finally:

@@ -224,6 +224,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             return_parts=True,
         )
         by_offset = parts.pop("offset_accuracy")
+        parts.pop("offset_count")
         if len(by_offset) > 1 and by_offset[1] == by_offset[1]:  # the 2-ahead drafts verify can accept (not NaN)
             parts["ahead2_accuracy"] = by_offset[1]
         return loss, parts
@@ -480,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         make_samples(out, args.n, args.max_new_tokens, args.batch_size, task=args.task)
     elif args.cmd == "eval":
         settings = [
-            dict(block_size=k, verify=True, sampler="eb", threshold=g, lookup=n)  # 0: off, whatever the artifact says
-            | ({"branch": True} if br else {})
+            # lookup 0 / branch 0: off, whatever the artifact recommends
+            dict(block_size=k, verify=True, sampler="eb", threshold=g, lookup=n, branch=bool(br))
             for k in args.block_sizes
             for g in args.thresholds
             for n in args.lookups
