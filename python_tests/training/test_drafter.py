@@ -337,6 +337,15 @@ def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_
         rd.make_self_prompts(None, Tok(), 9, tmp_path / "junk", 2, batch_size=4)
 
 
+def test_training_line_says_where_the_prompts_came_from():
+    from sbd_ext.recipes.smollm2.drafter import _sources
+
+    tmpl, own = {"task": "general"}, {"task": "general", "source": "self"}
+    assert _sources([tmpl] * 3) == "3 self-distilled answers"  # samples made before sources were recorded
+    assert _sources([own] * 2) == "2 self-distilled answers to instructions the base wrote itself"
+    assert _sources([tmpl, own, own]) == "3 self-distilled answers (2 to instructions the base wrote itself)"
+
+
 def test_make_samples_refuses_self_prompts_for_the_arithmetic_task(tmp_path):
     from sbd_ext.recipes.smollm2.drafter import make_samples
 

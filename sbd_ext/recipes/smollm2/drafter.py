@@ -329,7 +329,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         with open(curve, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if rec["step"] % (4 * cfg.log_every) == 0:  # an artifact to evaluate while the run goes on
-            fields = _sbd_fields(cfg, len(samples)) | {"steps_done": rec["step"]}
+            fields = _sbd_fields(cfg, samples) | {"steps_done": rec["step"]}
             drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
 
     history = train_loop(
@@ -357,7 +357,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         "machine": platform.processor() or platform.machine(),
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
-    fields = _sbd_fields(cfg, len(samples)) | {"steps_done": cfg.steps}
+    fields = _sbd_fields(cfg, samples) | {"steps_done": cfg.steps}
     drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
     return record
 
@@ -368,7 +368,16 @@ _BASE_NAMES = {"general": "SmolLM2-135M-Instruct", "arith": "SmolLM2-135M-Instru
 _DIVERGENCE_NAMES = {"kl": "KL to the base", "tv": "total variation to the base", "ce": "CE on the base's tokens"}
 
 
-def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = None) -> dict:
+def _sources(samples: list[dict]) -> str:
+    """"1024 self-distilled answers", with where their prompts came from when any the base wrote itself."""
+    n_self = sum(s.get("source", "templates") == "self" for s in samples)
+    text = f"{len(samples)} self-distilled answers"
+    if n_self == len(samples):
+        return text + " to instructions the base wrote itself"
+    return text + (f" ({n_self} to instructions the base wrote itself)" if n_self else "")
+
+
+def _sbd_fields(cfg: DrafterConfig, samples: list[dict], generation: dict | None = None) -> dict:
     return {
         "base_loader": TASKS[cfg.task][0],
         "base": TASKS[cfg.task][1],
@@ -380,7 +389,7 @@ def _sbd_fields(cfg: DrafterConfig, n_samples: int, generation: dict | None = No
         f"{cfg.batch_size}, max_len {cfg.max_len}, lr {cfg.lr}, rank {cfg.rank}, full_block_prob "
         f"{cfg.full_block_prob}, block sizes {cfg.block_size_range[0]}-{cfg.block_size_range[1]}"
         + ("" if cfg.first_slot_loss else ", no loss on a full block's first slot")
-        + f", seed {cfg.seed}, on {n_samples} self-distilled answers"
+        + f", seed {cfg.seed}, on {_sources(samples)}"
         + (" to arithmetic training problems" if cfg.task == "arith" else "")
         + (f", continuing the drafter {Path(cfg.init_from).name!r}" if cfg.init_from else ""),
     }
