@@ -41,7 +41,7 @@ import torch
 from ... import drafter as drafter_mod
 from ...demo import tasks
 from . import checkpoint, data
-from .prompts import clean_instruction, eval_prompts, self_instruct_requests, training_prompts
+from .prompts import clean_instruction, eval_prompts, held_out_texts, self_instruct_requests, training_prompts
 
 __all__ = ["DrafterConfig", "make_samples", "make_self_prompts", "make_batches", "train", "ship", "main"]
 
@@ -172,7 +172,7 @@ def make_self_prompts(
     rec = json.loads(path.read_text()) if path.is_file() else settings | {"requests_used": 0, "prompts": []}
     if {k: rec.get(k) for k in settings} != settings:
         raise ValueError(f"{path} was made with other settings: use another --out")
-    seen = {p["text"].strip().lower() for p in eval_prompts()} | {p["text"].lower() for p in rec["prompts"]}
+    seen = held_out_texts() | {p["text"].lower() for p in rec["prompts"]}
     limit = 8 * n + 64  # requests; a model that writes fewer usable instructions than this is refused
     requests = self_instruct_requests(limit, seed)
     t0 = time.time()
@@ -215,18 +215,10 @@ def greedy_answers(
     """The model's greedy answers (sbd_ext's NTP decoding, one batch, left padding) to ``prompts``: each the
     generated tokens up to and including ``eos`` (or ``max_new_tokens`` of them). ``temperature`` > 0: sampled
     answers instead (``seed``: the Philox stream)."""
-    import sbd_ext
-
-    P = max(len(x) for x in prompts)
-    inp = torch.full((len(prompts), P), pad, dtype=torch.long)
-    att = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, x in enumerate(prompts):  # left padding
-        inp[i, P - len(x) :] = torch.tensor(x)
-        att[i, P - len(x) :] = 1
-    res = sbd_ext.generate(
+    _, answers = _generate_padded(
         model,
-        inp,
-        att,
+        prompts,
+        pad,
         mode="ntp",
         verify=False,
         max_new_tokens=max_new_tokens,
@@ -235,8 +227,23 @@ def greedy_answers(
         temperature=temperature,
         seed=seed,
     )
+    return answers
+
+
+def _generate_padded(model, prompts: list[list[int]], pad: int, **kw):
+    """``sbd_ext.generate(**kw)`` over ``prompts`` left-padded into one batch: (its output, each prompt's generated
+    tokens)."""
+    import sbd_ext
+
+    P = max(len(x) for x in prompts)
+    inp = torch.full((len(prompts), P), pad, dtype=torch.long)
+    att = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, x in enumerate(prompts):  # left padding
+        inp[i, P - len(x) :] = torch.tensor(x)
+        att[i, P - len(x) :] = 1
+    res = sbd_ext.generate(model, inp, att, **kw)
     # row i of sequences: its prompt without padding, then its generated tokens
-    return [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
+    return res, [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
 
 
 def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int, seed: int) -> list[dict]:
@@ -415,8 +422,6 @@ def evaluate(
     ``artifact`` on the first ``n`` held-out prompts of its task, and whether verify / NTP equal the base's NTP
     decoding; arithmetic drafters also get each row's accuracy on the held-out problems. ``slots`` > 0: also the
     drafter's teacher-forced accuracy per slot of blocks of that size on the base's answers (:func:`slot_accuracy`)."""
-    import sbd_ext
-
     from ...demo import models
 
     task = artifact_task(artifact)
@@ -435,18 +440,10 @@ def evaluate(
         toks, nfe, answers = 0, 0, []
         for lo in range(0, len(prompts), batch_size):
             chunk = prompts[lo : lo + batch_size]
-            P = max(len(x) for x in chunk)
-            inp = torch.zeros((len(chunk), P), dtype=torch.long)
-            att = torch.zeros_like(inp)
-            for i, x in enumerate(chunk):
-                inp[i, P - len(x) :] = torch.tensor(x)
-                att[i, P - len(x) :] = 1
-            res = sbd_ext.generate(model, inp, att, max_new_tokens=max_new_tokens, eos_token_id=eos, **kw)
+            res, got = _generate_padded(model, chunk, 0, max_new_tokens=max_new_tokens, eos_token_id=eos, **kw)
             toks += int(res.num_generated.sum())
             nfe += int(res.nfe.sum())
-            answers += [
-                res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(chunk)
-            ]
+            answers += got
         return toks, nfe, answers
 
     t0 = time.time()

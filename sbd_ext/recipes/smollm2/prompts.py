@@ -25,6 +25,7 @@ __all__ = [
     "training_prompts",
     "eval_prompts",
     "EVAL_PROMPTS_FILE",
+    "held_out_texts",
     "self_instruct_requests",
     "clean_instruction",
 ]
@@ -397,12 +398,17 @@ def eval_prompts(path: str | Path = EVAL_PROMPTS_FILE) -> list[dict]:
     return json.loads(Path(path).read_text())["prompts"]
 
 
+def held_out_texts() -> set[str]:
+    """The held-out prompts' texts, stripped and lower-cased: what no training prompt may equal."""
+    return {p["text"].strip().lower() for p in eval_prompts()}
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct training prompts, the kinds in turn (a kind whose templates are used up is skipped),
     deterministic for ``seed``; none equals a held-out evaluation prompt."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    held_out = {p["text"].strip().lower() for p in eval_prompts()} if EVAL_PROMPTS_FILE.is_file() else set()
+    held_out = held_out_texts() if EVAL_PROMPTS_FILE.is_file() else set()
     rng = random.Random(seed)
     out, seen, tries = [], set(held_out), 0
     while len(out) < n:
