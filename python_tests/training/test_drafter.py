@@ -567,6 +567,87 @@ def test_row_kernel_adapter_follows_a_changed_factor_and_any_width():
         torch.testing.assert_close(odd._delta_rows(x), odd._delta(x), rtol=1e-5, atol=1e-5)
 
 
+def _reference_rows(m, x, gate):
+    """base + gate · scale · (x A^T) B^T with F.linear on the unpacked base weight (the training definition)."""
+    return F.linear(x, m.base.weight, m.base.bias) + m._delta(x) * gate
+
+
+def test_fused_adapter_over_a_packed_base_equals_the_products_and_keeps_the_base_bitwise():
+    """Over a packed base (sbd_ext.quantize(model, "packed")) one row_linear call on [W; A] gives the base's output
+    and x A^T: the clean rows are the packed base's own outputs bit for bit, the block rows base + the adapter (gate
+    over every row, and on a slice), with a bias and with N and r that are not multiples of 16; W is stored once
+    (the base's packed weight is a view of the fused one, its values unchanged); A changed in place is seen, a
+    re-quantised base drops the fused copy."""
+    from sbd_ext.quantization import PackedLinear
+
+    _, model = _with_drafter(seed=8)
+    sbd_ext.quantize(model, "packed")
+    layer = next(m for _, m in model.sbd_drafter.lora_modules(model))
+    biased = drafter.GatedLoRALinear(torch.nn.Linear(24, 40), 5, 10.0, drafter.RowGate())
+    torch.nn.init.normal_(biased.lora_B)
+    sbd_ext.quantize(biased, "packed")
+    gate = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0]]).unsqueeze(-1)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for m in (layer, biased):
+            assert isinstance(m.base, PackedLinear)
+            w = m.base.weight.clone()
+            x = torch.randn(2, 5, m.in_features, generator=g)
+            plain = m.base(x)  # the packed base's own call, before any fusing
+            m.holder.gate = gate
+            got = m(x)
+            fused = m.fused_weight()
+            assert fused is not None and m.base.weight_packed.data_ptr() == fused.data_ptr()
+            assert fused.shape[0] * 16 == m.base.weight_packed.shape[0] * 16 + -(-m.rank // 16) * 16
+            assert torch.equal(m.base.weight, w)  # the same values, now stored in the fused tensor
+            torch.testing.assert_close(got, _reference_rows(m, x, gate), rtol=1e-5, atol=1e-5)
+            clean = gate[..., 0] == 0
+            assert torch.equal(got[clean], plain[clean])  # bit for bit
+            m.holder.gate, m.holder.rows = None, (1, 4)  # eager: the adapter on a slice of rows
+            sliced = plain.clone()
+            sliced[:, 1:4] = _reference_rows(m, x, 1.0)[:, 1:4]
+            got = m(x)
+            torch.testing.assert_close(got, sliced, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[:, [0, 4]], plain[:, [0, 4]])
+            m.holder.gate, m.holder.rows = gate, None
+            m.lora_A.mul_(-1.5)  # in place, as an optimizer step: the fused rows follow
+            torch.testing.assert_close(m(x), _reference_rows(m, x, gate), rtol=1e-5, atol=1e-5)
+            assert m.fused_weight() is fused
+            m.holder.clear()
+            assert torch.equal(m(x), plain)  # no gate: the base alone
+        sbd_ext.quantize(model, "int8")  # the base is no longer packed: the fused copy goes
+        layer.holder.gate = gate
+        x = torch.randn(2, 5, layer.in_features, generator=g)
+        assert layer.fused_weight() is None and layer._fused is None
+        torch.testing.assert_close(layer(x), _reference_rows(layer, x, gate), rtol=1e-5, atol=1e-5)
+        layer.holder.clear()
+
+
+@pytest.mark.slow
+def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_base():
+    """A compiled step over a packed base runs each adapter's A product in the base's row_linear call (fused):
+    verify equals the base's NTP decoding token for token, plain SBD equals eager plain SBD of the same model."""
+    base, model = _with_drafter(seed=23)
+    sbd_ext.quantize(model, "packed")
+    ids, att = random_prompts([5, 8], seed=24)
+    kw = dict(max_new_tokens=16, block_size=4)
+    ref = sbd_ext.generate(base, ids, att, mode="ntp", max_new_tokens=16)
+    eager = sbd_ext.generate(model, ids, att, **kw)
+    import sbd_ext.decoding.compiled as compiled
+
+    torch._dynamo.reset()  # compiled, not decoded eagerly past the variant budget earlier tests used
+    used = []
+    real = drafter.GatedLoRALinear._fused_out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled, "_VARIANTS", set())
+        mp.setattr(compiled, "_EAGER", set())
+        mp.setattr(drafter.GatedLoRALinear, "_fused_out", lambda self, x, f: used.append(1) or real(self, x, f))
+        ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
+        comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
+    assert used and torch.equal(ver.sequences, ref.sequences)
+    assert torch.equal(comp.sequences, eager.sequences)
+
+
 @pytest.mark.parametrize("merge", [None, True], ids=["auto", "merged"])
 def test_compiled_step_sees_a_drafter_changed_between_generations(merge):
     """The compiled graphs read the adapters' decoding copies of B (and, merged, of [W; W + sBA]) without checking
