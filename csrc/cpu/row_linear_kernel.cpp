@@ -255,7 +255,8 @@ void range(const RowLinearParams& p, int64_t n0, int64_t n1) {
 // bandwidth-bound stream; three rows: 2 sets, since 4 sets of 3 -- 12 chains -- ran a third slower than four rows'
 // 8: 99 vs 70 us for SmolLM2's 1536 x 576 in cache, 85 us with 2 sets; verify's forwards after a correction have
 // 3 rows). The first x tile of a panel
-// prefetches kPanelAhead bytes ahead in the stream (the later tiles, with more than 16 rows, find it in L2).
+// prefetches kF32PanelAhead bytes ahead in the stream (per ISA, below; the later tiles, with more than 16 rows, find it
+// in L2).
 // On an AMD EPYC Zen 4 (1 thread) SmolLM2's linears at 16 rows ran at ~86 GFLOP/s this way (the 6 x 4 dot-product
 // tile: 58), its 49152-row head at ~100.
 #if defined(CPU_CAPABILITY_AVX512)
@@ -295,6 +296,19 @@ constexpr int kPL = Vec::size();
 #endif
 constexpr int kPV = static_cast<int>(kRowLinearPanel) / kPL;  // vectors per panel step
 constexpr int64_t kPanelAhead = 4096;
+// The fp32 panel stream's software prefetch, per ISA, each measured on one machine (1 thread, SmolLM2's shapes
+// streamed from memory, a standalone copy of panel_tile, best of 6 interleaved passes over ~400 MB). AVX-512 (AMD
+// EPYC Zen 4): kPanelAhead ahead for every tile. AVX2 (AMD EPYC Zen 3, 2026-11-27): none for 1-2 x rows (the
+// hardware prefetcher alone: one row 16.4-17.4 GB/s against 14.6-15.2 with 4 KB ahead; two rows 14.5-15.2 against
+// 11.0-12.6), and 1 KB ahead from 3 rows (15.2-16.4 GB/s against 13.7-15.0 at 3 rows, about the same at 4-6 rows);
+// a plain sum over the same weights reads 17-18 GB/s there.
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kF32PanelAhead = 1024;
+constexpr int kF32PrefetchMinRows = 3;
+#else
+constexpr int64_t kF32PanelAhead = kPanelAhead;
+constexpr int kF32PrefetchMinRows = 1;
+#endif
 
 template <int MR>
 constexpr int k_sets() {
@@ -317,8 +331,8 @@ inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
     for (int s = 0; s < KS; ++s) {
       const float* wk = w + (k + s) * P;
       const float* xk = xt + (k + s) * ld;
-      if (PREFETCH && (MR > 2 || s == 0)) {
-        const char* ahead = reinterpret_cast<const char*>(wk) + kPanelAhead;
+      if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
+        const char* ahead = reinterpret_cast<const char*>(wk) + kF32PanelAhead;
         if (ahead < end) __builtin_prefetch(ahead, 0, MR <= 2 ? 1 : 3);
       }
       PVec wv[kPV];
