@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cpu/row_linear_kernel.h"
 #include "row_linear_checks.h"
@@ -41,7 +42,7 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
                              K};
   p.packed = packed;
   if (q8_packed) p.wq_packed = weight.data_ptr<uint8_t>();
-  at::Tensor xt;  // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step)
+  // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step), in a scratch buffer below
   at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
   at::Tensor xq4, xdt, xct;  // quantize_x with a packed int8 weight: per slice, transposed (row_linear_kernel.h)
   if (quantize_x) {
@@ -63,8 +64,12 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
     s.x += m0 * p.x_stride;
     s.out += m0 * p.out_stride;
     if (packed) {  // a plain loop: ~20 us of dispatch less per call than x.narrow().t().contiguous()
-      xt = at::empty({K, s.M}, x.options());
-      float* t = xt.data_ptr<float>();
+      // into this thread's scratch buffer (K * 32 floats at most; the chunks below only read it): an at::empty per
+      // call was one of the ~960 allocations of a compiled SmolLM2 verify forward (420 row_linear calls)
+      static thread_local std::vector<float> scratch;
+      const size_t need = static_cast<size_t>(K) * static_cast<size_t>(s.M);
+      if (scratch.size() < need) scratch.resize(need);
+      float* t = scratch.data();
       for (int64_t i = 0; i < s.M; ++i) {
         const float* row = s.x + i * p.x_stride;
         for (int64_t k = 0; k < K; ++k) t[k * s.M + i] = row[k];
