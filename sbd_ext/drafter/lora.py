@@ -1,0 +1,262 @@
+"""The adapter of the gated drafter: :class:`GatedLoRALinear` over a frozen projection, and :class:`RowGate`, the per-row
+gate that every adapter of one model shares (see :mod:`sbd_ext.drafter`; :mod:`sbd_ext.drafter.gate` attaches them).
+Decoding keeps copies of the factors in the layouts its paths read: ``scale · B`` packed for row_linear, ``[W; A]``
+fused into a packed base's panels, ``[W; W + scale · B A]`` merged for CUDA graphs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..linear import as_rows, row_count
+from ..ops import row_linear
+from ..packing import PANEL, pack_row_linear_weight
+from ..quantization import PackedLinear
+
+
+class RowGate:
+    """The per-row gate shared by every adapter of one model.
+
+    ``gate``: None or a float 0/1 tensor [B, T, 1] (T: the forward's rows, or ``hi - lo`` with ``rows``; None with
+    ``rows`` set: every row of the slice is a block row). ``rows``: a host range ``(lo, hi)`` of the forward's rows
+    that holds every block row (eager decoding knows it): the adapters then run on that slice only. Both None:
+    adapters and mask row off, the base's forward exactly (e.g. an NTP forward, which has no block rows)."""
+
+    def __init__(self):
+        self.gate: torch.Tensor | None = None
+        self.rows: tuple[int, int] | None = None
+        # The adapters' merged path for a gate over every row (GatedLoRALinear.merged_weight), as the last
+        # Drafter.refresh decided (eager decoding gives a row range instead and never takes it).
+        self.merge = False
+
+    @property
+    def on(self) -> bool:
+        return self.gate is not None or self.rows is not None
+
+    def clear(self) -> None:
+        self.gate, self.rows = None, None
+
+
+class GatedLoRALinear(nn.Module):
+    """``base(x) + gate · scale · (x A^T) B^T`` over a frozen linear layer; with no gate set, exactly ``base(x)``."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, holder: RowGate):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.base = base
+        self.rank, self.scale = int(rank), float(alpha) / int(rank)
+        self.holder = holder
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    @property
+    def weight(self) -> torch.Tensor:  # code that inspects a projection's weight (families, RoPE checks) sees the base
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A^T`` and ``scale · B^T`` (contiguous, in ``dtype``) for decoding, cached until a factor changes (an
+        in-place update bumps its version: an optimizer step, a load)."""
+        key = (self.lora_A._version, self.lora_B._version, dtype, self.lora_A.data_ptr(), self.lora_B.data_ptr())
+        cached = getattr(self, "_cached_factors", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                a_t = self.lora_A.to(dtype).t().contiguous()
+                b_t = (self.lora_B.to(dtype) * self.scale).t().contiguous()
+            cached = self._cached_factors = (key, a_t, b_t)
+        return cached[1], cached[2]
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+
+    def _row_kernel(self, x: torch.Tensor) -> bool:
+        """Decoding rows that row_linear's CPU kernel takes: fp32 on the CPU, no autograd graph."""
+        a = self.lora_A
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and a.dtype == torch.float32
+            and a.device.type == "cpu"
+            and not torch.is_grad_enabled()
+        )
+
+    def packed_b(self) -> torch.Tensor | None:
+        """``scale · B`` in row_linear's packed fp32 layout ([N / 16, r, 16]: the CPU kernel's panel path; the plain
+        [N, r] layout sums lanes over r = 16 and took ~2x as long), or None where the layout does not apply (N not a
+        multiple of 16, or B not on the CPU, which has the only packed kernel: the plain factor is used). Rebuilt
+        when B changes (an optimizer step, a load bumps its version); a compiled step reads the copy refreshed before
+        it runs (:meth:`Drafter.refresh`)."""
+        if torch.compiler.is_compiling():
+            return getattr(self, "_packed_b", None)
+        b = self.lora_B
+        key = (b._version, b.data_ptr(), b.dtype, self.scale)
+        if getattr(self, "_packed_b_key", None) != key:
+            packed = None
+            if b.shape[0] % PANEL == 0 and b.device.type == "cpu":
+                with torch.no_grad():
+                    packed = pack_row_linear_weight((b.detach().float() * self.scale).contiguous())
+            self._packed_b, self._packed_b_key = packed, key
+        return self._packed_b
+
+    def fused_weight(self) -> torch.Tensor | None:
+        """``[W; A]`` in row_linear's packed layout ([(N' + r') / 16, K, 16]: the base's panels, then A's rows padded
+        with zero rows to whole panels) where the base is a :class:`~sbd_ext.quantization.PackedLinear` on the CPU
+        (``sbd_ext.quantize(model, "packed")``), else None. One row_linear call then gives every row's base output
+        and its ``x A^T`` (outputs ``N' .. N' + r``): the A product rides in the stream of W's panels instead of a
+        call of its own (210 calls of ~2.6 MB of A for SmolLM2; measured 2026-11-27: 27.2 -> 31.4 ms for the base
+        plus A products at 4 rows, against 34.5 ms with separate calls, best of 30, Zen 3). Each output sums in the
+        same order as the base's own call, so the base's columns are its outputs bit for bit.
+
+        The base's ``weight_packed`` is re-pointed to the first N' / 16 panels of this tensor (a view: the same
+        values, no second copy of W; an NTP forward reads only W). Rebuilt when the base's packed weight is replaced
+        (a ``quantize``, a ``.to()``) and A's rows re-copied in place when A changes (an optimizer step, a load); a
+        compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
+        if torch.compiler.is_compiling():
+            return getattr(self, "_fused", None)
+        base, a = self.base, self.lora_A
+        wp = base._buffers.get("weight_packed") if isinstance(base, PackedLinear) else None
+        if wp is None or wp.device.type != "cpu" or a.device.type != "cpu" or wp.dtype != torch.float32:
+            self.drop_fused()
+            return None
+        fused = getattr(self, "_fused", None)
+        if fused is None or wp is not getattr(self, "_fused_view", None):
+            with torch.no_grad():
+                fused = torch.cat([wp.detach(), pack_row_linear_weight(a.detach().float(), pad=True)])
+                view = fused[: wp.shape[0]]
+                base._buffers["weight_packed"] = view  # the same values: W is stored once, in the fused tensor
+            self._fused, self._fused_view, self._fused_key = fused, view, (a._version, a.data_ptr())
+        elif self._fused_key != (a._version, a.data_ptr()):
+            with torch.no_grad():
+                fused[wp.shape[0] :].copy_(pack_row_linear_weight(a.detach().float(), pad=True))
+            self._fused_key = (a._version, a.data_ptr())
+        return fused
+
+    def drop_fused(self) -> None:
+        """Forget :meth:`fused_weight` (the base keeps its packed weight: a view of it, holding W's values)."""
+        self._fused = self._fused_view = self._fused_key = None
+
+    def _fused_out(self, x: torch.Tensor, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base's output [..., N] (a view of the call's output, bias added), ``x A^T`` [..., r] (a view)) of
+        decoding rows ``x`` [..., K] with one row_linear call on :meth:`fused_weight`."""
+        n, n_pad = self.out_features, self.base.weight_packed.shape[0] * PANEL
+        out = row_linear(as_rows(x, row_count(x)), fused)
+        y = out[:, :n].view(*x.shape[:-1], n)
+        if self.base.bias is not None:
+            y = y + self.base.bias
+        return y, out[:, n_pad : n_pad + self.rank].view(*x.shape[:-1], self.rank)
+
+    def _b_rows(self, h2: torch.Tensor) -> torch.Tensor:
+        """``scale · h B^T`` of rows ``h`` [n, r] (``x A^T``) with row_linear on the packed B (:meth:`packed_b`)."""
+        b = self.packed_b()
+        return row_linear(h2, self.lora_B) * self.scale if b is None else row_linear(h2, b)
+
+    def merged_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``([W; W + scale · B A], [b; b])`` ([2N, K] and [2N] or None) where the gate has the merged path on
+        (:attr:`Drafter.merge`), else None. One GEMM then gives every row's base output and its adapted output; the
+        gate selects per row. A compiled CUDA step replays hundreds of tiny kernels per forward, so the adapter's two
+        skinny GEMMs and its gated add (~3 kernels per projection, 630 for SmolLM2) took ~45 % of a verify forward on
+        an H200 (7.1 vs 3.8 ms per forward, bench/results/gpu-h200/run3); the merged GEMM reads the weight twice,
+        ~0.1 ms for SmolLM2. The copies are non-persistent buffers (not saved; static addresses for CUDA graphs),
+        rebuilt in place when W, A or B changes (a captured graph keeps reading them); a compiled step reads the
+        copies refreshed before it runs (:meth:`Drafter.refresh`)."""
+        if not self.holder.merge:
+            return None
+        if torch.compiler.is_compiling():
+            w2 = getattr(self, "merged_w", None)
+            return None if w2 is None else (w2, getattr(self, "merged_b", None))
+        w, a, b = self.base.weight, self.lora_A, self.lora_B
+        key = (w._version, a._version, b._version, w.data_ptr(), a.data_ptr(), b.data_ptr(), w.dtype, self.scale)
+        if getattr(self, "_merged_key", None) != key:
+            with torch.no_grad():
+                adapted = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+                bias = self.base.bias
+                n = w.shape[0]
+                old, old_b = getattr(self, "merged_w", None), getattr(self, "merged_b", None)
+                want = ((2 * n, *w.shape[1:]), w.dtype, w.device)
+                same = old is not None and (old.shape, old.dtype, old.device) == want
+                if same and (old_b is None) == (bias is None):  # in place: a captured graph keeps reading these
+                    old[:n].copy_(w)
+                    old[n:].copy_(adapted)
+                    if bias is not None:
+                        old_b[:n].copy_(bias)
+                        old_b[n:].copy_(bias)
+                else:
+                    self.register_buffer("merged_w", torch.cat([w.detach(), adapted]), persistent=False)
+                    both_b = None if bias is None else torch.cat([bias.detach(), bias.detach()])
+                    self.register_buffer("merged_b", both_b, persistent=False)
+            self._merged_key = key
+        return self.merged_w, self.merged_b
+
+    def drop_merged(self) -> None:
+        """Free the merged copies (:meth:`merged_weight`)."""
+        for name in ("merged_w", "merged_b"):
+            if name in self._buffers:
+                del self._buffers[name]
+        self._merged_key = None
+
+    def _delta_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """``scale · (x A^T) B^T`` of decoding rows [n, K] (``_row_kernel``) with row_linear: A as stored ([r, K] is
+        its weight layout), ``scale · B`` packed (:meth:`packed_b`), each read once for all rows. In a compiled step
+        these are two kernel calls per adapter where inductor's own code for the two skinny GEMMs cost ~18 % of a
+        SmolLM2 verify forward (7 of 41 ms, 210 adapters; measured 2026-11-26)."""
+        return self._b_rows(row_linear(x2, self.lora_A))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, rows = self.holder.gate, self.holder.rows
+        if gate is not None and rows is None and not torch.is_grad_enabled():  # a compiled step's gate over all rows
+            merged = self.merged_weight()
+            if merged is not None:
+                both = F.linear(x, merged[0], merged[1])
+                n = self.out_features
+                return torch.where(gate > 0, both[..., n:], both[..., :n])
+        if gate is not None and rows is None and self._row_kernel(x):  # a compiled step's gate over all rows
+            fused = self.fused_weight()
+            if fused is not None:
+                y, h = self._fused_out(x, fused)
+                return y + self._b_rows(as_rows(h, row_count(h))).view(y.shape) * gate.to(y.dtype)
+        if rows is not None and self._row_kernel(x):  # eager decoding, packed base: base and A in one call
+            fused = self.fused_weight()
+            if fused is not None:
+                lo, hi = rows
+                y, h = self._fused_out(x, fused)
+                y = y.contiguous()
+                ys, hs = y[:, lo:hi], h[:, lo:hi]
+                delta = self._b_rows(as_rows(hs, row_count(hs))).view(ys.shape)
+                ys += delta if gate is None else delta * gate.to(y.dtype)
+                return y
+        y = self.base(x)
+        if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
+            lo, hi = rows
+            ys = y[:, lo:hi]
+            if self._row_kernel(x):
+                xs = x[:, lo:hi]
+                delta = self._delta_rows(as_rows(xs, row_count(xs))).view(ys.shape)
+                ys += delta if gate is None else delta * gate.to(y.dtype)
+                return y
+            xs = x[:, lo:hi].reshape(-1, x.shape[-1])
+            a_t, b_t = self._factors(x.dtype)
+            if gate is None and ys.is_contiguous():  # one sequence: two GEMMs, the second accumulating into y
+                ys.view(-1, ys.shape[-1]).addmm_(torch.mm(xs, a_t), b_t)
+            else:
+                delta = torch.mm(torch.mm(xs, a_t), b_t).view(ys.shape)
+                ys += delta if gate is None else delta * gate.to(y.dtype)
+            return y
+        if gate is None:
+            return y
+        if self._row_kernel(x):  # a compiled decoding step: the gate over every row of the forward
+            delta = self._delta_rows(as_rows(x, row_count(x))).view(*x.shape[:-1], self.out_features)
+            return y + delta * gate.to(y.dtype)
+        return y + self._delta(x) * gate.to(y.dtype)
