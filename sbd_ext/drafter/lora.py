@@ -222,30 +222,12 @@ class GatedLoRALinear(nn.Module):
                 both = F.linear(x, merged[0], merged[1])
                 n = self.out_features
                 return torch.where(gate > 0, both[..., n:], both[..., :n])
-        if gate is not None and rows is None and self._row_kernel(x):  # a compiled step's gate over all rows
-            fused = self.fused_weight()
-            if fused is not None:
-                y, h = self._fused_out(x, fused)
-                return y + self._b_rows(as_rows(h, row_count(h))).view(y.shape) * gate.to(y.dtype)
-        if rows is not None and self._row_kernel(x):  # eager decoding, packed base: base and A in one call
-            fused = self.fused_weight()
-            if fused is not None:
-                lo, hi = rows
-                y, h = self._fused_out(x, fused)
-                y = y.contiguous()
-                ys, hs = y[:, lo:hi], h[:, lo:hi]
-                delta = self._b_rows(as_rows(hs, row_count(hs))).view(ys.shape)
-                ys += delta if gate is None else delta * gate.to(y.dtype)
-                return y
+        if (gate is not None or rows is not None) and self._row_kernel(x):  # decoding rows through row_linear
+            return self._row_kernel_forward(x, gate, rows)
         y = self.base(x)
         if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
             lo, hi = rows
             ys = y[:, lo:hi]
-            if self._row_kernel(x):
-                xs = x[:, lo:hi]
-                delta = self._delta_rows(as_rows(xs, row_count(xs))).view(ys.shape)
-                ys += delta if gate is None else delta * gate.to(y.dtype)
-                return y
             xs = x[:, lo:hi].reshape(-1, x.shape[-1])
             a_t, b_t = self._factors(x.dtype)
             if gate is None and ys.is_contiguous():  # one sequence: two GEMMs, the second accumulating into y
@@ -256,7 +238,27 @@ class GatedLoRALinear(nn.Module):
             return y
         if gate is None:
             return y
-        if self._row_kernel(x):  # a compiled decoding step: the gate over every row of the forward
-            delta = self._delta_rows(as_rows(x, row_count(x))).view(*x.shape[:-1], self.out_features)
-            return y + delta * gate.to(y.dtype)
         return y + self._delta(x) * gate.to(y.dtype)
+
+    def _row_kernel_forward(
+        self, x: torch.Tensor, gate: torch.Tensor | None, rows: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """Decoding rows (``_row_kernel``) with the adapter on the block-row slice ``rows`` (eager) or gated over
+        every row (``rows`` None: a compiled step). Over a packed base the A product comes from the base's own call
+        (:meth:`fused_weight`), else from a call of its own (:meth:`_delta_rows`)."""
+        fused = self.fused_weight()
+        if fused is not None:
+            y, h = self._fused_out(x, fused)
+            hs = h if rows is None else h[:, rows[0] : rows[1]]
+            delta = self._b_rows(as_rows(hs, row_count(hs)))
+        else:
+            y = self.base(x)
+            xs = x if rows is None else x[:, rows[0] : rows[1]]
+            delta = self._delta_rows(as_rows(xs, row_count(xs)))
+        if rows is None:  # a compiled step: out of place, the gate over every row
+            return y + delta.view(y.shape) * gate.to(y.dtype)
+        y = y.contiguous()  # a fused call's base output is a strided view
+        ys = y[:, rows[0] : rows[1]]
+        delta = delta.view(ys.shape)
+        ys += delta if gate is None else delta * gate.to(y.dtype)
+        return y
