@@ -3,7 +3,7 @@
 // backward leaves the inputs' .grad None (the autograd fallback's silent answer). sbd_ext/ops.py's wrappers refuse
 // them too, with the same message; this covers a direct torch.ops call.
 //
-// row_linear: x, weight and scale are differentiable (it is a linear layer). block_attention, entropy_sample and
+// row_linear: x, weight and scale are differentiable (it is a linear layer); gated_lora_linear: all four inputs. block_attention, entropy_sample and
 // mask_replace are not covered here (sbd_ext/ops.py refuses their differentiable inputs).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,8 +35,29 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, co
   return op.call(x, weight, scale, quantize_x);
 }
 
+at::Tensor gated_lora_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
+                                     const at::Tensor& gate) {
+  if (c10::GradMode::is_enabled()) {
+    std::string grads;
+    const char* names[] = {"x", "weight", "lora_b", "gate"};
+    const at::Tensor* ts[] = {&x, &weight, &lora_b, &gate};
+    for (int i = 0; i < 4; ++i)
+      if (ts[i]->defined() && ts[i]->requires_grad()) grads += (grads.empty() ? "" : ", ") + std::string(names[i]);
+    TORCH_CHECK(grads.empty(), "gated_lora_linear has no backward, but ", grads,
+                " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs");
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("sbd_ext::gated_lora_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, weight, lora_b, gate);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sbd_ext, Autograd, m) { m.impl("row_linear", &row_linear_autograd); }
+TORCH_LIBRARY_IMPL(sbd_ext, Autograd, m) {
+  m.impl("row_linear", &row_linear_autograd);
+  m.impl("gated_lora_linear", &gated_lora_linear_autograd);
+}
 
 }  // namespace sbd_ext

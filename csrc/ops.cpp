@@ -37,6 +37,12 @@ TORCH_LIBRARY(sbd_ext, m) {
   // backward. The CPU kernel is for the few rows of a decoding forward (sbd_ext.linear / sbd_ext.quantize put it in
   // a model).
   m.def("row_linear(Tensor x, Tensor weight, Tensor? scale=None, bool quantize_x=False) -> Tensor");
+  // A gated LoRA adapter over a packed fp32 projection in one call (the CPU kernel of a compiled drafter step):
+  // x [M, K] fp32; weight [P, K, 16] packed: the base's N rows (N = 16 * lora_b.size(0)), then the adapter's A
+  // rows [r, K] (zero rows to whole panels); lora_b [N / 16, r, 16] packed (scale * B); gate [M] fp32 ->
+  // x W^T + gate[:, None] * ((x A^T) (scale B)^T) [M, N] fp32 (rows with gate 0: x W^T exactly). CPU only; no
+  // backward.
+  m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate) -> Tensor");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

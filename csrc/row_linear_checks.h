@@ -77,4 +77,41 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
   checked_mul(op, "the output size M * N", {x.size(0), row_linear_out_features(weight)});
 }
 
+// gated_lora_linear (the CPU binding; no other device has it): x [M, K] fp32; weight fp32 packed [P, K, 16]
+// holding the base's N = 16 * lora_b.size(0) rows, then the adapter's r = lora_b.size(1) A rows (P * 16 >= N + r);
+// lora_b fp32 packed [N / 16, r, 16]; gate fp32 [M]; every tensor on x's device, weight, lora_b and gate contiguous,
+// x contiguous along K.
+inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
+                                    const at::Tensor& gate) {
+  constexpr const char* op = "gated_lora_linear";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dtype(op, "weight", weight, {at::kFloat});
+  check_dtype(op, "lora_b", lora_b, {at::kFloat});
+  check_dtype(op, "gate", gate, {at::kFloat});
+  check_dim(op, "x", x, 2, "[M, K]");
+  check_dim(op, "weight", weight, 3, "(packed [W; A]: [P, K, 16])");
+  check_dim(op, "lora_b", lora_b, 3, "(packed scale * B: [N / 16, r, 16])");
+  check_dim(op, "gate", gate, 1, "[M]");
+  check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
+  check_size(op, "weight", weight, 2, 16, "16 (a packed weight is [P, K, 16])");
+  check_size(op, "lora_b", lora_b, 2, 16, "16 (a packed lora_b is [N / 16, r, 16])");
+  check_size(op, "gate", gate, 0, x.size(0), "x.size(0) (M)");
+  TORCH_CHECK_VALUE(lora_b.size(0) >= 1 && lora_b.size(1) >= 1, op,
+                    ": lora_b must hold at least one panel and rank r >= 1, got shape ", lora_b.sizes());
+  const int64_t n = checked_mul(op, "the output features 16 * lora_b.size(0)", {lora_b.size(0), 16});
+  const int64_t a_panels = (lora_b.size(1) + 15) / 16;
+  TORCH_CHECK_VALUE(weight.size(0) - lora_b.size(0) >= a_panels, op, ": weight must hold the base's ",
+                    lora_b.size(0), " panels (N = ", n, ") and ", a_panels, " panel(s) of A's ", lora_b.size(1),
+                    " rows, got shape ", weight.sizes());
+  for (const auto* t : {&weight, &lora_b, &gate})
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": weight, lora_b and gate must be contiguous, got strides ",
+                      t->strides());
+  check_same_device(op, "weight", weight, x, "x");
+  check_same_device(op, "lora_b", lora_b, x, "x");
+  check_same_device(op, "gate", gate, x, "x");
+  check_inner_contiguous(op, "x", x);
+  checked_mul(op, "the output size M * N", {x.size(0), n});
+  checked_mul(op, "the packed weight's rows P * 16", {weight.size(0), 16});
+}
+
 }  // namespace sbd_ext

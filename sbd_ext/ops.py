@@ -19,6 +19,7 @@ __all__ = [
     "block_attention",
     "check_cuda_errors",
     "entropy_sample",
+    "gated_lora_linear",
     "mask_replace",
     "row_linear",
     "row_linear_out_features",
@@ -254,6 +255,34 @@ def row_linear(
     return torch.ops.sbd_ext.row_linear(x, weight, scale, quantize_x)
 
 
+def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A projection with a gated LoRA adapter in one call: ``x W^T + gate[:, None] * ((x A^T) B'^T)``, the CPU kernel
+    of a compiled drafter step over a packed base (:meth:`sbd_ext.drafter.GatedLoRALinear.fused_weight`).
+
+    Args:
+        x: [M, K] fp32, contiguous along K (rows may be strided).
+        weight: fp32 packed in panels of 16 rows ([P, K, 16], contiguous; :func:`sbd_ext.packing.pack_row_linear_weight`):
+            the base's N rows W (N = 16 * lora_b.size(0)), then the adapter's r rows A (r = lora_b.size(1)), zero rows
+            to whole panels (``pad=True``): P >= N / 16 + ceil(r / 16).
+        lora_b: B' = scale * B [N, r], packed: [N / 16, r, 16] contiguous.
+        gate: [M] fp32, one factor per row (the drafter's 0/1 block-row gate).
+
+    Returns:
+        [M, N] fp32. A row with gate 0 is ``row_linear(x, W)`` bit for bit (the base's own call over the same panels;
+        its adapter is not computed); the other rows add ``gate * (x A^T) B'^T`` (the B product of those rows only).
+        Sums run in a fixed order, independent of the thread count. CPU only (a CUDA drafter step merges the adapter
+        into the weight instead); no backward. :func:`sbd_ext.reference.gated_lora_linear` is the definition.
+    """
+    named = dict(x=x, weight=weight, lora_b=lora_b, gate=gate)
+    _check_tensors("gated_lora_linear", named, tuple(named))
+    if x.device.type not in ("cpu", "meta"):
+        raise NotImplementedError(
+            f"gated_lora_linear: the op has a CPU kernel only, got tensors on {x.device} (a compiled CUDA drafter step "
+            "merges the adapter into the weight: GatedLoRALinear.merged_weight)"
+        )
+    return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate)
+
+
 def row_linear_out_features(weight: torch.Tensor) -> int:
     """N, the output size of row_linear with this weight: [N, K], or packed [N / 16, K, 16]."""
     packed = weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == PANEL
@@ -278,6 +307,47 @@ def _entropy_sample_fake(logits, temperature, seed, offset):
 def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, threshold):
     B = tokens.shape[0]
     return tokens.new_empty((B,)), tokens.new_empty((B,))
+
+
+@torch.library.register_fake("sbd_ext::gated_lora_linear")
+def _gated_lora_linear_fake(x, weight, lora_b, gate):
+    # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
+    op = "gated_lora_linear"
+    for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must have dtype Float, got {t.dtype}")
+        if t.device != x.device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device")
+    dims = {"x": (x, 2, "[M, K]"), "weight": (weight, 3, "(packed [W; A]: [P, K, 16])")}
+    dims.update(lora_b=(lora_b, 3, "(packed scale * B: [N / 16, r, 16])"), gate=(gate, 1, "[M]"))
+    for name, (t, nd, shape) in dims.items():
+        if t.dim() != nd:
+            raise ValueError(f"{op}: {name} must be {nd}-D {shape}, got shape {tuple(t.shape)}")
+    sizes = [
+        (weight, "weight", 1, x.shape[1], "x.size(1) (K)"),
+        (weight, "weight", 2, PANEL, "16 (a packed weight is [P, K, 16])"),
+        (lora_b, "lora_b", 2, PANEL, "16 (a packed lora_b is [N / 16, r, 16])"),
+        (gate, "gate", 0, x.shape[0], "x.size(0) (M)"),
+    ]
+    for t, name, d, want, what in sizes:
+        torch._check_value(
+            t.shape[d] == want,
+            lambda: f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}",
+        )
+    torch._check_value(
+        lora_b.shape[0] >= 1 and lora_b.shape[1] >= 1,
+        lambda: f"{op}: lora_b must hold at least one panel and rank r >= 1, got shape {tuple(lora_b.shape)}",
+    )
+    torch._check_value(
+        weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
+        lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
+    )
+    for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: weight, lora_b and gate must be contiguous, got strides {t.stride()}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{op}: x must be contiguous in its last dimension (stride 1), got strides {x.stride()}")
+    return x.new_empty((x.shape[0], lora_b.shape[0] * PANEL))
 
 
 @torch.library.register_fake("sbd_ext::row_linear")

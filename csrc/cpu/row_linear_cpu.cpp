@@ -98,6 +98,93 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sbd_ext, CPU, m) { m.impl("row_linear", &row_linear_cpu); }
+namespace {
+
+// Rows [0, M) of x (row stride x_stride, K values each) transposed into `t` as [K, M] (the packed kernel's x^T).
+void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std::vector<float>& t) {
+  const size_t need = static_cast<size_t>(K) * static_cast<size_t>(M);
+  if (t.size() < need) t.resize(need);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
+}
+
+sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+                                       int64_t out_stride) {
+  sbd_cpu::RowLinearParams p{xt, K, w, 0, nullptr, nullptr, out, out_stride, M, N, K};
+  p.packed = true;
+  p.xt = xt;
+  return p;
+}
+
+}  // namespace
+
+// gated_lora_linear: per slice of kRowLinearRows rows, one walk over the packed [W; A] panels (the base's chunks
+// write out, A's write h = x A^T into a scratch buffer; each output sums in the order of row_linear over the same
+// panels, so a row with gate 0 is row_linear(x, W) bit for bit), then the B product (scale B packed) of the rows
+// with gate != 0 only, added times their gate. One allocation (the output) per call: in a compiled drafter step
+// this one call replaces row_linear on [W; A], a copy of h, row_linear on B and the gated add (210 of each per
+// SmolLM2 verify forward).
+at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
+                                 const at::Tensor& gate) {
+  check_gated_lora_linear(x, weight, lora_b, gate);
+  constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
+  const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
+  const int64_t r_pad = (r + P - 1) / P * P;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  if (K == 0) return out.zero_();
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* wa = w + (N / P) * K * P;  // A's panels follow the base's
+  const float* b = lora_b.data_ptr<float>();
+  const float* g = gate.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  static thread_local std::vector<float> xt, h, ht, delta;  // this thread's scratch (the chunks get raw pointers)
+  std::vector<int64_t> rows;
+  const int64_t base_chunks = (N + C - 1) / C, a_chunks = (r_pad + C - 1) / C, b_chunks = base_chunks;
+  for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {
+    const int64_t Ms = std::min(sbd_cpu::kRowLinearRows, M - m0);
+    transpose_rows(xp + m0 * x.stride(0), x.stride(0), Ms, K, xt);
+    if (h.size() < static_cast<size_t>(Ms * r_pad)) h.resize(Ms * r_pad);
+    const auto pw = packed_params(xt.data(), Ms, K, w, N, o + m0 * N, N);
+    const auto pa = packed_params(xt.data(), Ms, K, wa, r_pad, h.data(), r_pad);
+    at::parallel_for(0, base_chunks + a_chunks, 1, [&](int64_t c0, int64_t c1) {
+      if (c0 < base_chunks) SBD_CPU_DISPATCH(row_linear_range, pw, c0 * C, std::min(N, std::min(c1, base_chunks) * C));
+      if (c1 > base_chunks) {
+        const int64_t a0 = std::max(c0, base_chunks) - base_chunks, a1 = c1 - base_chunks;
+        SBD_CPU_DISPATCH(row_linear_range, pa, a0 * C, std::min(r_pad, a1 * C));
+      }
+    });
+    rows.clear();
+    for (int64_t i = 0; i < Ms; ++i)
+      if (g[m0 + i] != 0.f) rows.push_back(i);
+    const int64_t G = static_cast<int64_t>(rows.size());
+    if (G == 0) continue;
+    if (ht.size() < static_cast<size_t>(r * G)) ht.resize(r * G);
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t k = 0; k < r; ++k) ht[k * G + j] = h[rows[j] * r_pad + k];
+    if (delta.size() < static_cast<size_t>(G * N)) delta.resize(G * N);
+    // raw pointers: inside the chunks (other threads) the names xt, h, ht, delta are those threads' own buffers
+    const float* d = delta.data();
+    const int64_t* rw = rows.data();
+    const auto pb = packed_params(ht.data(), G, r, b, N, delta.data(), N);
+    at::parallel_for(0, b_chunks, 1, [&](int64_t c0, int64_t c1) {
+      const int64_t n0 = c0 * C, n1 = std::min(N, c1 * C);
+      SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);
+      for (int64_t j = 0; j < G; ++j) {
+        const float gj = g[m0 + rw[j]];
+        float* orow = o + (m0 + rw[j]) * N;
+        const float* drow = d + j * N;
+        for (int64_t n = n0; n < n1; ++n) orow[n] += gj * drow[n];
+      }
+    });
+  }
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(sbd_ext, CPU, m) {
+  m.impl("row_linear", &row_linear_cpu);
+  m.impl("gated_lora_linear", &gated_lora_linear_cpu);
+}
 
 }  // namespace sbd_ext

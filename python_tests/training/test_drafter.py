@@ -625,8 +625,9 @@ def test_fused_adapter_over_a_packed_base_equals_the_products_and_keeps_the_base
 
 @pytest.mark.slow
 def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_base():
-    """A compiled step over a packed base runs each adapter's A product in the base's row_linear call (fused):
-    verify equals the base's NTP decoding token for token, plain SBD equals eager plain SBD of the same model."""
+    """A compiled step over a packed base runs each adapter in one gated_lora_linear call (the A product in the
+    base's stream of [W; A], the B product and the gate inside): verify equals the base's NTP decoding token for
+    token, plain SBD equals eager plain SBD of the same model."""
     base, model = _with_drafter(seed=23)
     sbd_ext.quantize(model, "packed")
     ids, att = random_prompts([5, 8], seed=24)
@@ -636,12 +637,14 @@ def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_
     import sbd_ext.decoding.compiled as compiled
 
     torch._dynamo.reset()  # compiled, not decoded eagerly past the variant budget earlier tests used
+    import sbd_ext.drafter.lora as lora
+
     used = []
-    real = drafter.GatedLoRALinear._fused_out
+    real = lora.gated_lora_linear
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(compiled, "_VARIANTS", set())
         mp.setattr(compiled, "_EAGER", set())
-        mp.setattr(drafter.GatedLoRALinear, "_fused_out", lambda self, x, f: used.append(1) or real(self, x, f))
+        mp.setattr(lora, "gated_lora_linear", lambda *a: used.append(1) or real(*a))
         ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
         comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
     assert used and torch.equal(ver.sequences, ref.sequences)

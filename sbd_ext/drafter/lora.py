@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..linear import as_rows, row_count
-from ..ops import row_linear
+from ..ops import gated_lora_linear, row_linear
 from ..packing import PANEL, pack_row_linear_weight
 from ..quantization import PackedLinear
 
@@ -244,9 +244,17 @@ class GatedLoRALinear(nn.Module):
         self, x: torch.Tensor, gate: torch.Tensor | None, rows: tuple[int, int] | None
     ) -> torch.Tensor:
         """Decoding rows (``_row_kernel``) with the adapter on the block-row slice ``rows`` (eager) or gated over
-        every row (``rows`` None: a compiled step). Over a packed base the A product comes from the base's own call
-        (:meth:`fused_weight`), else from a call of its own (:meth:`_delta_rows`)."""
+        every row (``rows`` None: a compiled step). A compiled step over a packed base runs the whole adapter in one
+        :func:`~sbd_ext.ops.gated_lora_linear` call ([W; A] of :meth:`fused_weight`, the packed B, the gate: one
+        call per projection where there were four ops, a verify forward ~4 ms faster on SmolLM2, Zen 3). Elsewhere
+        the A product comes from the base's own call (:meth:`fused_weight`) or from a call of its own
+        (:meth:`_delta_rows`)."""
         fused = self.fused_weight()
+        b = None if fused is None or rows is not None else self.packed_b()
+        if b is not None:  # a compiled step over a packed base: the whole adapter in one call
+            x2 = as_rows(x, row_count(x))
+            y = gated_lora_linear(x2, fused, b, gate.to(x.dtype).reshape(-1)).view(*x.shape[:-1], self.out_features)
+            return y if self.base.bias is None else y + self.base.bias
         if fused is not None:
             y, h = self._fused_out(x, fused)
             hs = h if rows is None else h[:, rows[0] : rows[1]]
