@@ -261,9 +261,10 @@ def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tenso
 
     Args:
         x: [M, K] fp32, contiguous along K (rows may be strided).
-        weight: fp32 packed in panels of 16 rows ([P, K, 16], contiguous; :func:`sbd_ext.packing.pack_row_linear_weight`):
-            the base's N rows W (N = 16 * lora_b.size(0)), then the adapter's r rows A (r = lora_b.size(1)), zero rows
-            to whole panels (``pad=True``): P >= N / 16 + ceil(r / 16).
+        weight: fp32 packed in panels of 16 rows ([P, K, 16], contiguous;
+            :func:`sbd_ext.packing.pack_row_linear_weight`): the base's N rows W (N = 16 * lora_b.size(0)), then the
+            adapter's r rows A (r = lora_b.size(1)), zero rows to whole panels (``pad=True``):
+            P >= N / 16 + ceil(r / 16).
         lora_b: B' = scale * B [N, r], packed: [N / 16, r, 16] contiguous.
         gate: [M] fp32, one factor per row (the drafter's 0/1 block-row gate).
 
@@ -317,7 +318,9 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: {name} must have dtype Float, got {t.dtype}")
         if t.device != x.device:
-            raise RuntimeError(f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device")
+            raise RuntimeError(
+                f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
+            )
     dims = {"x": (x, 2, "[M, K]"), "weight": (weight, 3, "(packed [W; A]: [P, K, 16])")}
     dims.update(lora_b=(lora_b, 3, "(packed scale * B: [N / 16, r, 16])"), gate=(gate, 1, "[M]"))
     for name, (t, nd, shape) in dims.items():
@@ -330,10 +333,8 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
         (gate, "gate", 0, x.shape[0], "x.size(0) (M)"),
     ]
     for t, name, d, want, what in sizes:
-        torch._check_value(
-            t.shape[d] == want,
-            lambda: f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}",
-        )
+        msg = f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}"
+        torch._check_value(t.shape[d] == want, lambda msg=msg: msg)
     torch._check_value(
         lora_b.shape[0] >= 1 and lora_b.shape[1] >= 1,
         lambda: f"{op}: lora_b must hold at least one panel and rank r >= 1, got shape {tuple(lora_b.shape)}",
@@ -342,7 +343,7 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
         weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
         lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
     )
-    for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)):
+    for t in (weight, lora_b, gate):
         if not t.is_contiguous():
             raise ValueError(f"{op}: weight, lora_b and gate must be contiguous, got strides {t.stride()}")
     if x.shape[1] > 1 and x.stride(1) != 1:

@@ -47,7 +47,9 @@ def _check(y, x, fused, bp, gate, msg=""):
 # M: one row to a verify forward's rows and past the 32-row slices; N: one panel to SmolLM2's 1536; r: 1, a partial
 # panel, one panel, two panels; K: a vector tail and SmolLM2's widths.
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 6, 7, 16, 33])
-@pytest.mark.parametrize("N, K, r", [(16, 1, 1), (16, 9, 3), (48, 64, 16), (64, 17, 20), (192, 576, 16), (1536, 576, 16)])
+@pytest.mark.parametrize(
+    "N, K, r", [(16, 1, 1), (16, 9, 3), (48, 64, 16), (64, 17, 20), (192, 576, 16), (1536, 576, 16)]
+)
 def test_matches_reference(cpu_isa, M, N, K, r):
     x, fused, bp, gate, _ = _case(M, N, K, r, seed=M * 1000 + N + K + r)
     _check(gated_lora_linear(x, fused, bp, gate), x, fused, bp, gate, f"M={M} N={N} K={K} r={r}")

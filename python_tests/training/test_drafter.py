@@ -313,8 +313,10 @@ def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_
     def fake_answers(model, prompts, max_new, eos, pad, temperature=0.0, seed=0):
         calls.append((len(prompts), temperature, seed))
         # per request: a held-out prompt, a repeat, junk, or a new question numbered by the seed and position
-        return [[held] if i == 0 else ["Same question?"] if i == 1 else ["junk"] if i == 2 else [f"Q {seed} {i}?"]
-                for i in range(len(prompts))]
+        return [
+            [held] if i == 0 else ["Same question?"] if i == 1 else ["junk"] if i == 2 else [f"Q {seed} {i}?"]
+            for i in range(len(prompts))
+        ]
 
     monkeypatch.setattr(rd, "greedy_answers", fake_answers)
     monkeypatch.setattr(rd, "_prompt_ids", lambda tok, text: [1, 2, 3])
@@ -469,8 +471,14 @@ def test_first_slot_loss_off_leaves_each_full_blocks_first_slot_out():
     x = torch.randint(0, MASK_ID, (B, L), generator=torch.Generator().manual_seed(1))
     lm = torch.ones_like(x, dtype=torch.bool)
     run = lambda first, m=lm: drafter.distill_loss(  # noqa: E731
-        model, x, m, k, generator=torch.Generator().manual_seed(2), full_block_prob=1.0,
-        first_slot_loss=first, return_parts=True,
+        model,
+        x,
+        m,
+        k,
+        generator=torch.Generator().manual_seed(2),
+        full_block_prob=1.0,
+        first_slot_loss=first,
+        return_parts=True,
     )
     with torch.no_grad():
         all_loss, all_parts = run(True)

@@ -1,7 +1,7 @@
-"""The adapter of the gated drafter: :class:`GatedLoRALinear` over a frozen projection, and :class:`RowGate`, the per-row
-gate that every adapter of one model shares (see :mod:`sbd_ext.drafter`; :mod:`sbd_ext.drafter.gate` attaches them).
-Decoding keeps copies of the factors in the layouts its paths read: ``scale · B`` packed for row_linear, ``[W; A]``
-fused into a packed base's panels, ``[W; W + scale · B A]`` merged for CUDA graphs."""
+"""The adapter of the gated drafter: :class:`GatedLoRALinear` over a frozen projection, and :class:`RowGate`, the
+per-row gate that every adapter of one model shares (see :mod:`sbd_ext.drafter`; :mod:`sbd_ext.drafter.gate` attaches
+them). Decoding keeps copies of the factors in the layouts its paths read: ``scale · B`` packed for row_linear,
+``[W; A]`` fused into a packed base's panels, ``[W; W + scale · B A]`` merged for CUDA graphs."""
 
 from __future__ import annotations
 
