@@ -168,7 +168,7 @@ def cache_tag() -> str:
     code compiled against an earlier sbd_ext whose op took other arguments (row_linear gained ``scale``) would be
     loaded from the cache and call the op with the old argument list, a crash. With the schemas in the key, an
     upgrade compiles afresh."""
-    ops = ("block_attention", "entropy_sample", "mask_replace", "row_linear")
+    ops = ("block_attention", "entropy_sample", "gated_lora_linear", "mask_replace", "row_linear")
     schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
     return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
 
