@@ -10,23 +10,30 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace sbd_ext {
 namespace {
 
+// Refuses inputs that require grad while grad mode is on: "<op> has no backward, but x, weight require(s) grad ...".
+void refuse_grads(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
+                  const char* hint) {
+  if (!c10::GradMode::is_enabled()) return;
+  std::string grads;
+  for (const auto& [name, t] : inputs)
+    if (t->defined() && t->requires_grad()) grads += (grads.empty() ? "" : ", ") + std::string(name);
+  TORCH_CHECK(grads.empty(), op, " has no backward, but ", grads,
+              " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs", hint);
+}
+
 at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                                bool quantize_x) {
-  if (c10::GradMode::is_enabled()) {
-    std::string grads;
-    if (x.defined() && x.requires_grad()) grads = "x";
-    if (weight.defined() && weight.requires_grad()) grads += grads.empty() ? "weight" : ", weight";
-    if (scale.has_value() && scale->defined() && scale->requires_grad()) grads += grads.empty() ? "scale" : ", scale";
-    TORCH_CHECK(grads.empty(), "row_linear has no backward, but ", grads,
-                " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs "
-                "(for training use torch.nn.functional.linear)");
-  }
+  const at::Tensor none;
+  refuse_grads("row_linear", {{"x", &x}, {"weight", &weight}, {"scale", scale.has_value() ? &*scale : &none}},
+               " (for training use torch.nn.functional.linear)");
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::row_linear", "")
@@ -37,15 +44,7 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, co
 
 at::Tensor gated_lora_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
                                      const at::Tensor& gate) {
-  if (c10::GradMode::is_enabled()) {
-    std::string grads;
-    const char* names[] = {"x", "weight", "lora_b", "gate"};
-    const at::Tensor* ts[] = {&x, &weight, &lora_b, &gate};
-    for (int i = 0; i < 4; ++i)
-      if (ts[i]->defined() && ts[i]->requires_grad()) grads += (grads.empty() ? "" : ", ") + std::string(names[i]);
-    TORCH_CHECK(grads.empty(), "gated_lora_linear has no backward, but ", grads,
-                " require(s) grad: call it under torch.no_grad() / torch.inference_mode(), or detach the inputs");
-  }
+  refuse_grads("gated_lora_linear", {{"x", &x}, {"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate}}, "");
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::gated_lora_linear", "")

@@ -11,6 +11,7 @@ the base's computation only), fp32. The reference (float64) runs the first layer
 
 import pytest
 import torch
+from bench_row_linear import HIDDEN, INTER, LAYER_SHAPES, LAYERS
 
 import sbd_ext
 from sbd_ext import reference as R
@@ -18,16 +19,7 @@ from sbd_ext.ops import gated_lora_linear
 from sbd_ext.packing import pack_row_linear_weight
 
 ISA = sbd_ext.build_info()["cpu_isa"]
-HIDDEN, INTER, KV, LAYERS, RANK = 576, 1536, 192, 30, 16
-_LAYER = [
-    (HIDDEN, HIDDEN),
-    (KV, HIDDEN),
-    (KV, HIDDEN),
-    (HIDDEN, HIDDEN),
-    (INTER, HIDDEN),
-    (INTER, HIDDEN),
-    (HIDDEN, INTER),
-]
+RANK = 16
 ROWS = [3, 4, 6]
 _STACK: dict = {}
 
@@ -38,7 +30,7 @@ def _stack():
         g = torch.Generator().manual_seed(0)
         plain, packed = [], []
         for _ in range(LAYERS):
-            for n, k in _LAYER:
+            for n, k in LAYER_SHAPES:
                 w, a = torch.randn(n, k, generator=g) * 0.05, torch.randn(RANK, k, generator=g) * 0.05
                 b = torch.randn(n, RANK, generator=g) * 0.05
                 plain.append((w, a, b))

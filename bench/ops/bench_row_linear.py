@@ -23,7 +23,7 @@ from sbd_ext.packing import pack_row_linear_weight
 ISA = sbd_ext.build_info()["cpu_isa"]
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49153
 ROWS = [1, 2, 3, 4, 8, 16, 24]
-_LAYER = [
+LAYER_SHAPES = [  # [out, in] of one SmolLM2-135M layer: q, k, v, o, gate, up, down (also bench_gated_lora_linear.py)
     (HIDDEN, HIDDEN),
     (KV, HIDDEN),
     (KV, HIDDEN),
@@ -39,7 +39,7 @@ def _stack():
     """The weights of one forward ([out, in], nn.Linear's layout), built once."""
     if not _STACK:
         g = torch.Generator().manual_seed(0)
-        ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in _LAYER]
+        ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in LAYER_SHAPES]
         _STACK["w"] = ws + [torch.randn(VOCAB, HIDDEN, generator=g) * 0.05]
     return _STACK["w"]
 

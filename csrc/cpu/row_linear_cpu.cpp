@@ -19,6 +19,26 @@
 
 namespace sbd_ext {
 
+namespace {
+
+// Rows [0, M) of x (row stride x_stride, K values each) transposed into `t` as [K, M] (the packed kernel's x^T).
+void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std::vector<float>& t) {
+  const size_t need = static_cast<size_t>(K) * static_cast<size_t>(M);
+  if (t.size() < need) t.resize(need);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
+}
+
+sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+                                       int64_t out_stride) {
+  sbd_cpu::RowLinearParams p{xt, K, w, 0, nullptr, nullptr, out, out_stride, M, N, K};
+  p.packed = true;
+  p.xt = xt;
+  return p;
+}
+
+}  // namespace
+
 at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                           bool quantize_x) {
   check_row_linear(x, weight, scale, quantize_x);
@@ -67,14 +87,8 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
       // into this thread's scratch buffer (K * 32 floats at most; the chunks below only read it): an at::empty per
       // call was one of the ~960 allocations of a compiled SmolLM2 verify forward (420 row_linear calls)
       static thread_local std::vector<float> scratch;
-      const size_t need = static_cast<size_t>(K) * static_cast<size_t>(s.M);
-      if (scratch.size() < need) scratch.resize(need);
-      float* t = scratch.data();
-      for (int64_t i = 0; i < s.M; ++i) {
-        const float* row = s.x + i * p.x_stride;
-        for (int64_t k = 0; k < K; ++k) t[k * s.M + i] = row[k];
-      }
-      s.xt = t;
+      transpose_rows(s.x, p.x_stride, s.M, K, scratch);
+      s.xt = scratch.data();
     }
     if (q8_packed) {
       const auto i32 = x.options().dtype(at::kInt);
@@ -98,25 +112,6 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
-namespace {
-
-// Rows [0, M) of x (row stride x_stride, K values each) transposed into `t` as [K, M] (the packed kernel's x^T).
-void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std::vector<float>& t) {
-  const size_t need = static_cast<size_t>(K) * static_cast<size_t>(M);
-  if (t.size() < need) t.resize(need);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
-}
-
-sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, int64_t N, float* out,
-                                       int64_t out_stride) {
-  sbd_cpu::RowLinearParams p{xt, K, w, 0, nullptr, nullptr, out, out_stride, M, N, K};
-  p.packed = true;
-  p.xt = xt;
-  return p;
-}
-
-}  // namespace
 
 // gated_lora_linear: per slice of kRowLinearRows rows, one walk over the packed [W; A] panels (the base's chunks
 // write out, A's write h = x A^T into a scratch buffer; each output sums in the order of row_linear over the same
@@ -140,7 +135,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const float* g = gate.data_ptr<float>();
   float* o = out.data_ptr<float>();
   static thread_local std::vector<float> xt, h, ht, delta;  // this thread's scratch (the chunks get raw pointers)
-  std::vector<int64_t> rows;
+  static thread_local std::vector<int64_t> rows;
   const int64_t base_chunks = (N + C - 1) / C, a_chunks = (r_pad + C - 1) / C, b_chunks = base_chunks;
   for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {
     const int64_t Ms = std::min(sbd_cpu::kRowLinearRows, M - m0);
@@ -164,7 +159,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     for (int64_t j = 0; j < G; ++j)
       for (int64_t k = 0; k < r; ++k) ht[k * G + j] = h[rows[j] * r_pad + k];
     if (delta.size() < static_cast<size_t>(G * N)) delta.resize(G * N);
-    // raw pointers: inside the chunks (other threads) the names xt, h, ht, delta are those threads' own buffers
+    // raw pointers: inside the chunks (other threads) the names xt, h, ht, delta, rows are those threads' own
     const float* d = delta.data();
     const int64_t* rw = rows.data();
     const auto pb = packed_params(ht.data(), G, r, b, N, delta.data(), N);

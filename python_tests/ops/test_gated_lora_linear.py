@@ -7,7 +7,7 @@ from sbd_models import one_thread
 
 from sbd_ext import reference as R
 from sbd_ext.ops import gated_lora_linear, row_linear
-from sbd_ext.packing import pack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_weight, unpack_row_linear_weight
 
 EPS32 = 2.0**-24
 
@@ -31,8 +31,6 @@ def _case(M, N, K, r, seed, gate="mixed"):
 def _check(y, x, fused, bp, gate, msg=""):
     """|y - reference| within the fp32 summation bound of both products (K * eps * |x| |W|^T, and the adapter's
     (K + r) * eps * |gate| |x| |A|^T |B|^T), float64 reference."""
-    from sbd_ext.packing import unpack_row_linear_weight
-
     w, b = unpack_row_linear_weight(fused).double(), unpack_row_linear_weight(bp).double()
     n, r = b.shape
     ax = x.double().abs()
