@@ -83,15 +83,20 @@ def random_prompts(lengths: list[int], seed: int = 1, padding_side: str = "left"
 
 
 @contextlib.contextmanager
-def one_thread():
-    """torch on one intra-op thread inside the block, the previous setting restored after it (for fixtures of any
-    scope)."""
+def num_threads(threads: int):
+    """torch on ``threads`` intra-op threads inside the block, the previous setting restored after it."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def one_thread():
+    """torch on one intra-op thread inside the block, the previous setting restored after it (for fixtures of any
+    scope)."""
+    return num_threads(1)
 
 
 @pytest.fixture
@@ -100,12 +105,8 @@ def record_threads():
     record checks decode 50 sequences per forward, where a second thread pays (the 100-problem record of
     smollm2-sbd: 241 s on one thread, 113 s on two, AMD EPYC Zen 3). The tiny models' tests keep one thread
     (:func:`single_thread`)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
+    with num_threads(len(os.sched_getaffinity(0))):
         yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.fixture

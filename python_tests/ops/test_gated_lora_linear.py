@@ -3,7 +3,7 @@ against sbd_ext.reference.gated_lora_linear (float64), row_linear's bits on rows
 
 import pytest
 import torch
-from sbd_models import one_thread
+from sbd_models import num_threads, one_thread
 
 from sbd_ext import reference as R
 from sbd_ext.ops import gated_lora_linear, row_linear
@@ -73,12 +73,8 @@ def test_strided_rows_and_thread_count():
     wide[:, 50:626] = xb[::2]
     x = wide[:, 50:626]
     gate = gate[::2].contiguous()
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with num_threads(2):
         two = gated_lora_linear(x, fused, bp, gate)
-    finally:
-        torch.set_num_threads(n)
     with one_thread():
         one = gated_lora_linear(x, fused, bp, gate)
     assert torch.equal(one, two)
