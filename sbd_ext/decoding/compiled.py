@@ -117,6 +117,13 @@ def _static_forward(
     T, V].
     """
     B = tokens.shape[1]
+    # Every layer's K/V buffers have the cache's row count S, marked dynamic (SBDCache.static_forwards): said here,
+    # the graph has one symbol for S instead of one per buffer (60 host ints, each made a tensor and read back on
+    # every call of a SmolLM2 step, ~0.6 ms of a ~50 ms CPU forward).
+    S = cache.layers[0].keys.shape[2]
+    for layer in cache.layers:
+        torch._check(layer.keys.shape[2] == S)
+        torch._check(layer.values.shape[2] == S)
     plan = cache.device_plan(meta[0], meta[1], meta[2], (branch_rows, meta[3], meta[4]) if branch_rows else None)
     if not sbd:
         plan.block_rows = (0, 0)
@@ -139,7 +146,10 @@ def _static_forward(
 # 252.8 s, and the same forward afterwards (56.0 / 60.7 / 65.0 ms vs 61.7 / 55.1 / 63.4 ms per verify forward, the
 # runs interleaved on one busy 1-thread Zen 3: within this machine's noise). The Python wrapper compiles in 183 s but
 # runs ~10 % slower (64-69 ms).
-CPU_COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+# size_asserts off: the wrapper checked the sizes and strides of every input and extern kernel output on every call
+# (788 checks in a SmolLM2 verify forward, ~1-2 ms of ~50); dynamo's guards already check the inputs, and the ops'
+# fake kernels are tested against their CPU kernels (python_tests/ops).
+CPU_COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "size_asserts": False}
 
 _COMPILED: dict[str, object] = {}
 _COMPILE_LOCK = threading.Lock()
