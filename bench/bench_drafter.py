@@ -220,6 +220,13 @@ if DEVICE.type == "cuda":  # the compiled adapters' LoRA products, against the m
 _packed: dict = {}
 
 
+def _packed_model(model):
+    """A copy of ``model`` on packed fp32 weights, made once per session (every packed row shares its graphs)."""
+    if "model" not in _packed:
+        _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
+    return _packed["model"]
+
+
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
 @pytest.mark.parametrize("impl", list(ROWS) + ["ungated_verify"])
 def test_sbd(benchmark, setup, threads, impl):
@@ -232,9 +239,7 @@ def test_sbd(benchmark, setup, threads, impl):
     if kw.pop("packed", False):
         if DEVICE.type != "cpu":
             pytest.skip("packed fp32 is the CPU's weight layout")
-        if "model" not in _packed:
-            _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
-        model = _packed["model"]
+        model = _packed_model(model)
     d = model.sbd_drafter if hasattr(model, "sbd_drafter") else None
     if kw.pop("other_merge", False):
         d.merge = not d.merges(model, DEVICE)
@@ -290,9 +295,7 @@ def test_paired(benchmark, setup, threads):
     if DEVICE.type != "cpu":
         pytest.skip("the packed rows are the CPU's layout")
     base, model, tok, eos, prompts = setup
-    if "model" not in _packed:
-        _packed["model"] = sbd_ext.quantize(copy.deepcopy(model), "packed")
-    packed = _packed["model"]
+    packed = _packed_model(model)
     packed.sbd_drafter.merge = None
     hf_kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
 
