@@ -118,3 +118,24 @@ def single_thread():
     """
     with one_thread():
         yield
+
+
+def broken_drafter(model, tmp_path, sbd: dict, edit_cfg=None, edit_tensors=None):
+    """A drafter folder of ``model`` (a new one under ``tmp_path``) with its config and/or tensors edited in place."""
+    import json
+
+    from sbd_ext import drafter as sbd_drafter
+
+    d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+    sbd_drafter.save_drafter(model, d, sbd)
+    if edit_cfg:
+        c = json.loads((d / sbd_drafter.CONFIG_FILE).read_text())
+        edit_cfg(c)
+        (d / sbd_drafter.CONFIG_FILE).write_text(json.dumps(c))
+    if edit_tensors:
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(d / sbd_drafter.WEIGHTS_FILE)
+        edit_tensors(t)
+        save_file(t, d / sbd_drafter.WEIGHTS_FILE)
+    return d

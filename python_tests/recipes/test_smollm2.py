@@ -459,3 +459,46 @@ def test_drafter_recipe_smoke(converted, tmp_path, monkeypatch):
     assert drafter.get_drafter(model) is not None and model.generation_config.sbd_block_size == 4
     check = json.loads((dest / "ship_check.json").read_text())
     assert check["verify_equal_to_ntp"] == "2/2"
+
+    # a sampler head for it (slot 1 given slot 0's token), shipped the same way; its features are computed once
+    head_run, dest2 = tmp_path / "head", tmp_path / "shipped_head"
+    head_args = [
+        "head",
+        "--out",
+        str(head_run),
+        "--artifact",
+        str(out / "artifact"),
+        "--samples",
+        str(out / recipe.SAMPLES_FILE),
+        "--epochs",
+        "2",
+        "--hidden",
+        "16",
+        "--topk",
+        "8",
+    ]
+    recipe.main(head_args)
+    cached = (head_run / "head_features_0.pt").stat().st_mtime_ns
+    recipe.main(head_args)
+    assert (head_run / "head_features_0.pt").stat().st_mtime_ns == cached
+    recipe.main(
+        [
+            "ship",
+            "--out",
+            str(head_run),
+            "--dest",
+            str(dest2),
+            "--block-size",
+            "2",
+            "--threshold",
+            "100",
+            "--check-n",
+            "2",
+        ]
+    )
+    model, _ = models.load(dest2)
+    head = drafter.get_drafter(model).sampler_head
+    assert head is not None and head.hidden == 16 and head.topk == 8
+    cfg = drafter.read_drafter_config(dest2)["sbd"]["sampler_head"]
+    assert cfg["epochs"] == 2 and cfg["positions"] > 0
+    assert json.loads((dest2 / "ship_check.json").read_text())["verify_equal_to_ntp"] == "2/2"

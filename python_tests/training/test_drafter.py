@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from sbd_models import MASK_ID, VOCAB, random_prompts, single_thread, tiny_llama  # noqa: F401
+from sbd_models import MASK_ID, VOCAB, broken_drafter, random_prompts, single_thread, tiny_llama  # noqa: F401
 
 import sbd_ext
 from sbd_ext import drafter
@@ -212,19 +212,7 @@ def test_artifact_round_trip_and_refusals(tmp_path):
     assert torch.equal(a.sequences, b.sequences)
 
     def broken(edit_cfg=None, edit_tensors=None):
-        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
-        drafter.save_drafter(model, d, sbd)
-        if edit_cfg:
-            c = json.loads((d / drafter.CONFIG_FILE).read_text())
-            edit_cfg(c)
-            (d / drafter.CONFIG_FILE).write_text(json.dumps(c))
-        if edit_tensors:
-            from safetensors.torch import load_file, save_file
-
-            t = load_file(d / drafter.WEIGHTS_FILE)
-            edit_tensors(t)
-            save_file(t, d / drafter.WEIGHTS_FILE)
-        return d
+        return broken_drafter(model, tmp_path, sbd, edit_cfg, edit_tensors)
 
     cases = [
         (broken(lambda c: c.update(r=2)), "r"),

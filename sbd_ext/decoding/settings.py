@@ -178,6 +178,8 @@ class Job:
     stop_ids: frozenset
     mask_id: int | None
     vocab: int
+    # verify with a gated drafter that has a sampler head: (head, the input embedding's weight); see sbd_ext.drafter
+    sampler_head: tuple | None = None
 
     mode = property(lambda self: self.settings.mode)
     sbd = property(lambda self: self.settings.mode == "sbd")
@@ -339,4 +341,6 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
     elif mask_id is not None and not 0 <= mask_id < vocab:  # NTP bans it too: it must be a token id
         raise ValueError(f"config.{MASK_TOKEN_ATTR} = {mask_id} is not a token id in [0, vocab_size={vocab})")
     stop_ids = frozenset(settings.eos_token_id + settings.stop_token_ids)
-    return Job(settings, prompts, stop_ids, mask_id, vocab)
+    head = getattr(getattr(model, "sbd_drafter", None), "sampler_head", None)
+    head = (head, model.get_input_embeddings().weight) if head is not None and settings.verify else None
+    return Job(settings, prompts, stop_ids, mask_id, vocab, head)

@@ -244,6 +244,16 @@ def _commit_row_choices(
     return ntp, lo
 
 
+def _rescore_slot1(job: Job, x: torch.Tensor, block: torch.Tensor) -> None:
+    """Verify with a drafter's sampler head: slot 1's logits (``x`` [B, K, V], in place) rescored given the token in
+    slot 0 (``block`` [B, K]), where slot 0 holds a token and slot 1 is still masked; no host sync."""
+    head, emb = job.sampler_head
+    ban_mask(x, job.mask_id)
+    t0, cond = block[:, 0], (block[:, 0] != job.mask_id) & (block[:, 1] == job.mask_id)
+    new = head.rescore_(x[:, 1].clone(), torch.where(cond, t0, 0), emb)
+    x[:, 1] = torch.where(cond.view(-1, 1), new, x[:, 1])
+
+
 def _sample_branch(
     out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +270,8 @@ def _sample_branch(
     first = ntp[:, 0]
     branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
     x = gather_rows(out, (T - Rb + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    if job.sampler_head is not None and Rb >= 2:
+        _rescore_slot1(job, x, branch)
     keys = None
     if job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].n_cached + 1 + j) for b in range(B) for j in range(Rb)]
@@ -284,6 +296,8 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
         x = out.logits  # [B, K, V]
     else:
         x = gather_rows(out, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
+    if job.sampler_head is not None and K >= 2:  # verify: slot 1's draft given slot 0's token (the commit row's)
+        _rescore_slot1(job, x, block)
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]

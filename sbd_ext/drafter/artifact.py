@@ -30,6 +30,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKPOINT_SUBFOLDER = "sbd_drafter"  # where an exported checkpoint keeps its drafter (sbd-ext export)
 _MASK_ROW_KEY = "sbd_mask_row"
+_HEAD_PREFIX = "sbd_sampler_head."  # the sampler head's tensors (w1, b1, w2, b2, a), where the drafter has one
 _PREFIX = "base_model.model."
 
 
@@ -56,6 +57,13 @@ def save_drafter(
         tensors[f"{_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().to(dtype).cpu().contiguous()
         tensors[f"{_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().to(dtype).cpu().contiguous()
     tensors[_MASK_ROW_KEY] = drafter.mask_row.row.detach().float().cpu().contiguous()
+    head = drafter.sampler_head
+    if head is not None:
+        for n, t in head.state_dict().items():
+            tensors[_HEAD_PREFIX + n] = t.detach().to(dtype).cpu().contiguous()
+        sbd = {**sbd, "sampler_head": {**sbd.get("sampler_head", {}), "hidden": head.hidden, "topk": head.topk}}
+    else:
+        sbd = {k: v for k, v in sbd.items() if k != "sampler_head"}
     save_file(tensors, folder / WEIGHTS_FILE)
     config = {
         "peft_type": PEFT_TYPE,
@@ -94,7 +102,9 @@ _SBD_FIELDS = {
     "sbd_block_size_range": Field("range", minimum=1),
     "base_loader": Field("loader", required=False),
     "generation": Field("dict", required=False),
+    "sampler_head": Field("dict", required=False),
 }
+_HEAD_FIELDS = {"hidden": Field("int", minimum=1), "topk": Field("int", minimum=1)}
 
 
 def read_drafter_config(folder: str | Path) -> dict:
@@ -105,7 +115,29 @@ def read_drafter_config(folder: str | Path) -> dict:
     if not cfg["target_modules"]:
         raise ArtifactError(f"{path}: field 'target_modules' must name at least one projection")
     check_config(cfg["sbd"], f"{path} (object 'sbd')", _SBD_FIELDS)
+    if "sampler_head" in cfg["sbd"]:
+        check_config(cfg["sbd"]["sampler_head"], f"{path} (object 'sbd.sampler_head')", _HEAD_FIELDS)
     return cfg
+
+
+def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path):
+    """The sampler head the artifact holds (its tensors popped from ``tensors``), checked; None if it has none."""
+    from .sampler_head import SamplerHead
+
+    got = {k[len(_HEAD_PREFIX) :]: tensors.pop(k) for k in [k for k in tensors if k.startswith(_HEAD_PREFIX)]}
+    spec = cfg["sbd"].get("sampler_head")
+    if spec is None:
+        if got:
+            raise ArtifactError(f"{path}: holds sampler head tensors but the config has no 'sbd.sampler_head'")
+        return None
+    head = SamplerHead(hidden_size, hidden=spec["hidden"], topk=spec["topk"])
+    want = {n: tuple(t.shape) for n, t in head.state_dict().items()}
+    have = {n: tuple(t.shape) for n, t in got.items()}
+    if have != want:
+        raise ArtifactError(f"{path}: the sampler head's tensors must be {want}, got {have}")
+    check_finite({_HEAD_PREFIX + n: t for n, t in got.items()}, path)
+    head.load_state_dict({n: t.float() for n, t in got.items()})
+    return head.eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -127,6 +159,7 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
         got = "missing" if row is None else f"of shape {tuple(row.shape)}"
         raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{emb.shape[1]}] (the hidden size), {got}")
     check_finite({_MASK_ROW_KEY: row}, path)
+    head = _sampler_head(tensors, cfg, emb.shape[1], path)
     unknown = sorted(k for k in tensors if not k.startswith(_PREFIX))
     if unknown:
         raise ArtifactError(f"{path}: unexpected tensor(s) {unknown[:3]}")
@@ -159,6 +192,8 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
         detach(model)  # leave the model as it was
         raise
     drafter.mask_row.row.copy_(row.to(drafter.mask_row.row.dtype))
+    if head is not None:
+        drafter.sampler_head = head.to(emb.device)
     if grow:  # the base's config is a plain one (an exported checkpoint): the SBD fields come from the drafter
         set_sbd_metadata(model, sbd["mask_token_id"], tuple(sbd["sbd_block_size_range"]))
     for p in model.parameters():

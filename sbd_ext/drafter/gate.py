@@ -52,6 +52,8 @@ class Drafter(nn.Module):
         self._merge: bool | None = None
         self.rank, self.alpha, self.targets = int(rank), float(alpha), tuple(sorted(targets))
         self.mask_token_id = int(mask_token_id)
+        # Slot 1's draft rescored given slot 0's token in verify decoding (SamplerHead; None: the drafter's ranking)
+        self.sampler_head = None
         self._hook = model.get_decoder().register_forward_pre_hook(self._gate_from_plan, with_kwargs=True)
         self._post = model.get_decoder().register_forward_hook(self._clear_plan_gate, with_kwargs=True)
 

@@ -197,8 +197,11 @@ def make_self_prompts(
                 rec["prompts"].append({"kind": kind, "text": text, "request": request})
         rec["requests_used"] = lo + len(chunk)
         path.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"self-written prompts: {len(rec['prompts'])}/{n} from {rec['requests_used']} requests, "
-              f"{time.time() - t0:.0f} s", flush=True)
+        print(
+            f"self-written prompts: {len(rec['prompts'])}/{n} from {rec['requests_used']} requests, "
+            f"{time.time() - t0:.0f} s",
+            flush=True,
+        )
     return [p["text"] for p in rec["prompts"][:n]]
 
 
@@ -376,7 +379,7 @@ _DIVERGENCE_NAMES = {"kl": "KL to the base", "tv": "total variation to the base"
 
 
 def _sources(samples: list[dict]) -> str:
-    """"1024 self-distilled answers", with where their prompts came from when any the base wrote itself."""
+    """ "1024 self-distilled answers", with where their prompts came from when any the base wrote itself."""
     n_self = sum(s.get("source", "templates") == "self" for s in samples)
     text = f"{len(samples)} self-distilled answers"
     if n_self == len(samples):
@@ -436,7 +439,12 @@ def evaluate(
         texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
         return {"accuracy": round(tasks.accuracy(texts, problems), 4)}
 
+    drafter = drafter_mod.get_drafter(model)
+    head = drafter.sampler_head
+
     def run(**kw):
+        # sampler_head=False: this row without the drafter's sampler head (the ablation)
+        drafter.sampler_head = head if kw.pop("sampler_head", True) else None
         toks, nfe, answers = 0, 0, []
         for lo in range(0, len(prompts), batch_size):
             chunk = prompts[lo : lo + batch_size]
@@ -474,6 +482,63 @@ def evaluate(
         print(json.dumps(rows[-1]), flush=True)
     print(f"drafter eval: {n} prompts, {max_new_tokens} new tokens, {time.time() - t0:.0f} s", flush=True)
     return rows
+
+
+def train_head(
+    out: Path,
+    artifact: Path,
+    samples: list[Path],
+    limit: int | None = None,
+    epochs: int = 5,
+    hidden: int = 512,
+    topk: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Train a sampler head (:mod:`sbd_ext.drafter.sampler_head`) for the drafter in ``artifact`` on its slot-1
+    candidates over the base's answers in ``samples`` (``samples.pt`` files of ``data``; the first ``limit`` of
+    each), and write the drafter with it to ``out/artifact`` (``ship --out out`` ships it). The features of each
+    file are cached in ``out`` (computed once: two forwards of every sample)."""
+    from ...demo import models
+    from ...drafter import sampler_head as sh
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter_mod.read_drafter_config(artifact)
+    model, _ = models.load(artifact)
+    drafter = drafter_mod.get_drafter(model)
+    drafter.sampler_head = None  # the features are the drafter's own ranking
+    parts = []
+    for i, path in enumerate(samples):
+        cache = out / f"head_features_{i}.pt"
+        key = {"source": str(Path(path).resolve()), "limit": limit, "artifact": str(Path(artifact).resolve())}
+        got = torch.load(cache, weights_only=True) if cache.is_file() else None
+        if got is None or got.get("key") != key:
+            rows = torch.load(path, weights_only=True)[:limit]
+            got = {"key": key, "feats": sh.collect_slot1(model, rows, topk=topk)}
+            torch.save(got, cache)
+        parts.append(got["feats"])
+    feats = {n: torch.cat([p[n] for p in parts]) for n in sh.FEATURES}
+    emb = model.get_input_embeddings().weight.detach()
+    torch.manual_seed(seed)
+    head = sh.SamplerHead(emb.shape[1], hidden=hidden, topk=topk)
+    before = sh.accuracy(None, emb, feats)
+    losses = sh.fit(head, emb, feats, epochs=epochs, seed=seed)
+    after = sh.accuracy(head, emb, feats)
+    print(f"sampler head: {len(feats['tgt'])} positions, slot-1 accuracy {before:.4f} -> {after:.4f}", flush=True)
+    drafter.sampler_head = head
+    sbd = {k: v for k, v in cfg["sbd"].items() if k not in ("gated", "mask_token_id")}
+    sbd["sampler_head"] = {
+        "samples": [str(p) for p in samples],
+        "limit": limit,
+        "positions": len(feats["tgt"]),
+        "epochs": epochs,
+        "seed": seed,
+        "train_loss": [round(x, 4) for x in losses],
+        "train_accuracy_before": round(before, 4),
+        "train_accuracy_after": round(after, 4),
+    }
+    dest = out / "artifact"
+    drafter_mod.save_drafter(model, dest, sbd, base_model_name_or_path=cfg.get("base_model_name_or_path", ""))
+    return dest
 
 
 def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_tokens: int = 64) -> Path:
@@ -566,8 +631,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="also the drafter's teacher-forced accuracy per slot of fully masked blocks of K on the base's answers",
     )
+    e.add_argument(
+        "--sampler-heads",
+        type=int,
+        nargs="*",
+        choices=[0, 1],
+        default=[1],
+        help="verify rows with (1) and without (0) the drafter's sampler head, where it has one",
+    )
     e.add_argument("--threads", type=int)
     e.add_argument("--json", help="write the rows here")
+    hd = sub.add_parser("head", help="train a sampler head for a drafter (slot 1 given slot 0's token)")
+    hd.add_argument("--out", required=True)
+    hd.add_argument(
+        "--artifact", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter")
+    )
+    hd.add_argument("--samples", nargs="+", required=True, help="samples.pt files of `data` (the base's answers)")
+    hd.add_argument("--limit", type=int, help="the first N samples of each file")
+    hd.add_argument("--epochs", type=int, default=5)
+    hd.add_argument("--hidden", type=int, default=512)
+    hd.add_argument("--topk", type=int, default=64)
+    hd.add_argument("--seed", type=int, default=0)
+    hd.add_argument("--threads", type=int)
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
     s.add_argument("--dest", help="default: the embedded folder of the run's task (smollm2-drafter, ...)")
@@ -599,22 +684,44 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.block_sizes
             for g in args.plain_thresholds
         ]
+        if args.sampler_heads != [1]:
+            settings = [
+                s | {"sampler_head": bool(h)} if s["verify"] else s for s in settings for h in args.sampler_heads
+            ]
+            settings = list({json.dumps(s, sort_keys=True): s for s in settings}.values())
         rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings, slots=args.slot_accuracy)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    elif args.cmd == "head":
+        print(
+            train_head(
+                out,
+                Path(args.artifact),
+                [Path(p) for p in args.samples],
+                args.limit,
+                args.epochs,
+                args.hidden,
+                args.topk,
+                args.seed,
+            )
+        )
     elif args.cmd == "train":
         over = {k: v for k, v in vars(args).items() if k in DrafterConfig.__dataclass_fields__ and v is not None}
         if "block_size_range" in over:
             over["block_size_range"] = tuple(over["block_size_range"])
         train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
     else:
-        gen = {
-            "sbd_mode": "sbd",  # over the NTP control, whose own settings say "ntp"
-            "sbd_block_size": args.block_size,
-            "sbd_sampler": args.sampler,
-            "sbd_threshold": args.threshold,
-            "sbd_verify": True,
-        } | ({"sbd_lookup": args.lookup} if args.lookup else {}) | ({"sbd_branch": True} if args.branch else {})
+        gen = (
+            {
+                "sbd_mode": "sbd",  # over the NTP control, whose own settings say "ntp"
+                "sbd_block_size": args.block_size,
+                "sbd_sampler": args.sampler,
+                "sbd_threshold": args.threshold,
+                "sbd_verify": True,
+            }
+            | ({"sbd_lookup": args.lookup} if args.lookup else {})
+            | ({"sbd_branch": True} if args.branch else {})
+        )
         task = artifact_task(out / "artifact")
         dest = args.dest or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[task][2]
         max_new = args.max_new_tokens or (96 if task == "arith" else 64)
