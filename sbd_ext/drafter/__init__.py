@@ -33,7 +33,11 @@ Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layou
 * ``adapter_config.json``: peft's LoRA fields (``r``, ``lora_alpha``, ``target_modules``, ``task_type``,
   ``base_model_name_or_path``) with ``peft_type = "SBD_GATED_LORA"`` and an ``sbd`` object: ``gated``,
   ``mask_token_id``, ``sbd_block_size_range``, ``base_loader``, the recommended decoding settings (``generation``)
-  and provenance.
+  and provenance;
+* optionally a sampler head (:mod:`sbd_ext.drafter.sampler_head`: verify's slot-1 draft rescored given slot 0's
+  token): tensors ``sbd_sampler_head.{w1,b1,w2,b2,a}`` and ``sbd.sampler_head`` (``hidden``, ``topk``, provenance).
+  Loaded as ``model.sbd_drafter.sampler_head``; verify decoding uses it (set it to None for the drafter's own
+  ranking). It changes which tokens are drafted, never what verify returns.
 """
 
 from .artifact import (
@@ -50,6 +54,7 @@ from .artifact import (
 )
 from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, detach, gate_rows, get_drafter, unwrapped
 from .loss import DIVERGENCES, distill_loss, slot_accuracy
+from .sampler_head import SamplerHead
 
 __all__ = [
     "RowGate",
@@ -64,6 +69,7 @@ __all__ = [
     "distill_loss",
     "DIVERGENCES",
     "slot_accuracy",
+    "SamplerHead",
     "save_drafter",
     "load_drafter",
     "load_weights",
