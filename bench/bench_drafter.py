@@ -27,6 +27,7 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
   "packed")``: the same values, the CPU's fastest fp32 layout);
 - ``sbd_verify_branch`` / ``_compiled`` / ``_packed_compiled`` (ours): verify with ``branch=True`` (each forward
   also drafts a block behind the last verified token, the next cycle's drafts when the first draft is rejected);
+  ``..._no_head`` (ablation): the same without the drafter's sampler head (slot 1 in the drafter's own order);
 - ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
   CUDA's default merged ``[W; W + sBA]`` GEMMs (``drafter.merge``; on the CPU the products are the default and the
   merged GEMMs take 2x as long: 147.5 vs 75.2 ms per compiled SmolLM2 verify forward at 1 thread, unpacked);
@@ -36,7 +37,7 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
   answers, which differ from the base's).
 
-``test_paired``: HF ``generate`` and the three packed compiled rows interleaved prompt by prompt (a drift of the
+``test_paired``: HF ``generate`` and the four packed compiled rows interleaved prompt by prompt (a drift of the
 machine's speed during a run falls on all of them alike), their speed-ups from the same prompts' times.
 
 extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward,
@@ -47,6 +48,7 @@ same thread count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -214,6 +216,10 @@ ROWS = {
     "sbd_verify_branch": dict(verify=True, branch=True),
     "sbd_verify_branch_compiled": dict(verify=True, branch=True, compile=True),
     "sbd_verify_branch_packed_compiled": dict(verify=True, branch=True, compile=True, packed=True),
+    # the drafter's own ranking of slot 1 (its sampler head off: model.sbd_drafter.sampler_head = None)
+    "sbd_verify_branch_packed_compiled_no_head": dict(
+        verify=True, branch=True, compile=True, packed=True, sampler_head=False
+    ),
 }
 if DEVICE.type == "cuda":  # the compiled adapters' LoRA products, against the merged GEMMs of CUDA's default
     ROWS["sbd_verify_compiled_other_merge"] = dict(verify=True, compile=True, other_merge=True)
@@ -241,6 +247,11 @@ def test_sbd(benchmark, setup, threads, impl):
             pytest.skip("packed fp32 is the CPU's weight layout")
         model = _packed_model(model)
     d = model.sbd_drafter if hasattr(model, "sbd_drafter") else None
+    keep_head = kw.pop("sampler_head", True)
+
+    def head():  # the row's sampler head setting, for one block
+        return contextlib.nullcontext() if keep_head else _without_head(d)
+
     if kw.pop("other_merge", False):
         d.merge = not d.merges(model, DEVICE)
     elif d is not None:
@@ -258,7 +269,8 @@ def test_sbd(benchmark, setup, threads, impl):
     first = None
     if kw.get("compile"):
         t0 = time.perf_counter()
-        sbd_ext.generate(model, prompts[0], **kw)
+        with head():
+            sbd_ext.generate(model, prompts[0], **kw)
         first = time.perf_counter() - t0
 
     def run():
@@ -268,7 +280,8 @@ def test_sbd(benchmark, setup, threads, impl):
         return outs
 
     benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr{_ON}"
-    outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
+    with head():
+        outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
     nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
     if "verify" in impl and impl != "ungated_verify" and (threads, "sbd_ntp") in _results:
@@ -281,7 +294,23 @@ def test_sbd(benchmark, setup, threads, impl):
         benchmark.extra_info["merged_adapters"] = d.merges(model, DEVICE)
 
 
-PAIRED = ["hf_generate", "sbd_ntp_packed_compiled", "sbd_verify_packed_compiled", "sbd_verify_branch_packed_compiled"]
+@contextlib.contextmanager
+def _without_head(d):
+    """The drafter ``d`` without its sampler head inside the block (slot 1 in the drafter's own order)."""
+    head, d.sampler_head = d.sampler_head, None
+    try:
+        yield
+    finally:
+        d.sampler_head = head
+
+
+PAIRED = [
+    "hf_generate",
+    "sbd_ntp_packed_compiled",
+    "sbd_verify_packed_compiled",
+    "sbd_verify_branch_packed_compiled",
+    "sbd_verify_branch_packed_compiled_no_head",
+]
 PASSES = int(os.environ.get("SBD_BENCH_PASSES", "2"))
 
 
@@ -303,8 +332,9 @@ def test_paired(benchmark, setup, threads):
         if name == "hf_generate":
             out = base.generate(p, attention_mask=torch.ones_like(p), **hf_kw)
             return _answers(out, p.shape[1], eos), None
-        kw = {k: v for k, v in ROWS[name].items() if k != "packed"}
-        out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
+        kw = {k: v for k, v in ROWS[name].items() if k not in ("packed", "sampler_head")}
+        with contextlib.nullcontext() if ROWS[name].get("sampler_head", True) else _without_head(packed.sbd_drafter):
+            out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
         return _answers(out.sequences, p.shape[1], eos), int(out.nfe.sum())
 
     first = {}
