@@ -116,6 +116,19 @@ def test_the_head_changes_the_drafts_and_plain_sbd_ignores_it():
     )
 
 
+def test_a_wrong_head_is_refused_clearly():
+    _, model = _with_drafter(seed=17)
+    ids, att = random_prompts([5], seed=18)
+    kw = dict(block_size=2, verify=True, max_new_tokens=4)
+    model.sbd_drafter.sampler_head = torch.nn.Linear(4, 4)  # a module, not a head
+    with pytest.raises(TypeError, match="SamplerHead or None"):
+        sbd_ext.generate(model, ids, att, **kw)
+    model.sbd_drafter.sampler_head = sh.SamplerHead(model.config.hidden_size + 1, hidden=8)
+    with pytest.raises(ValueError, match="embeddings of size"):
+        sbd_ext.generate(model, ids, att, **kw)
+    sbd_ext.generate(model, ids, att, mode="ntp", verify=False, max_new_tokens=4)  # NTP never reads it
+
+
 def test_compiled_verify_with_a_head_equals_the_base():
     base, model = _with_drafter(seed=11)
     ids, att = random_prompts([5, 8], seed=12)

@@ -342,5 +342,26 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
         raise ValueError(f"config.{MASK_TOKEN_ATTR} = {mask_id} is not a token id in [0, vocab_size={vocab})")
     stop_ids = frozenset(settings.eos_token_id + settings.stop_token_ids)
     head = getattr(getattr(model, "sbd_drafter", None), "sampler_head", None)
-    head = (head, model.get_input_embeddings().weight) if head is not None and settings.verify else None
+    if head is not None and settings.verify:
+        head = (head, model.get_input_embeddings().weight)
+        _check_sampler_head(*head)
+    else:
+        head = None
     return Job(settings, prompts, stop_ids, mask_id, vocab, head)
+
+
+def _check_sampler_head(head, emb: torch.Tensor) -> None:
+    """``model.sbd_drafter.sampler_head`` must be a SamplerHead of the model's hidden size on its device."""
+    from ..drafter.sampler_head import SamplerHead
+
+    if not isinstance(head, SamplerHead):
+        raise TypeError(
+            f"model.sbd_drafter.sampler_head must be a sbd_ext.drafter.SamplerHead or None, got {type(head).__name__}"
+        )
+    if head.w1.shape[1] != emb.shape[1]:
+        raise ValueError(
+            f"model.sbd_drafter.sampler_head reads embeddings of size {head.w1.shape[1]}, the model's are "
+            f"{emb.shape[1]}"
+        )
+    if head.w1.device != emb.device:
+        raise ValueError(f"model.sbd_drafter.sampler_head is on {head.w1.device}, the model on {emb.device}")
