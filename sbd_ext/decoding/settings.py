@@ -351,10 +351,9 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
 
 
 def _check_sampler_head(head, emb: torch.Tensor) -> None:
-    """``model.sbd_drafter.sampler_head`` must be a SamplerHead of the model's hidden size on its device."""
-    from ..drafter.sampler_head import SamplerHead
-
-    if not isinstance(head, SamplerHead):
+    """``model.sbd_drafter.sampler_head`` must be a SamplerHead (sbd_ext.drafter) of the model's hidden size on its
+    device (checked by what decoding reads: ``rescore_`` and ``w1``)."""
+    if not callable(getattr(head, "rescore_", None)) or not isinstance(getattr(head, "w1", None), torch.Tensor):
         raise TypeError(
             f"model.sbd_drafter.sampler_head must be a sbd_ext.drafter.SamplerHead or None, got {type(head).__name__}"
         )

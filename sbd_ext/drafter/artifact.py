@@ -24,6 +24,7 @@ from ..artifact_checks import (
 )
 from ..metadata import set_sbd_metadata
 from .gate import attach, detach, get_drafter
+from .sampler_head import SamplerHead
 
 PEFT_TYPE = "SBD_GATED_LORA"
 CONFIG_FILE = "adapter_config.json"
@@ -122,8 +123,6 @@ def read_drafter_config(folder: str | Path) -> dict:
 
 def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path):
     """The sampler head the artifact holds (its tensors popped from ``tensors``), checked; None if it has none."""
-    from .sampler_head import SamplerHead
-
     got = {k[len(_HEAD_PREFIX) :]: tensors.pop(k) for k in [k for k in tensors if k.startswith(_HEAD_PREFIX)]}
     spec = cfg["sbd"].get("sampler_head")
     if spec is None:

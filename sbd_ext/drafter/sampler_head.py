@@ -23,8 +23,11 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from .. import families
+from ..training.mask import sbd_attention_mask
+from .gate import get_drafter
 
 __all__ = ["SamplerHead", "collect_slot1", "fit", "rescore_reference"]
 
@@ -110,11 +113,6 @@ def collect_slot1(
     log-probabilities), ``t0`` [N] (the token at t-1) and ``tgt`` [N] (the base's greedy token at t); with
     ``extra`` also ``h1`` (the block row's final hidden state), ``hc`` (the clean row that predicts t0) and ``g0``
     (the drafter's own slot-0 guess), for studies."""
-    from transformers import DynamicCache
-
-    from ..training.mask import sbd_attention_mask
-    from .gate import get_drafter
-
     drafter = get_drafter(model)
     if drafter is None:
         raise ValueError("collect_slot1: the model has no gated drafter")
