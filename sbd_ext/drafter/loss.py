@@ -18,6 +18,65 @@ from .gate import get_drafter
 DIVERGENCES = ("kl", "tv", "ce")
 
 
+def padded_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt, answer) token lists -> ``input_ids`` [B, L] (right padded with 0), ``attention_mask`` [B, L] (1 =
+    token) and ``loss_mask`` [B, L] (True on the answer's positions)."""
+    B, L = len(rows), max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    att, lm = torch.zeros_like(ids), torch.zeros((B, L), dtype=torch.bool)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(list(p) + list(a))
+        att[i, : len(p) + len(a)] = 1
+        lm[i, len(p) : len(p) + len(a)] = True
+    return ids, att, lm
+
+
+def clean_and_noisy_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    noisy: torch.Tensor,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The SBD layout of Alg. 1 with the clean half run by the frozen base: (1) a causal forward of ``input_ids``
+    [B, L] without autograd and with the gate off, its K/V kept; (2) ``noisy`` (``input_ids`` with the mask token
+    at the masked positions) with the gate on, position ids 0..L-1, attending to its own block bidirectionally and
+    to strictly earlier clean blocks (the SBD mask's noisy rows). Noisy blocks that end before the first position
+    with loss (the prompts) feed no loss and no later block (a noisy block sees its own block only), so the noisy
+    half starts at ``s``, the first block holding a ``loss_mask`` position. Returns the clean half's final hidden
+    states [B, L, H], the noisy half's [B, L - s, H] (with autograd where it is enabled) and ``s``."""
+    drafter = get_drafter(model)
+    B, L = input_ids.shape
+    device, k = input_ids.device, int(block_size)
+    lengths = (
+        attention_mask.long().sum(1)
+        if attention_mask is not None
+        else torch.full((B,), L, dtype=torch.long, device=device)
+    )
+    pos = torch.arange(L, device=device).view(1, L).expand(B, L)
+    decoder, holder = model.get_decoder(), drafter.holder
+    holder.gate = None
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        clean = decoder(
+            input_ids=input_ids, position_ids=pos, past_key_values=cache, use_cache=True, attention_mask=attention_mask
+        ).last_hidden_state
+    first = int(loss_mask.bool().any(0).nonzero()[0]) if loss_mask.any() else 0
+    s = (first // k) * k
+    full = sbd_attention_mask(L, k, lengths, mask_format="bool", device=device)  # [B, 1, 2L, 2L]
+    keys = torch.cat([torch.arange(L, device=device), torch.arange(L + s, 2 * L, device=device)])
+    mask = full[:, :, L + s :, :][..., keys].contiguous()  # the kept noisy rows over [clean keys, kept noisy keys]
+    holder.gate = torch.ones(B, L - s, 1, device=device)
+    try:
+        hidden = decoder(
+            input_ids=noisy[:, s:], position_ids=pos[:, s:], past_key_values=cache, use_cache=True, attention_mask=mask
+        ).last_hidden_state
+    finally:
+        holder.gate = None
+    return clean, hidden, s
+
+
 def distill_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -72,18 +131,8 @@ def distill_loss(
         else torch.full((B,), L, dtype=torch.long, device=device)
     )
     pos = torch.arange(L, device=device).view(1, L).expand(B, L)
-    decoder = model.get_decoder()
-    holder = drafter.holder
 
-    # 1. the base on the clean half
-    holder.gate = None
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        clean_hidden = decoder(
-            input_ids=input_ids, position_ids=pos, past_key_values=cache, use_cache=True, attention_mask=attention_mask
-        ).last_hidden_state
-
-    # 2. the noisy half with the adapter
+    # the noisy half's masks
     if eta is None:
         eta = torch.rand(B, 1, generator=generator, device="cpu")
         if full_block_prob > 0:  # every block of the sequence fully masked: how verify decoding drafts
@@ -94,26 +143,15 @@ def distill_loss(
     valid = pos < lengths.view(B, 1)
     masked = (noise < eta.view(B, 1)) & valid
     noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
-    # Noisy blocks that end before the first position with loss (the prompts) feed no loss and no later block (a
-    # noisy block sees its own block only): they are left out. s: the first block holding a loss position.
     sel = masked & loss_mask.bool() & (pos >= 1)
     n_blocks = -(-L // k)
     padded = F.pad(masked | ~valid, (0, n_blocks * k - L), value=True).view(B, n_blocks, k)
     block_full = padded.all(-1).repeat_interleave(k, dim=1)[:, :L] & valid
     if not first_slot_loss:
         sel &= ~(block_full & (pos % k == 0))
-    first = int(loss_mask.bool().any(0).nonzero()[0]) if loss_mask.any() else 0
-    s = (first // k) * k
-    full = sbd_attention_mask(L, k, lengths, mask_format="bool", device=device)  # [B, 1, 2L, 2L]
-    keys = torch.cat([torch.arange(L, device=device), torch.arange(L + s, 2 * L, device=device)])
-    mask = full[:, :, L + s :, :][..., keys].contiguous()  # the kept noisy rows over [clean keys, kept noisy keys]
-    holder.gate = torch.ones(B, L - s, 1, device=device)
-    try:
-        hidden = decoder(
-            input_ids=noisy[:, s:], position_ids=pos[:, s:], past_key_values=cache, use_cache=True, attention_mask=mask
-        ).last_hidden_state
-    finally:
-        holder.gate = None
+
+    # 1. the base on the clean half, 2. the noisy half with the adapter
+    clean_hidden, hidden, s = clean_and_noisy_forward(model, input_ids, noisy, loss_mask, k, attention_mask)
 
     # 3. distillation on the masked positions that carry loss
     bi, ti = sel.nonzero(as_tuple=True)
@@ -177,13 +215,7 @@ def slot_accuracy(
     try:
         for lo in range(0, len(rows), batch_size):
             chunk = rows[lo : lo + batch_size]
-            L = max(len(p) + len(a) for p, a in chunk)
-            ids = torch.zeros((len(chunk), L), dtype=torch.long)
-            att, lm = torch.zeros_like(ids), torch.zeros((len(chunk), L), dtype=torch.bool)
-            for i, (p, a) in enumerate(chunk):
-                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-                att[i, : len(p) + len(a)] = 1
-                lm[i, len(p) : len(p) + len(a)] = True
+            ids, att, lm = padded_batch(chunk)
             eta = torch.full((len(chunk), 1), 2.0)  # every position masked
             with torch.no_grad():
                 _, parts = distill_loss(model, ids, lm, k, attention_mask=att, eta=eta, return_parts=True)

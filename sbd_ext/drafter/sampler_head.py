@@ -23,11 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
 from .. import families
-from ..training.mask import sbd_attention_mask
 from .gate import get_drafter
+from .loss import clean_and_noisy_forward, padded_batch
 
 __all__ = ["SamplerHead", "collect_slot1", "fit", "rescore_reference"]
 
@@ -117,7 +116,7 @@ def collect_slot1(
     if drafter is None:
         raise ValueError("collect_slot1: the model has no gated drafter")
     k = 2
-    mask_id, decoder, holder = drafter.mask_token_id, model.get_decoder(), drafter.holder
+    mask_id = drafter.mask_token_id
     was_training = model.training
     model.eval()
     recs: dict[str, list] = {}
@@ -128,35 +127,11 @@ def collect_slot1(
             rows = [(p, a) for p, a in rows if len(a) >= 2]
             if not rows:
                 continue
-            B, L = len(rows), max(len(p) + len(a) for p, a in rows)
-            ids = torch.zeros((B, L), dtype=torch.long)
-            att, lm = torch.zeros_like(ids), torch.zeros((B, L), dtype=torch.bool)
-            for i, (p, a) in enumerate(rows):
-                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-                att[i, : len(p) + len(a)] = 1
-                lm[i, len(p) : len(p) + len(a)] = True
-            lengths, pos = att.sum(1), torch.arange(L).view(1, L).expand(B, L)
-            holder.gate = None  # the clean half: the base
-            cache = DynamicCache(config=model.config)
-            clean = decoder(
-                input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, attention_mask=att
-            ).last_hidden_state
-            noisy = torch.where(pos < lengths.view(B, 1), torch.full_like(ids, mask_id), ids)
-            s = (int(lm.any(0).nonzero()[0]) // k) * k
-            full = sbd_attention_mask(L, k, lengths, mask_format="bool")
-            keys = torch.cat([torch.arange(L), torch.arange(L + s, 2 * L)])
-            mask = full[:, :, L + s :, :][..., keys].contiguous()
-            holder.gate = torch.ones(B, L - s, 1)
-            try:
-                hid = decoder(
-                    input_ids=noisy[:, s:],
-                    position_ids=pos[:, s:],
-                    past_key_values=cache,
-                    use_cache=True,
-                    attention_mask=mask,
-                ).last_hidden_state
-            finally:
-                holder.gate = None
+            ids, att, lm = padded_batch(rows)
+            B, L = ids.shape
+            pos = torch.arange(L).view(1, L).expand(B, L)
+            noisy = torch.where(pos < att.sum(1, keepdim=True), torch.full_like(ids, mask_id), ids)  # all masked
+            clean, hid, s = clean_and_noisy_forward(model, ids, noisy, lm, k, att)
             bi, ti = (lm & (pos % k == 1) & torch.roll(lm, 1, 1)).nonzero(as_tuple=True)
             teacher = families.lm_logits(model, clean[bi, ti - 1]).float()
             teacher[:, mask_id] = -math.inf
