@@ -247,11 +247,8 @@ def test_sbd(benchmark, setup, threads, impl):
             pytest.skip("packed fp32 is the CPU's weight layout")
         model = _packed_model(model)
     d = model.sbd_drafter if hasattr(model, "sbd_drafter") else None
-    keep_head = kw.pop("sampler_head", True)
-
-    def head():  # the row's sampler head setting, for one block
-        return contextlib.nullcontext() if keep_head else _without_head(d)
-
+    row = dict(kw)
+    kw.pop("sampler_head", None)
     if kw.pop("other_merge", False):
         d.merge = not d.merges(model, DEVICE)
     elif d is not None:
@@ -269,7 +266,7 @@ def test_sbd(benchmark, setup, threads, impl):
     first = None
     if kw.get("compile"):
         t0 = time.perf_counter()
-        with head():
+        with _head_setting(d, row):
             sbd_ext.generate(model, prompts[0], **kw)
         first = time.perf_counter() - t0
 
@@ -280,7 +277,7 @@ def test_sbd(benchmark, setup, threads, impl):
         return outs
 
     benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr{_ON}"
-    with head():
+    with _head_setting(d, row):
         outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
     nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
@@ -295,8 +292,12 @@ def test_sbd(benchmark, setup, threads, impl):
 
 
 @contextlib.contextmanager
-def _without_head(d):
-    """The drafter ``d`` without its sampler head inside the block (slot 1 in the drafter's own order)."""
+def _head_setting(d, row: dict):
+    """The drafter ``d``'s sampler head as the ``row`` (a ROWS entry) sets it, inside the block: kept unless the row
+    says ``sampler_head=False`` (then slot 1 in the drafter's own order)."""
+    if d is None or row.get("sampler_head", True):
+        yield
+        return
     head, d.sampler_head = d.sampler_head, None
     try:
         yield
@@ -333,7 +334,7 @@ def test_paired(benchmark, setup, threads):
             out = base.generate(p, attention_mask=torch.ones_like(p), **hf_kw)
             return _answers(out, p.shape[1], eos), None
         kw = {k: v for k, v in ROWS[name].items() if k not in ("packed", "sampler_head")}
-        with contextlib.nullcontext() if ROWS[name].get("sampler_head", True) else _without_head(packed.sbd_drafter):
+        with _head_setting(packed.sbd_drafter, ROWS[name]):
             out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
         return _answers(out.sequences, p.shape[1], eos), int(out.nfe.sum())
 

@@ -74,7 +74,9 @@ class SamplerHead(nn.Module):
         if logits.shape[0] == 0:
             return logits
         k = min(self.topk, logits.shape[1])
-        top_l, top_i = logits.float().log_softmax(-1).topk(k, -1)
+        xf = logits.float()
+        top_x, top_i = xf.topk(k, -1)
+        top_l = top_x - xf.logsumexp(-1, keepdim=True)  # the top k of log_softmax, without it over the vocabulary
         s = self.scores(emb, t0.long(), top_l, top_i).to(logits.dtype)
         logits.fill_(-math.inf).scatter_(-1, top_i, s)
         return logits
