@@ -300,13 +300,15 @@ def load_on_base(
     attn_implementation: str,
     device,
     trust_base_loader: bool,
+    loader: Callable | None = None,
 ):
     """``(model, tokenizer)`` of an artifact over a base model (the LoRA artifact here, the gated drafter in
-    :mod:`sbd_ext.drafter`): the base from ``meta["base_loader"]`` (resolved by :func:`resolve_base_loader`; a loader
-    that exits is an :class:`ArtifactError`), ``apply(model)``, the SBD metadata (``mask_token_id``,
-    ``sbd_block_size_range``), the recommended settings (``generation``) on ``model.generation_config``, ``dtype`` /
-    ``device``, eval mode."""
-    loader = resolve_base_loader(meta.get("base_loader", ""), cfg_path, trust=trust_base_loader)
+    :mod:`sbd_ext.drafter`): the base from ``loader`` or else ``meta["base_loader"]`` (resolved by
+    :func:`resolve_base_loader`; a loader that exits is an :class:`ArtifactError`), ``apply(model)``, the SBD
+    metadata (``mask_token_id``, ``sbd_block_size_range``), the recommended settings (``generation``) on
+    ``model.generation_config``, ``dtype`` / ``device``, eval mode."""
+    if loader is None:
+        loader = resolve_base_loader(meta.get("base_loader", ""), cfg_path, trust=trust_base_loader)
     try:
         model, tok = loader(attn_implementation=attn_implementation)
     except SystemExit as e:  # a loader that exits must not end the caller

@@ -33,7 +33,8 @@ Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layou
 * ``adapter_config.json``: peft's LoRA fields (``r``, ``lora_alpha``, ``target_modules``, ``task_type``,
   ``base_model_name_or_path``) with ``peft_type = "SBD_GATED_LORA"`` and an ``sbd`` object: ``gated``,
   ``mask_token_id``, ``sbd_block_size_range``, ``base_loader``, the recommended decoding settings (``generation``)
-  and provenance;
+  and provenance; a drafter over a user's own checkpoint has no ``base_loader``: its base is the local folder
+  ``base_model_name_or_path`` names (:func:`load_folder_base`; ``load_drafter(..., base=DIR)`` points it elsewhere);
 * optionally a sampler head (:mod:`sbd_ext.drafter.sampler_head`: verify's slot-1 draft rescored given slot 0's
   token): tensors ``sbd_sampler_head.{w1,b1,w2,b2,a}`` and ``sbd.sampler_head`` (``hidden``, ``topk``, provenance).
   Loaded as ``model.sbd_drafter.sampler_head``; verify decoding uses it (set it to None for the drafter's own
@@ -46,8 +47,10 @@ from .artifact import (
     PEFT_TYPE,
     WEIGHTS_FILE,
     attach_from_checkpoint,
+    base_folder,
     is_drafter,
     load_drafter,
+    load_folder_base,
     load_weights,
     read_drafter_config,
     save_drafter,
@@ -72,6 +75,8 @@ __all__ = [
     "SamplerHead",
     "save_drafter",
     "load_drafter",
+    "load_folder_base",
+    "base_folder",
     "load_weights",
     "is_drafter",
     "read_drafter_config",

@@ -200,18 +200,57 @@ def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) 
     return cfg
 
 
+def load_folder_base(path: str | Path, attn_implementation: str = "sbd"):
+    """``(model, tokenizer)`` of a local HF model folder as it is (float32, offline, no remote code): the base of a
+    drafter trained over a user's own checkpoint (the drafter recipe's ``--base``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ArtifactError(f"{p}: not a local HF model folder (no config.json)")
+    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        p, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    return model, tok
+
+
+def base_folder(cfg: dict, folder: str | Path = "") -> Path | None:
+    """The local base model folder a drafter config names (``base_model_name_or_path``, peft's field) when it has no
+    ``sbd.base_loader``; None when it has one. :class:`ArtifactError` when it names neither."""
+    if "base_loader" in cfg["sbd"]:
+        return None
+    where = cfg.get("base_model_name_or_path") or ""
+    if not isinstance(where, str) or not where:
+        raise ArtifactError(
+            f"{Path(folder) / CONFIG_FILE}: names no base model (neither 'sbd.base_loader' nor "
+            "'base_model_name_or_path'); pass base=<the base model's folder>"
+        )
+    return Path(where)
+
+
 def load_drafter(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sbd",
     device: str | torch.device | None = None,
     trust_base_loader: bool = False,
+    base: str | Path | None = None,
 ):
-    """``(model, tokenizer)``: the base model the drafter names (its ``base_loader``, imported only if it is a known
-    loader or ``trust_base_loader``: see :func:`sbd_ext.adapters.resolve_base_loader`) with the drafter attached
-    (gated, not merged), the SBD metadata set, its recommended decoding settings on ``model.generation_config``."""
+    """``(model, tokenizer)``: the base model the drafter names with the drafter attached (gated, not merged), the
+    SBD metadata set, its recommended decoding settings on ``model.generation_config``. The base: ``base`` (a local
+    HF model folder) when given, else the drafter's ``sbd.base_loader`` (imported only if it is a known loader or
+    ``trust_base_loader``: see :func:`sbd_ext.adapters.resolve_base_loader`), else the local folder its
+    ``base_model_name_or_path`` names (a drafter trained over a user's checkpoint, :func:`load_folder_base`)."""
     folder = Path(folder)
     cfg = read_drafter_config(folder)
+    where = Path(base) if base is not None else base_folder(cfg, folder)
+    loader = None
+    if where is not None:
+
+        def loader(attn_implementation):
+            return load_folder_base(where, attn_implementation)
+
     return load_on_base(
         cfg["sbd"],
         folder / CONFIG_FILE,
@@ -220,6 +259,7 @@ def load_drafter(
         attn_implementation,
         device,
         trust_base_loader,
+        loader,
     )
 
 

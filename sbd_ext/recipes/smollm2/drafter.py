@@ -24,6 +24,9 @@ Three resumable stages over one run folder (nothing downloaded; the base comes f
 the embedded ``smollm2-ntp``), the prompts the arithmetic task's training problems (:mod:`.data`), the evaluation the
 held-out problems (accuracy and forwards against the control's own NTP decoding), the shipped folder
 ``smollm2-arith-drafter``.
+
+``--base DIR`` (data, train): a local HF model folder of your own instead of SmolLM2 (:mod:`sbd_ext.recipes.drafter`
+is this recipe's entry point for that, with verify's drafting settings as train's defaults).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 
 from ... import drafter as drafter_mod
 from ...demo import tasks
+from ...training import add_mask_token
 from . import checkpoint, data
 from .prompts import clean_instruction, eval_prompts, held_out_texts, self_instruct_requests, training_prompts
 
@@ -61,8 +65,15 @@ TASKS = {
 }
 
 
-def _load_task_base(task: str, attn_implementation: str = "sbd"):
-    """(model, tokenizer, eos id) of the frozen base a ``task``'s drafter drafts for."""
+def _load_task_base(task: str, attn_implementation: str = "sbd", base: str = ""):
+    """(model, tokenizer, eos id) of the frozen base a ``task``'s drafter drafts for; ``base``: a local HF model
+    folder instead of SmolLM2 (the mask token added; eos None: its generation config's)."""
+    if base:
+        if task != "general":
+            raise ValueError(f"--base drafts for a model of your own: task 'general', not {task!r}")
+        model, tok = drafter_mod.load_folder_base(base, attn_implementation=attn_implementation)
+        add_mask_token(model, tok)
+        return model, tok, None
     if task == "arith":
         model, tok = checkpoint.load_control(attn_implementation=attn_implementation)
         return model, tok, tok.eos_token_id
@@ -96,10 +107,31 @@ class DrafterConfig:
     checkpoint_every: int = 10
     init_from: str = ""  # a drafter folder of the same rank: continue that drafter (fresh optimizer and schedule)
     task: str = "general"  # "general" (the unmodified base) or "arith" (the NTP control): see TASKS
+    base: str = ""  # a local HF model folder to draft for instead of SmolLM2 (absolute path; task "general")
 
 
 def _prompt_ids(tok, text: str) -> list[int]:
-    return checkpoint.chat_prompt(tok, text)
+    """The prompt's token ids: the model's chat template with the generation prompt, or the plain text (with the
+    tokenizer's special tokens) for a model without a chat template."""
+    if getattr(tok, "chat_template", None):
+        return checkpoint.chat_prompt(tok, text)
+    return list(tok(text).input_ids)
+
+
+def _base_path(base: str | Path | None) -> str:
+    """``--base``: the absolute path of a local HF model folder ("" for SmolLM2); a clear error for anything else."""
+    if not base:
+        return ""
+    p = Path(base).expanduser().resolve()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--base {base}: not a local HF model folder (no config.json)")
+    return str(p)
+
+
+def artifact_base(artifact: Path) -> str:
+    """The local base model folder of a drafter trained with ``--base`` ("" for the recipe's SmolLM2 bases)."""
+    where = drafter_mod.base_folder(drafter_mod.read_drafter_config(Path(artifact)), artifact)
+    return "" if where is None else str(where)
 
 
 def make_samples(
@@ -110,6 +142,7 @@ def make_samples(
     seed: int = 0,
     task: str = "general",
     prompts: str = "templates",
+    base: str = "",
 ) -> Path:
     """The base model's greedy answers to ``n`` training prompts of ``task``, appended to ``out/samples.pt`` batch by
     batch (a list of {"prompt", "prompt_ids", "answer_ids", "task", "source"}); returns the file. Resumes where an
@@ -118,7 +151,9 @@ def make_samples(
     ``prompts``: "templates" (:func:`.prompts.training_prompts`, or the task's problems) or "self" (general task
     only: instructions the base wrote itself, :func:`make_self_prompts`, kept in ``out/self_prompts.json``). ``n``
     counts the samples of that source, so one run folder can hold both (``data --prompts templates`` then
-    ``data --prompts self``): training uses every sample in the folder."""
+    ``data --prompts self``): training uses every sample in the folder. ``base``: a local HF model folder whose
+    answers these are instead of SmolLM2's (recorded in each sample; a folder of another base's samples is
+    refused)."""
     if prompts not in PROMPT_SOURCES:
         raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {prompts!r}")
     if prompts == "self" and task != "general":
@@ -128,10 +163,13 @@ def make_samples(
     done = torch.load(path, weights_only=True) if path.is_file() else []
     if any(d.get("task", "general") != task for d in done):
         raise ValueError(f"{path} holds samples of another task than {task!r}: use another --out")
+    base = _base_path(base)
+    if any(d.get("base", "") != base for d in done):
+        raise ValueError(f"{path} holds another base model's answers than {base or 'SmolLM2'!r}: use another --out")
     have = sum(d.get("source", "templates") == prompts for d in done)
     if have >= n:
         return path
-    model, tok, eos = _load_task_base(task)
+    model, tok, eos = _load_task_base(task, base=base)
     model.eval()
     if prompts == "self":
         chosen = [(t, _prompt_ids(tok, t)) for t in make_self_prompts(model, tok, eos, out, n, seed, batch_size)]
@@ -144,6 +182,7 @@ def make_samples(
         answers = greedy_answers(model, ids, max_new_tokens, eos, tok.pad_token_id or 0)
         done.extend(
             {"prompt": p, "prompt_ids": x, "answer_ids": a, "task": task, "source": prompts}
+            | ({"base": base} if base else {})
             for (p, x), a in zip(chunk, answers, strict=True)
         )
         torch.save(done, path)
@@ -154,7 +193,7 @@ def make_samples(
 def make_self_prompts(
     model,
     tok,
-    eos: int,
+    eos: int | None,
     out: Path,
     n: int,
     seed: int = 0,
@@ -210,14 +249,14 @@ def greedy_answers(
     model,
     prompts: list[list[int]],
     max_new_tokens: int,
-    eos: int,
+    eos: int | None,
     pad: int,
     temperature: float = 0.0,
     seed: int = 0,
 ) -> list[list[int]]:
     """The model's greedy answers (sbd_ext's NTP decoding, one batch, left padding) to ``prompts``: each the
-    generated tokens up to and including ``eos`` (or ``max_new_tokens`` of them). ``temperature`` > 0: sampled
-    answers instead (``seed``: the Philox stream)."""
+    generated tokens up to and including ``eos`` (None: the model's own; or ``max_new_tokens`` of them).
+    ``temperature`` > 0: sampled answers instead (``seed``: the Philox stream)."""
     _, answers = _generate_padded(
         model,
         prompts,
@@ -278,6 +317,10 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
 
     if cfg.task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {cfg.task!r}")
+    if cfg.base and cfg.task != "general":
+        raise ValueError(f"--base drafts for a model of your own: task 'general', not {cfg.task!r}")
+    if not (out / SAMPLES_FILE).is_file():
+        raise FileNotFoundError(f"{out / SAMPLES_FILE}: no samples; run `data --out {out}` first")
     if threads:
         torch.set_num_threads(threads)
     ck = out / CHECKPOINT_FILE
@@ -285,7 +328,9 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     if resume:
         if not ck.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
-        saved = {"task": "general", "first_slot_loss": True, "divergence": "kl"} | json.loads(cfg_file.read_text())
+        saved = {"task": "general", "first_slot_loss": True, "divergence": "kl", "base": ""} | json.loads(
+            cfg_file.read_text()
+        )
         saved["block_size_range"] = tuple(saved["block_size_range"])
         if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
@@ -296,9 +341,11 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     samples = torch.load(out / SAMPLES_FILE, weights_only=True)
     if any(d.get("task", "general") != cfg.task for d in samples):
         raise ValueError(f"{out / SAMPLES_FILE} holds samples of another task than {cfg.task!r}")
+    if any(d.get("base", "") != cfg.base for d in samples):
+        raise ValueError(f"{out / SAMPLES_FILE} holds another base model's answers than {cfg.base or 'SmolLM2'!r}")
     torch.manual_seed(cfg.seed)
-    model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa")
-    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa", base=cfg.base)
+    mask_id = int(tok.mask_token_id) if cfg.base else tok.convert_tokens_to_ids("<|mask|>")
     if cfg.init_from:
         drafter_mod.load_weights(model, cfg.init_from)
         if drafter_mod.get_drafter(model).rank != cfg.rank:
@@ -340,7 +387,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             f.write(json.dumps(rec) + "\n")
         if rec["step"] % (4 * cfg.log_every) == 0:  # an artifact to evaluate while the run goes on
             fields = _sbd_fields(cfg, samples) | {"steps_done": rec["step"]}
-            drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
+            drafter_mod.save_drafter(model, out / "artifact", fields, cfg.base or _BASE_NAMES[cfg.task])
 
     history = train_loop(
         model,
@@ -368,7 +415,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
     fields = _sbd_fields(cfg, samples) | {"steps_done": cfg.steps}
-    drafter_mod.save_drafter(model, out / "artifact", fields, _BASE_NAMES[cfg.task])
+    drafter_mod.save_drafter(model, out / "artifact", fields, cfg.base or _BASE_NAMES[cfg.task])
     return record
 
 
@@ -388,9 +435,12 @@ def _sources(samples: list[dict]) -> str:
 
 
 def _sbd_fields(cfg: DrafterConfig, samples: list[dict], generation: dict | None = None) -> dict:
-    return {
-        "base_loader": TASKS[cfg.task][0],
-        "base": TASKS[cfg.task][1],
+    # a drafter over a user's folder names no loader: its base is base_model_name_or_path (drafter.load_drafter)
+    if cfg.base:
+        head = {"base": f"{cfg.base} (a local HF model folder), unmodified"}
+    else:
+        head = {"base_loader": TASKS[cfg.task][0], "base": TASKS[cfg.task][1]}
+    return head | {
         "mask_token": "<|mask|>",
         "sbd_block_size_range": list(cfg.block_size_range),
         "generation": generation
@@ -413,7 +463,7 @@ def artifact_task(artifact: Path) -> str:
 
 def slot_accuracy(artifact: Path, prompts: list[list[int]], answers: list[list[int]], block_size: int) -> list[float]:
     """:func:`sbd_ext.drafter.slot_accuracy` of the drafter in ``artifact`` on its task's frozen base."""
-    model, _, _ = _load_task_base(artifact_task(artifact), attn_implementation="sdpa")
+    model, _, _ = _load_task_base(artifact_task(artifact), attn_implementation="sdpa", base=artifact_base(artifact))
     drafter_mod.load_weights(model, artifact)
     return drafter_mod.slot_accuracy(model, prompts, answers, block_size)
 
@@ -429,7 +479,10 @@ def evaluate(
 
     task = artifact_task(artifact)
     model, tok = models.load(artifact)
-    eos = tok.eos_token_id if task == "arith" else tok.convert_tokens_to_ids("<|im_end|>")
+    if artifact_base(artifact):
+        eos = None  # a model of the user's: its generation config's
+    else:
+        eos = tok.eos_token_id if task == "arith" else tok.convert_tokens_to_ids("<|im_end|>")
     prompts = [x for _, x in _task_prompts(tok, task, "test", n)]
     problems = list(tasks.problems("test", n)) if task == "arith" else None
 
@@ -577,8 +630,14 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
     return dest
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sbd_ext.recipes.smollm2.drafter", description=__doc__.split("\n\n")[0])
+BASE_HELP = (
+    "a local HF model folder (a Llama-family causal LM with its tokenizer) to draft for instead of SmolLM2: its "
+    "own answers, its chat template (plain text without one), its EOS; the drafter loads over that folder"
+)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.smollm2.drafter") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data")
     d.add_argument("--out", required=True)
@@ -594,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         help="templates: the prompt generator; self: instructions the base writes itself (general task)",
     )
     d.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    d.add_argument("--base", help=BASE_HELP)
     t = sub.add_parser("train")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true")
@@ -615,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
     t.add_argument("--task", choices=sorted(TASKS), help="default: general")
+    t.add_argument("--base", help=BASE_HELP)
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
     e.add_argument("--n", type=int, default=16)
@@ -669,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(getattr(args, "out", "") or ".")
     if args.cmd == "data":
-        make_samples(out, args.n, args.max_new_tokens, args.batch_size, args.seed, args.task, args.prompts)
+        make_samples(out, args.n, args.max_new_tokens, args.batch_size, args.seed, args.task, args.prompts, args.base)
     elif args.cmd == "eval":
         settings = [
             # lookup 0 / branch 0: off, whatever the artifact recommends
@@ -709,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         over = {k: v for k, v in vars(args).items() if k in DrafterConfig.__dataclass_fields__ and v is not None}
         if "block_size_range" in over:
             over["block_size_range"] = tuple(over["block_size_range"])
+        if "base" in over:
+            over["base"] = _base_path(over["base"])
         train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
     else:
         gen = (
@@ -723,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
             | ({"sbd_branch": True} if args.branch else {})
         )
         task = artifact_task(out / "artifact")
+        if not args.dest and artifact_base(out / "artifact"):
+            ap.error("ship: a drafter over a model of your own (--base) needs --dest (a folder of your own)")
         dest = args.dest or Path(__file__).resolve().parents[2] / "demo" / "models" / TASKS[task][2]
         max_new = args.max_new_tokens or (96 if task == "arith" else 64)
         print(ship(out, Path(dest), gen, args.check_n, max_new))
