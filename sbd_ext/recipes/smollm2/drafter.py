@@ -345,7 +345,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         raise ValueError(f"{out / SAMPLES_FILE} holds another base model's answers than {cfg.base or 'SmolLM2'!r}")
     torch.manual_seed(cfg.seed)
     model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa", base=cfg.base)
-    mask_id = int(tok.mask_token_id) if cfg.base else tok.convert_tokens_to_ids("<|mask|>")
+    mask_id = int(tok.mask_token_id)  # every base loader adds it with add_mask_token (<|mask|> for SmolLM2)
     if cfg.init_from:
         drafter_mod.load_weights(model, cfg.init_from)
         if drafter_mod.get_drafter(model).rank != cfg.rank:
