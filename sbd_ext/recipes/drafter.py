@@ -31,7 +31,7 @@ from .smollm2.drafter import main as _recipe_main
 
 PROG = "python -m sbd_ext.recipes.drafter"
 # verify's drafting settings (docs/drafter.md): where train is not told otherwise
-TRAIN_DEFAULTS = ["--block-size-range", "2", "5", "--full-block-prob", "1.0", "--no-first-slot-loss"]
+TRAIN_DEFAULTS = {"--block-size-range": ["2", "5"], "--full-block-prob": ["1.0"], "--no-first-slot-loss": []}
 
 
 def _given(argv: list[str], flag: str) -> bool:
@@ -48,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} head: --artifact RUN/artifact (the drafter to give a head) is required", file=sys.stderr)
         return 2
     if cmd == "train":  # the same on --resume (which checks the run's settings)
-        extra = [a for a in TRAIN_DEFAULTS[:3] if not _given(argv, "--block-size-range")]
-        extra += [a for a in TRAIN_DEFAULTS[3:5] if not _given(argv, "--full-block-prob")]
-        extra += [TRAIN_DEFAULTS[5]] if not _given(argv, "--no-first-slot-loss") else []
-        argv = argv + extra
+        argv = argv + [a for flag, vals in TRAIN_DEFAULTS.items() if not _given(argv, flag) for a in (flag, *vals)]
     return _recipe_main(argv, prog=PROG)
 
 
