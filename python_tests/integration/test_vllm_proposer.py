@@ -2,30 +2,45 @@
 ``load_model``, ``propose`` with its arrays) on exported checkpoints. The proposer's incremental KV cache (a slot per
 request, matched by content, rolled back to the longest common prefix) must draft exactly what a fresh proposer
 drafts from the whole sequence in one forward, whatever the batch order; bad settings are refused with clear errors.
-The served path (vllm serve) is python_tests/vllm_serving/test_vllm_serve.py, run in vLLM's venv."""
+The draft is verify decoding's: slot 0 the model's own next token (NTP decoding), slot 1 rescored by the drafter's
+sampler head (the plain-torch reference), the rest the block rows' (``SBD_EXT_VLLM_DRAFT=block``: every slot from the
+block rows). The served path (vllm serve) is python_tests/vllm_serving/test_vllm_serve.py, run in vLLM's venv."""
 
+import copy
 import json
+import math
 import types
 
 import numpy as np
 import pytest
 import torch
-from sbd_models import one_thread
+from sbd_models import MASK_ID, one_thread, tiny_llama
 
 import sbd_ext
 from sbd_ext import drafter
+from sbd_ext.cache import SBDCache
 from sbd_ext.demo import export, models
-from sbd_ext.integration.vllm import FILL_FORWARDS_ENV, SLOTS_ENV, ProposerError, SBDProposer
+from sbd_ext.drafter import sampler_head as sh
+from sbd_ext.integration.vllm import (
+    DRAFT_ENV,
+    FILL_FORWARDS_ENV,
+    QUANTIZE_ENV,
+    SLOTS_ENV,
+    ProposerError,
+    SBDProposer,
+    load_drafting_model,
+)
+from sbd_ext.quantization import quantized_scheme
 from sbd_ext.recipes.smollm2 import checkpoint as smollm2
 
 K = 4
 MAX_LEN = 256
 
 
-def _config(path, k=K, max_len=MAX_LEN, seqs=4):
+def _config(path, k=K, max_len=MAX_LEN, seqs=4, dtype=torch.float32):
     return types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(num_speculative_tokens=k),
-        model_config=types.SimpleNamespace(model=str(path), max_model_len=max_len, dtype=torch.float32),
+        model_config=types.SimpleNamespace(model=str(path), max_model_len=max_len, dtype=dtype),
         scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
     )
 
@@ -66,11 +81,95 @@ def _block_fill(model, ids: list[int]) -> list[int]:
     return out.sequences[0, len(ids) :].tolist()
 
 
-def test_draft_equals_sbd_block_fill(arith):
+def _next_token(model, ids: list[int]) -> int:
+    """The reference for slot 0: the model's own next token, by sbd_ext's NTP decoding."""
+    out = sbd_ext.generate(model, torch.tensor([ids]), mode="ntp", verify=False, max_new_tokens=1, eos_token_id=())
+    return int(out.sequences[0, len(ids)])
+
+
+def _block_logits(model, ids: list[int], mask_id: int) -> torch.Tensor:
+    """The K block rows' logits [K, V] of one forward (``ids`` committed, K mask rows), the mask token banned."""
+    cache = SBDCache(model.config, 1, len(ids) + K, dtype=torch.float32)
+    x = torch.tensor([ids + [mask_id] * K])
+    with torch.no_grad(), cache.forward_plan([len(ids)], [len(ids) + K]) as plan:
+        out = model(input_ids=x, position_ids=torch.arange(x.shape[1]).view(1, -1), past_key_values=cache,
+                    use_cache=True, sbd_plan=plan)  # fmt: skip
+    logits = out.logits[0, len(ids) :].float()
+    logits[:, mask_id] = -math.inf
+    return logits
+
+
+def test_draft_is_verify_decodings_draft(arith):
+    """Slot 0 is the model's own next token (what vLLM's verify step picks, greedy), the rest the block fill's."""
+    firsts = 0
     with one_thread():
         p = _proposer(arith)
-        for s in _sequences(4):
+        for s in _sequences(4, n=6):
+            fill, first = _block_fill(p.model, s), _next_token(p.model, s)
+            assert _propose(p, [s])[0] == [first] + fill[1:]
+            firsts += first != fill[0]
+    assert firsts > 0  # the block rows' own slot 0 differs somewhere: the test tells the two rules apart
+
+
+def test_block_rule_drafts_the_block_fill(arith, monkeypatch):
+    monkeypatch.setenv(DRAFT_ENV, "block")
+    with one_thread():
+        p = _proposer(arith)
+        for s in _sequences(4, n=6):
             assert _propose(p, [s])[0] == _block_fill(p.model, s)
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """A tiny Llama as a plain checkpoint with a random gated drafter and a random sampler head beside it (the layout
+    `sbd-ext export` writes for a drafter). Returns (folder, the model with the drafter)."""
+    folder = tmp_path_factory.mktemp("vllm-gated") / "ckpt"
+    base = tiny_llama(seed=5, block_size_range=(2, 8))
+    base.save_pretrained(folder)
+    model = copy.deepcopy(base)
+    params = drafter.attach(model, MASK_ID, rank=4)
+    g = torch.Generator().manual_seed(6)
+    head = sh.SamplerHead(model.config.hidden_size, hidden=32, topk=16)
+    with torch.no_grad():
+        for t in params:
+            t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+        for t in head.parameters():
+            t.copy_(torch.randn(t.shape, generator=g))
+        head.a.fill_(0.2)  # the head's direction outweighs the drafter's order: slot 1 changes
+    model.sbd_drafter.sampler_head = head.eval()
+    sbd = {"sbd_block_size_range": [2, 8]}
+    drafter.save_drafter(model, folder / drafter.CHECKPOINT_SUBFOLDER, sbd, dtype=torch.float32)
+    return folder, model
+
+
+def test_gated_draft_uses_the_commit_row_and_the_sampler_head(gated):
+    """Slot 0 the base's next token; slot 1 the sampler head's pick given it (plain-torch reference rescoring of the
+    block row's logits); slots 2.. the block rows' most likely tokens. The head changes slot 1 somewhere."""
+    folder, model = gated
+    changed = 0
+    with one_thread():
+        p = _proposer(folder)
+        assert p.settings["gated"] and p.model.sbd_drafter.sampler_head is not None
+        emb = model.get_input_embeddings().weight
+        for s in _sequences(7, n=8, length=12):
+            x = _block_logits(model, s, MASK_ID)
+            t0 = _next_token(model, s)
+            rescored = sh.rescore_reference(model.sbd_drafter.sampler_head, x[1:2], torch.tensor([t0]), emb)
+            want = [t0, int(rescored.argmax())] + x[2:].argmax(-1).tolist()
+            assert _propose(p, [s])[0] == want
+            changed += want[1] != int(x[1].argmax())
+    assert changed > 0
+
+
+def test_a_request_with_no_new_token_recommits_its_last(arith):
+    """vLLM asking again for the same tokens: the slot rolls back one token so its row gives slot 0."""
+    s = _sequences(6, n=1)[0]
+    with one_thread():
+        p = _proposer(arith)
+        a = _propose(p, [s])[0]
+        b = _propose(p, [s])[0]
+        assert a == b == _propose(_proposer(arith), [s])[0]
+        assert p.stats["prefill_rows"] == len(s) + 1
 
 
 def test_incremental_drafts_equal_fresh_drafts(arith):
@@ -138,12 +237,35 @@ def test_fill_forwards_reveal_more_with_more_forwards(arith, monkeypatch):
     assert 1 <= three.stats["forwards"] <= 3 and one.stats["forwards"] == 1
 
 
-@pytest.mark.parametrize("env", [FILL_FORWARDS_ENV, SLOTS_ENV])
+@pytest.mark.parametrize("env", [FILL_FORWARDS_ENV, SLOTS_ENV, DRAFT_ENV, QUANTIZE_ENV])
 @pytest.mark.parametrize("value", ["0", "x", "-2"])
 def test_bad_environment_setting_is_refused(arith, monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ProposerError, match=env):
         SBDProposer(_config(arith))
+
+
+def test_drafting_weights_follow_the_environment(arith, monkeypatch):
+    """Packed fp32 by default (the same values: the same drafts as plain weights here), w8a8 on request (drafts of
+    a cheaper model, still k tokens each); a scheme on a model that is not fp32 is refused."""
+    seqs = _sequences(8, n=4)
+    drafts = {}
+    with one_thread():
+        for weights in (None, "none", "w8a8"):
+            if weights is None:
+                monkeypatch.delenv(QUANTIZE_ENV, raising=False)
+            else:
+                monkeypatch.setenv(QUANTIZE_ENV, weights)
+            p = _proposer(arith)
+            assert quantized_scheme(p.model) == {None: "packed", "none": None}.get(weights, weights)
+            drafts[weights] = [_propose(p, [s])[0] for s in seqs]
+    assert drafts[None] == drafts["none"]
+    assert all(len(d) == K for d in drafts["w8a8"])
+    monkeypatch.setenv(QUANTIZE_ENV, "packed")
+    with pytest.raises(ProposerError, match=QUANTIZE_ENV):
+        SBDProposer(_config(arith, dtype=torch.bfloat16))
+    with pytest.raises(ProposerError, match="from fp32"):
+        load_drafting_model(arith, torch.bfloat16, "int8")
 
 
 def test_block_size_outside_the_trained_range_is_refused(arith):
@@ -185,7 +307,11 @@ def test_gated_export_is_the_plain_base_and_drafts(tmp_path):
         msgs = [{"role": "user", "content": "Why is the sky blue?"}]
         ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
         d = _propose(p, [ids])[0]
-        assert d == _block_fill(p.model, ids)
+        x = _block_logits(p.model, ids, 49152)
+        t0 = _next_token(p.model, ids)
+        emb = p.model.get_input_embeddings().weight
+        s1 = sh.rescore_reference(p.model.sbd_drafter.sampler_head, x[1:2], torch.tensor([t0]), emb).argmax()
+        assert d == [t0, int(s1)] + x[2:].argmax(-1).tolist()
     assert len(d) == K and all(0 <= t < 49152 for t in d)
 
 

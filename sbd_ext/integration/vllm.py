@@ -13,9 +13,15 @@ weights) with::
 The proposer finds the drafter through the served model's path; ``num_speculative_tokens`` is the SBD block size k
 (within the model's ``sbd_block_size_range``). Each step it drafts every running request's next k tokens with SBD's
 block fill: one forward of the tokens vLLM accepted since the last step (committed to the proposer's own KV cache)
-followed by k mask rows (the set block, read by the gated adapter), revealed by the checkpoint's sampler and
-threshold (``generation_config.json``'s ``sbd_*`` fields); after ``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default
-1) the positions still masked take their most likely token.
+followed by k mask rows (the set block, read by the gated adapter). The draft is verify decoding's: slot 0 is the
+last committed row's most likely token (the clean rows are the served model's own computation: the token vLLM's
+greedy verify picks), slot 1 is rescored given it by the drafter's sampler head where it has one, and the other
+slots are revealed by the checkpoint's sampler and threshold (``generation_config.json``'s ``sbd_*`` fields); after
+``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the positions still masked take their most likely token.
+``SBD_EXT_VLLM_DRAFT=block`` takes every slot from the block rows instead (the proposer before 2026-11-27).
+``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights: ``packed`` (default for fp32: the same values in
+row_linear's panel layout), ``int8`` / ``w8a8`` (:func:`sbd_ext.quantize`: cheaper drafts, which vLLM still checks)
+or ``none``.
 
 What vLLM's interface forces (vllm/v1/spec_decode/custom_class_proposer.py and
 vllm/v1/worker/gpu_model_runner.py ``propose_draft_token_ids``, 0.32):
@@ -51,15 +57,20 @@ from .. import drafter as drafter_mod
 from .. import hf  # noqa: F401  (registers attn_implementation="sbd")
 from ..cache import SBDCache
 from ..decoding.gen_config import layered_settings, sbd_fields
-from ..decoding.sampling import sample_block
+from ..decoding.sampling import ban_mask, sample_block
 from ..linear import ensure_row_linear
 from ..metadata import get_sbd_metadata
+from ..quantization import SCHEMES
+from ..quantization import quantize as quantize_model
 from ..samplers import DEFAULT_THRESHOLDS
 
 __all__ = [
     "SBDProposer",
     "ProposerError",
+    "DRAFT_ENV",
+    "DRAFT_RULES",
     "FILL_FORWARDS_ENV",
+    "QUANTIZE_ENV",
     "SLOTS_ENV",
     "STATS_ENV",
     "load_drafting_model",
@@ -69,6 +80,9 @@ __all__ = [
 ]
 
 FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"  # forwards per draft (default 1)
+DRAFT_ENV = "SBD_EXT_VLLM_DRAFT"  # "verify" (default) or "block": where the draft's first token comes from
+DRAFT_RULES = ("verify", "block")
+QUANTIZE_ENV = "SBD_EXT_VLLM_QUANTIZE"  # the drafting model's weights: "packed" (default), "int8", "w8a8", "none"
 SLOTS_ENV = "SBD_EXT_VLLM_SLOTS"  # sequences the proposer's KV cache holds (default 8, at most max_num_seqs)
 STATS_ENV = "SBD_EXT_VLLM_STATS"  # a JSON file the proposer writes its counters to (forwards, time), for benches
 
@@ -88,12 +102,18 @@ def _env_int(name: str, default: int) -> int:
     return n
 
 
-def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32, quantize: str | None = None):
     """The model that drafts for the checkpoint at ``path``: the checkpoint itself with its gated drafter
-    (``path/sbd_drafter``) attached, or the checkpoint alone when it is an SBD model (a mask token in its config).
+    (``path/sbd_drafter``) attached, or the checkpoint alone when it is an SBD model (a mask token in its config);
+    ``quantize`` ("packed", "int8", "w8a8"; fp32 only): its linear weights in that format (:func:`sbd_ext.quantize`).
     Returns ``(model, settings)``: ``settings`` holds ``mask_id``, ``block_range``, ``sampler``, ``threshold``."""
     from transformers import AutoModelForCausalLM
 
+    if quantize is not None and (quantize not in SCHEMES or dtype != torch.float32):
+        raise ProposerError(
+            f"the drafting model's weights can be one of {', '.join(SCHEMES)} (from fp32) or none, got {quantize!r} "
+            f"for {dtype}"
+        )
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ProposerError(
@@ -108,6 +128,8 @@ def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32):
     if gated:
         cfg = drafter_mod.load_weights(model, path / drafter_mod.CHECKPOINT_SUBFOLDER)
         generation = dict(cfg["sbd"].get("generation", {}))
+    if quantize is not None:
+        quantize_model(model, quantize)  # after the drafter: its projections are the ones converted
     mask_id, block_range = get_sbd_metadata(model)
     if mask_id is None:
         raise ProposerError(
@@ -156,6 +178,16 @@ class SBDProposer:
         self.n_slots = min(seqs, _env_int(SLOTS_ENV, 8))
         self.dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.float32
         self.fill_forwards = _env_int(FILL_FORWARDS_ENV, 1)
+        self.draft_rule = os.environ.get(DRAFT_ENV, "verify")
+        if self.draft_rule not in DRAFT_RULES:
+            raise ProposerError(f"{DRAFT_ENV} must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
+        weights = os.environ.get(QUANTIZE_ENV, "packed" if self.dtype == torch.float32 else "none")
+        if weights not in (*SCHEMES, "none") or (weights != "none" and self.dtype != torch.float32):
+            raise ProposerError(
+                f"{QUANTIZE_ENV} must be one of {', '.join(SCHEMES)} (an fp32 model) or none, got {weights!r} for "
+                f"{self.dtype}"
+            )
+        self.quantize = None if weights == "none" else weights
         if self.k < 1:
             raise ProposerError(f"num_speculative_tokens must be >= 1, got {self.k}")
         self.model = None
@@ -171,7 +203,7 @@ class SBDProposer:
         """Load the drafting model from the served checkpoint (``target_model``, vLLM's module, has no plain weights
         to share on the CPU: see the module doc), check the block size, allocate the KV cache (``n_slots``
         sequences of ``max_model_len + k`` rows)."""
-        model, settings = load_drafting_model(self.path, self.dtype)
+        model, settings = load_drafting_model(self.path, self.dtype, self.quantize)
         lo, hi = settings["block_range"]
         if not lo <= self.k <= hi:
             raise ProposerError(
@@ -197,6 +229,7 @@ class SBDProposer:
                 best, best_len = s, n
         if best is None:
             return None
+        best_len = min(best_len, len(tokens) - 1)  # the last token is always committed: its row gives slot 0
         taken.add(best.b)
         self.cache.rollback(best.b, best_len)
         best.tokens = best.tokens[:best_len]
@@ -214,7 +247,13 @@ class SBDProposer:
 
     @torch.inference_mode()
     def _draft(self, work: list[tuple[_Slot, np.ndarray]]) -> list[list[int]]:
-        """Drafts for ``work`` (slot, tokens) in one batched forward (+ fill forwards) over the slots' rows."""
+        """Drafts for ``work`` (slot, tokens) in one batched forward (+ fill forwards) over the slots' rows.
+
+        The draft is verify decoding's (``SBD_EXT_VLLM_DRAFT=verify``, the default): slot 0 is the last committed
+        row's most likely token (the clean rows are the served model's own computation, so this is the token vLLM's
+        verify step picks, greedy, up to the two forwards' rounding), slot 1 is rescored given it by the drafter's
+        sampler head where it has one, the rest come from the block rows. ``block``: every slot from the block rows
+        (the proposer before 2026-11-27; an ablation)."""
         k, mask = self.k, self.settings["mask_id"]
         rule = (self.settings["sampler"], self.settings["threshold"])
         lo, hi = min(s.b for s, _ in work), max(s.b for s, _ in work) + 1
@@ -231,14 +270,22 @@ class SBDProposer:
             n_commit[r], n_valid[r] = len(new), len(new) + k
             self.stats["prefill_rows"] += len(new)
         rows = [s.b - lo for s, _ in work]
-        first = min(n_commit[r] for r in rows)
+        first = min(n_commit[r] for r in rows) - 1  # >= 0: every request commits its last token (_slot_for)
         view = self.cache.batch_view(lo, hi)
         try:
             out = self._forward(view, ids, pos, n_commit, n_valid, T - first)
-            logits = torch.stack([out[r, n_commit[r] - first : n_commit[r] - first + k] for r in rows])
+            at = [n_commit[r] - first for r in rows]  # each request's first block row in ``out``
+            logits = torch.stack([out[r, a : a + k] for r, a in zip(rows, at, strict=True)])
             for s, tokens in work:
                 s.tokens = tokens.copy()
             block = torch.full((len(work), k), mask, dtype=torch.int64)
+            if self.draft_rule == "verify":
+                commit = ban_mask(torch.stack([out[r, a - 1] for r, a in zip(rows, at, strict=True)]), mask)
+                block[:, 0] = commit.argmax(-1)
+                head = getattr(getattr(self.model, "sbd_drafter", None), "sampler_head", None)
+                if head is not None and k >= 2:
+                    x1 = ban_mask(logits[:, 1].clone(), mask)
+                    logits[:, 1] = head.rescore_(x1, block[:, 0], self.model.get_input_embeddings().weight)
             for f in range(self.fill_forwards):
                 _, n_rem, _, _, tok = sample_block(logits, block, mask, *rule)
                 if int(n_rem.max()) == 0:
