@@ -37,6 +37,13 @@ K = 4
 MAX_LEN = 256
 
 
+@pytest.fixture(autouse=True)
+def plain_weights(monkeypatch):
+    """fp32 weights as loaded (the proposer's default is w8a8, whose int8 inputs are not the same numbers from one
+    row grouping to another): the drafts are then compared token for token with sbd_ext's own decoding."""
+    monkeypatch.setenv(QUANTIZE_ENV, "none")
+
+
 def _config(path, k=K, max_len=MAX_LEN, seqs=4, dtype=torch.float32):
     return types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(num_speculative_tokens=k),
@@ -246,21 +253,22 @@ def test_bad_environment_setting_is_refused(arith, monkeypatch, env, value):
 
 
 def test_drafting_weights_follow_the_environment(arith, monkeypatch):
-    """Packed fp32 by default (the same values: the same drafts as plain weights here), w8a8 on request (drafts of
-    a cheaper model, still k tokens each); a scheme on a model that is not fp32 is refused."""
+    """w8a8 by default (drafts of a cheaper, rounded model: still k tokens each, slot 0 its own next token), packed
+    on request (the same values: the same drafts as plain weights here); a scheme on a model that is not fp32 is
+    refused."""
     seqs = _sequences(8, n=4)
     drafts = {}
     with one_thread():
-        for weights in (None, "none", "w8a8"):
+        for weights in (None, "none", "packed"):
             if weights is None:
                 monkeypatch.delenv(QUANTIZE_ENV, raising=False)
             else:
                 monkeypatch.setenv(QUANTIZE_ENV, weights)
             p = _proposer(arith)
-            assert quantized_scheme(p.model) == {None: "packed", "none": None}.get(weights, weights)
+            assert quantized_scheme(p.model) == {None: "w8a8", "none": None}.get(weights, weights)
             drafts[weights] = [_propose(p, [s])[0] for s in seqs]
-    assert drafts[None] == drafts["none"]
-    assert all(len(d) == K for d in drafts["w8a8"])
+    assert drafts["packed"] == drafts["none"]
+    assert all(len(d) == K and p.settings["mask_id"] not in d for d in drafts[None])
     monkeypatch.setenv(QUANTIZE_ENV, "packed")
     with pytest.raises(ProposerError, match=QUANTIZE_ENV):
         SBDProposer(_config(arith, dtype=torch.bfloat16))

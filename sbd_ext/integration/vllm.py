@@ -19,9 +19,9 @@ greedy verify picks), slot 1 is rescored given it by the drafter's sampler head 
 slots are revealed by the checkpoint's sampler and threshold (``generation_config.json``'s ``sbd_*`` fields); after
 ``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the positions still masked take their most likely token.
 ``SBD_EXT_VLLM_DRAFT=block`` takes every slot from the block rows instead (the proposer before 2026-11-27).
-``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights: ``packed`` (default for fp32: the same values in
-row_linear's panel layout), ``int8`` / ``w8a8`` (:func:`sbd_ext.quantize`: cheaper drafts, which vLLM still checks)
-or ``none``.
+``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights (:func:`sbd_ext.quantize`): ``w8a8`` (the default
+for an fp32 model: int8 weights and inputs, a cheaper draft forward; vLLM still checks every draft, so the output is
+vLLM's), ``int8``, ``packed`` (the same fp32 values in row_linear's panel layout) or ``none``.
 
 What vLLM's interface forces (vllm/v1/spec_decode/custom_class_proposer.py and
 vllm/v1/worker/gpu_model_runner.py ``propose_draft_token_ids``, 0.32):
@@ -82,7 +82,7 @@ __all__ = [
 FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"  # forwards per draft (default 1)
 DRAFT_ENV = "SBD_EXT_VLLM_DRAFT"  # "verify" (default) or "block": where the draft's first token comes from
 DRAFT_RULES = ("verify", "block")
-QUANTIZE_ENV = "SBD_EXT_VLLM_QUANTIZE"  # the drafting model's weights: "packed" (default), "int8", "w8a8", "none"
+QUANTIZE_ENV = "SBD_EXT_VLLM_QUANTIZE"  # the drafting model's weights: "w8a8" (default), "int8", "packed", "none"
 SLOTS_ENV = "SBD_EXT_VLLM_SLOTS"  # sequences the proposer's KV cache holds (default 8, at most max_num_seqs)
 STATS_ENV = "SBD_EXT_VLLM_STATS"  # a JSON file the proposer writes its counters to (forwards, time), for benches
 
@@ -181,7 +181,7 @@ class SBDProposer:
         self.draft_rule = os.environ.get(DRAFT_ENV, "verify")
         if self.draft_rule not in DRAFT_RULES:
             raise ProposerError(f"{DRAFT_ENV} must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
-        weights = os.environ.get(QUANTIZE_ENV, "packed" if self.dtype == torch.float32 else "none")
+        weights = os.environ.get(QUANTIZE_ENV, "w8a8" if self.dtype == torch.float32 else "none")
         if weights not in (*SCHEMES, "none") or (weights != "none" and self.dtype != torch.float32):
             raise ProposerError(
                 f"{QUANTIZE_ENV} must be one of {', '.join(SCHEMES)} (an fp32 model) or none, got {weights!r} for "
