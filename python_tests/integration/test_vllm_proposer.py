@@ -106,6 +106,15 @@ def _block_logits(model, ids: list[int], mask_id: int) -> torch.Tensor:
     return logits
 
 
+def _chained(head, x: torch.Tensor, t0: int, emb: torch.Tensor) -> list[int]:
+    """The reference draft with a sampler head: ``t0``, then slot j the argmax of the plain-torch rescoring of the
+    block row's logits ``x[j]`` given the token chosen at slot j-1."""
+    out = [t0]
+    for j in range(1, x.shape[0]):
+        out.append(int(sh.rescore_reference(head, x[j : j + 1], torch.tensor([out[-1]]), emb).argmax()))
+    return out
+
+
 def test_draft_is_verify_decodings_draft(arith):
     """Slot 0 is the model's own next token (what vLLM's verify step picks, greedy), the rest the block fill's."""
     firsts = 0
@@ -151,7 +160,7 @@ def gated(tmp_path_factory):
 
 def test_gated_draft_uses_the_commit_row_and_the_sampler_head(gated):
     """Slot 0 the base's next token; slot 1 the sampler head's pick given it (plain-torch reference rescoring of the
-    block row's logits); slots 2.. the block rows' most likely tokens. The head changes slot 1 somewhere."""
+    block row's logits), each later slot the head's pick given the slot before. The head changes slot 1 somewhere."""
     folder, model = gated
     changed = 0
     with one_thread():
@@ -160,9 +169,7 @@ def test_gated_draft_uses_the_commit_row_and_the_sampler_head(gated):
         emb = model.get_input_embeddings().weight
         for s in _sequences(7, n=8, length=12):
             x = _block_logits(model, s, MASK_ID)
-            t0 = _next_token(model, s)
-            rescored = sh.rescore_reference(model.sbd_drafter.sampler_head, x[1:2], torch.tensor([t0]), emb)
-            want = [t0, int(rescored.argmax())] + x[2:].argmax(-1).tolist()
+            want = _chained(model.sbd_drafter.sampler_head, x, _next_token(model, s), emb)
             assert _propose(p, [s])[0] == want
             changed += want[1] != int(x[1].argmax())
     assert changed > 0
@@ -316,10 +323,8 @@ def test_gated_export_is_the_plain_base_and_drafts(tmp_path):
         ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
         d = _propose(p, [ids])[0]
         x = _block_logits(p.model, ids, 49152)
-        t0 = _next_token(p.model, ids)
         emb = p.model.get_input_embeddings().weight
-        s1 = sh.rescore_reference(p.model.sbd_drafter.sampler_head, x[1:2], torch.tensor([t0]), emb).argmax()
-        assert d == [t0, int(s1)] + x[2:].argmax(-1).tolist()
+        assert d == _chained(p.model.sbd_drafter.sampler_head, x, _next_token(p.model, ids), emb)
     assert len(d) == K and all(0 <= t < 49152 for t in d)
 
 

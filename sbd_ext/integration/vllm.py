@@ -15,9 +15,10 @@ The proposer finds the drafter through the served model's path; ``num_speculativ
 block fill: one forward of the tokens vLLM accepted since the last step (committed to the proposer's own KV cache)
 followed by k mask rows (the set block, read by the gated adapter). The draft is verify decoding's: slot 0 is the
 last committed row's most likely token (the clean rows are the served model's own computation: the token vLLM's
-greedy verify picks), slot 1 is rescored given it by the drafter's sampler head where it has one, and the other
-slots are revealed by the checkpoint's sampler and threshold (``generation_config.json``'s ``sbd_*`` fields); after
-``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the positions still masked take their most likely token.
+greedy verify picks), slot 1 is rescored given it by the drafter's sampler head where it has one (and each later
+slot given the token chosen before it), and the slots are revealed by the checkpoint's sampler and threshold
+(``generation_config.json``'s ``sbd_*`` fields); after ``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the
+positions still masked take their most likely token.
 ``SBD_EXT_VLLM_DRAFT=block`` takes every slot from the block rows instead (the proposer before 2026-11-27).
 ``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights (:func:`sbd_ext.quantize`): ``w8a8`` (the default
 for an fp32 model: int8 weights and inputs, a cheaper draft forward; vLLM still checks every draft, so the output is
@@ -251,9 +252,10 @@ class SBDProposer:
 
         The draft is verify decoding's (``SBD_EXT_VLLM_DRAFT=verify``, the default): slot 0 is the last committed
         row's most likely token (the clean rows are the served model's own computation, so this is the token vLLM's
-        verify step picks, greedy, up to the two forwards' rounding), slot 1 is rescored given it by the drafter's
-        sampler head where it has one, the rest come from the block rows. ``block``: every slot from the block rows
-        (the proposer before 2026-11-27; an ablation)."""
+        verify step picks, greedy, up to the two forwards' rounding); where the drafter has a sampler head, slot 1
+        is rescored given it and each later slot given the token chosen before it (the head chained); the block
+        rows' logits otherwise. ``block``: every slot from the block rows (the proposer before 2026-11-27; an
+        ablation)."""
         k, mask = self.k, self.settings["mask_id"]
         rule = (self.settings["sampler"], self.settings["threshold"])
         lo, hi = min(s.b for s, _ in work), max(s.b for s, _ in work) + 1
@@ -283,9 +285,11 @@ class SBDProposer:
                 commit = ban_mask(torch.stack([out[r, a - 1] for r, a in zip(rows, at, strict=True)]), mask)
                 block[:, 0] = commit.argmax(-1)
                 head = getattr(getattr(self.model, "sbd_drafter", None), "sampler_head", None)
-                if head is not None and k >= 2:
-                    x1 = ban_mask(logits[:, 1].clone(), mask)
-                    logits[:, 1] = head.rescore_(x1, block[:, 0], self.model.get_input_embeddings().weight)
+                if head is not None:  # each later slot given the token chosen before it (vLLM accepts left to right)
+                    emb, prev = self.model.get_input_embeddings().weight, block[:, 0]
+                    for j in range(1, k):
+                        logits[:, j] = head.rescore_(ban_mask(logits[:, j].clone(), mask), prev, emb)
+                        prev = logits[:, j].argmax(-1)
             for f in range(self.fill_forwards):
                 _, n_rem, _, _, tok = sample_block(logits, block, mask, *rule)
                 if int(n_rem.max()) == 0:
