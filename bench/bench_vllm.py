@@ -13,9 +13,10 @@ Every row is a real ``vllm serve`` (:class:`sbd_ext.integration.server.VLLMServe
   the task-tuned SBD model, served as a plain Llama; it drafts with its own weights; k = 8 (its shipped block size).
 
 Methods: ``plain`` (vLLM alone: the baseline), ``ngram`` (vLLM's prompt-lookup proposer, k tokens, n-grams 2-4: the
-existing alternative) and ``sbd`` (:class:`sbd_ext.integration.vllm.SBDProposer`, one drafter forward per cycle:
-verify decoding's draft, packed fp32 weights), with the ablations ``sbd-block`` (every slot from the block rows,
-plain weights: the proposer before 2026-11-27) and ``sbd-w8a8`` (the drafting model in w8a8), at
+existing alternative) and ``sbd`` (:class:`sbd_ext.integration.vllm.SBDProposer`, one drafter forward per cycle,
+its defaults: verify decoding's draft, the sampler head chained, a w8a8 drafting model), with the ablations
+``sbd-packed`` (the drafting model in fp32, packed) and ``sbd-block`` (every slot from the block rows, fp32 weights as
+loaded: the proposer before 2026-11-27), at
 ``SBD_BENCH_THREADS_LIST`` threads ("1,2") and ``SBD_BENCH_CONCURRENCY`` concurrent requests ("1,4"); ``SBD_BENCH_N``
 prompts (8), ``SBD_BENCH_MAX_NEW`` tokens (64), ``SBD_BENCH_TASKS`` ("general,arith"), ``SBD_BENCH_METHODS``,
 ``SBD_BENCH_RESULTS_NAME`` (the results' file name, "bench"), ``SBD_BENCH_K`` (the block size per task,
@@ -59,7 +60,7 @@ K = {t: int(k) for t, k in (kv.split("=") for kv in os.environ.get("SBD_BENCH_K"
 SBD_METHODS = {  # the proposer's environment per method
     "sbd": {},
     "sbd-block": {DRAFT_ENV: "block", QUANTIZE_ENV: "none"},
-    "sbd-w8a8": {QUANTIZE_ENV: "w8a8"},
+    "sbd-packed": {QUANTIZE_ENV: "packed"},
 }
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm"
 NAME = os.environ.get("SBD_BENCH_RESULTS_NAME", "bench")  # bench/results/vllm/<NAME>.json / .md

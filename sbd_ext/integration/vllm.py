@@ -103,6 +103,18 @@ def _env_int(name: str, default: int) -> int:
     return n
 
 
+def _drafting_weights(scheme: str | None, dtype: torch.dtype, source: str) -> str | None:
+    """The drafting model's weight scheme (None: as loaded), checked: one of sbd_ext's schemes, and only for an fp32
+    model; ``source`` names the setting in the error."""
+    if scheme is None:
+        return None
+    if scheme not in SCHEMES or dtype != torch.float32:
+        raise ProposerError(
+            f"{source} must be one of {', '.join(SCHEMES)} (from fp32) or none, got {scheme!r} for {dtype}"
+        )
+    return scheme
+
+
 def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32, quantize: str | None = None):
     """The model that drafts for the checkpoint at ``path``: the checkpoint itself with its gated drafter
     (``path/sbd_drafter``) attached, or the checkpoint alone when it is an SBD model (a mask token in its config);
@@ -110,11 +122,7 @@ def load_drafting_model(path: str | Path, dtype: torch.dtype = torch.float32, qu
     Returns ``(model, settings)``: ``settings`` holds ``mask_id``, ``block_range``, ``sampler``, ``threshold``."""
     from transformers import AutoModelForCausalLM
 
-    if quantize is not None and (quantize not in SCHEMES or dtype != torch.float32):
-        raise ProposerError(
-            f"the drafting model's weights can be one of {', '.join(SCHEMES)} (from fp32) or none, got {quantize!r} "
-            f"for {dtype}"
-        )
+    quantize = _drafting_weights(quantize, dtype, "the drafting model's weights (quantize)")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ProposerError(
@@ -183,12 +191,7 @@ class SBDProposer:
         if self.draft_rule not in DRAFT_RULES:
             raise ProposerError(f"{DRAFT_ENV} must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
         weights = os.environ.get(QUANTIZE_ENV, "w8a8" if self.dtype == torch.float32 else "none")
-        if weights not in (*SCHEMES, "none") or (weights != "none" and self.dtype != torch.float32):
-            raise ProposerError(
-                f"{QUANTIZE_ENV} must be one of {', '.join(SCHEMES)} (an fp32 model) or none, got {weights!r} for "
-                f"{self.dtype}"
-            )
-        self.quantize = None if weights == "none" else weights
+        self.quantize = _drafting_weights(None if weights == "none" else weights, self.dtype, QUANTIZE_ENV)
         if self.k < 1:
             raise ProposerError(f"num_speculative_tokens must be >= 1, got {self.k}")
         self.model = None
