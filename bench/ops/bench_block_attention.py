@@ -178,14 +178,18 @@ def _print_summary(tr):
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------------
-ATTN_SHAPES = [  # (model, Hq, Hkv, D, cache length, T rows, committed rows)
-    *[("llama3.1-8b", 32, 8, 128, L, T, T - 16) for L in (1024, 4096, 16384, 32768) for T in (16, 32)],
-    *[("smollm2-135m", 9, 3, 64, L, 16, 0) for L in (1024, 4096)],
+ATTN_SHAPES = [  # (model, Hq, Hkv, D, cache length, T rows, committed rows, dtype)
+    *[("llama3.1-8b", 32, 8, 128, L, T, T - 16, "bf16") for L in (1024, 4096, 16384, 32768) for T in (16, 32)],
+    *[("smollm2-135m", 9, 3, 64, L, 16, 0, "bf16") for L in (1024, 4096)],
+    # SmolLM2's decode steps in fp32 (the CUDA-core kernel): an NTP step (T = 1) and a verify step at k = 4 (one
+    # commit row + 4 block rows), at a chat-length cache and a longer one
+    *[("smollm2-135m", 9, 3, 64, L, T, min(T, 1), "fp32") for L in (128, 1024) for T in (1, 5)],
 ]
+DTYPE_OF = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def attn_inputs(Hq, Hkv, D, L, T, c):
-    B, dt = 1, torch.bfloat16
+def attn_inputs(Hq, Hkv, D, L, T, c, dtype="bf16"):
+    B, dt = 1, DTYPE_OF[dtype]
     S = L + T
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=dt)
     k, v = torch.randn(2, B, Hkv, T, D, device="cuda", dtype=dt)
@@ -198,15 +202,20 @@ def attn_inputs(Hq, Hkv, D, L, T, c):
 
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("impl", ["sbd_ext", "reference", "sdpa_gqa"])
-@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=[f"{m}-L{L}-T{T}" for m, _, _, _, L, T, _ in ATTN_SHAPES])
+@pytest.mark.parametrize(
+    "shape",
+    ATTN_SHAPES,
+    ids=[f"{m}-L{L}-T{T}" + ("-fp32" if d == "fp32" else "") for m, _, _, _, L, T, _, d in ATTN_SHAPES],
+)
 def test_block_attention_gpu(benchmark, device, shape, impl):
     """The GPU cases, CUDA-event timed with the L2 flushed (cuda_timing.measure); the CPU cases are above."""
-    model, Hq, Hkv, D, L, T, c = shape
-    q, k, v, kc, vc, lens, commit, valid = attn_inputs(Hq, Hkv, D, L, T, c)
+    model, Hq, Hkv, D, L, T, c, dtype = shape
+    q, k, v, kc, vc, lens, commit, valid = attn_inputs(Hq, Hkv, D, L, T, c, dtype)
     scale = D**-0.5
     # Bytes that must move: the K/V cache once (the roofline), plus the new rows' q / k / v and the output.
-    kv_bytes = 2 * Hkv * L * D * 2
-    nbytes = kv_bytes + (Hq * T * D * 2) * 2 + 2 * Hkv * T * D * 2 * 2
+    es = q.element_size()
+    kv_bytes = 2 * Hkv * L * D * es
+    nbytes = kv_bytes + (Hq * T * D * es) * 2 + 2 * Hkv * T * D * es * 2
     extra = None
     if impl == "sbd_ext":
         fn = lambda: sbd_ext.block_attention(q, k, v, kc, vc, lens, commit, valid, scale)  # noqa: E731
@@ -234,7 +243,7 @@ def test_block_attention_gpu(benchmark, device, shape, impl):
         benchmark,
         "block_attention",
         impl,
-        f"{model} L={L} T={T} (commit {c}) bf16",
+        f"{model} L={L} T={T} (commit {c}) {dtype}",
         fn,
         nbytes,
         rounds=ROUNDS if impl != "reference" else REF_ROUNDS,

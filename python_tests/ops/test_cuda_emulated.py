@@ -104,6 +104,10 @@ ATTN = [  # (B, Hkv, g, T, D, S, lens, commit, valid)
     # Lengths past int32 and int64 limits, negative, n_valid > T: each sequence invalid in its own way, none written.
     (3, 1, 2, 4, 64, 20, [2**63 - 1, 3, -1], [1, 2, 0], [4, 5, 2]),
     (2, 1, 4, 4, 128, 20, [2**31, 16], [4, 4], [2**31 + 4, 4]),  # the second sequence is valid and must be exact
+    # SmolLM2's decode steps (9 q / 3 KV heads, D 64): NTP (T = 1, M = 3 packed rows: warps 0-2 one row each, warp 3
+    # none) and verify at k = 4 (T = 5, M = 15), over a cache split across blocks
+    (1, 3, 3, 1, 64, 600, [300], [1], [1]),
+    (1, 3, 3, 5, 64, 600, [300], [1], [5]),
     # Head dim 32 (the embedded demo models): 4 chunks per row (its own swizzle), one output dim per lane.
     (2, 2, 2, 16, 32, 300, [257, 3], [16, 5], [16, 9]),
     (1, 1, 4, 33, 32, 80, [40], [20], [33]),

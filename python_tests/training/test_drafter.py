@@ -764,7 +764,7 @@ def test_merged_compiled_verify_equals_the_base():
 def test_cuda_compiled_verify_merges_and_equals_the_base():
     """On CUDA the compiled step merges the adapters by default (auto) and verify still equals the base's NTP
     decoding; forced off, the LoRA products give the same tokens."""
-    base, model = _with_drafter(seed=21)
+    base, model = _with_drafter(seed=21, n_heads=2, n_kv_heads=1)  # head dim 32: the CUDA kernels take 32, 64, 128
     base, model = base.cuda(), model.cuda()
     ids, att = random_prompts([5, 8], seed=22)
     ids, att = ids.cuda(), att.cuda()

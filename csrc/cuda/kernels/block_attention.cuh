@@ -476,7 +476,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
     vstride = p.vc_st;
   }
 
-  const int row0 = w.mt * kBM + warp * kRows;  // packed row of this warp's first row
+  // Rows go to warps round-robin (tile row warp + kWarps * rr), and a warp stops at the tile's last packed row: a
+  // decode step has M = group * T packed rows (3 for SmolLM2's NTP step, 15 for a verify step at k = 4), so the
+  // rows spread over all four warps, and none of the 64 - M padding rows costs its serial dot / softmax / P V chain
+  // (it did: every warp ran 16 rows, real or not, ~40 us per layer at a 100-key cache on an H200).
+  const int rows_here = min(kBM, M - w.mt * kBM);
+  const int row0 = w.mt * kBM + warp;  // packed row of this warp's first row; its rr-th is row0 + kWarps * rr
   float acc[kRows][kPer];
   float m_run[kRows], l_run[kRows];
 #pragma unroll
@@ -507,7 +512,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
     const float4* krow = reinterpret_cast<const float4*>(sK + lane * kKStride);
 #pragma unroll
     for (int rr = 0; rr < kRows; ++rr) {
-      const float4* qrow = reinterpret_cast<const float4*>(sQ + (warp * kRows + rr) * D);
+      if (warp + kWarps * rr >= rows_here) break;  // warp-uniform: the rest of this warp's rows are padding
+      const float4* qrow = reinterpret_cast<const float4*>(sQ + (warp + kWarps * rr) * D);
       float dot = 0.f;
 #pragma unroll
       for (int d4 = 0; d4 < D / 4; ++d4) {
@@ -517,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
         dot = fmaf(a.z, b.z, dot);
         dot = fmaf(a.w, b.w, dot);
       }
-      const float sc = visible(p, w, (row0 + rr) / g, key) ? logit(p, dot, scale_log2) : -INFINITY;
+      const float sc = visible(p, w, (row0 + kWarps * rr) / g, key) ? logit(p, dot, scale_log2) : -INFINITY;
       float mx = sc;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -540,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_simt_kernel(BlockAttentionPa
   }
 #pragma unroll
   for (int rr = 0; rr < kRows; ++rr) {
-    const int r = warp * kRows + rr;
+    const int r = warp + kWarps * rr;  // padding rows write their empty state (the merge never reads them)
     float* po = part_o(p) + (w.part * kBM + r) * D;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) po[lane + 32 * k] = acc[rr][k];
