@@ -14,9 +14,10 @@ Every row is a real ``vllm serve`` (:class:`sbd_ext.integration.server.VLLMServe
 
 Methods: ``plain`` (vLLM alone: the baseline), ``ngram`` (vLLM's prompt-lookup proposer, k tokens, n-grams 2-4: the
 existing alternative) and ``sbd`` (:class:`sbd_ext.integration.vllm.SBDProposer`, one drafter forward per cycle,
-its defaults: verify decoding's draft, the sampler head chained, a w8a8 drafting model), with the ablations
-``sbd-packed`` (the drafting model in fp32, packed) and ``sbd-block`` (every slot from the block rows, fp32 weights as
-loaded: the proposer before 2026-11-27), at
+its defaults: verify decoding's draft, the sampler head chained, a w8a8 drafting model), ``sbd-compiled`` (the same
+with ``SBD_EXT_VLLM_COMPILE=1``: a one-request step's draft forward compiled; the compile happens while the server
+starts), with the ablations ``sbd-packed`` (the drafting model in fp32, packed) and ``sbd-block`` (every slot from
+the block rows, fp32 weights as loaded: the proposer before 2026-11-27), at
 ``SBD_BENCH_THREADS_LIST`` threads ("1,2") and ``SBD_BENCH_CONCURRENCY`` concurrent requests ("1,4"); ``SBD_BENCH_N``
 prompts (8), ``SBD_BENCH_MAX_NEW`` tokens (64), ``SBD_BENCH_TASKS`` ("general,arith"), ``SBD_BENCH_METHODS``,
 ``SBD_BENCH_RESULTS_NAME`` (the results' file name, "bench"), ``SBD_BENCH_K`` (the block size per task,
@@ -45,7 +46,7 @@ pytest.importorskip("vllm", reason="vLLM runs in its own venv: bash tools/vllm_e
 
 from sbd_ext.demo import export  # noqa: E402
 from sbd_ext.integration.server import VLLMServer  # noqa: E402
-from sbd_ext.integration.vllm import DRAFT_ENV, QUANTIZE_ENV, STATS_ENV, speculative_config  # noqa: E402
+from sbd_ext.integration.vllm import COMPILE_ENV, DRAFT_ENV, QUANTIZE_ENV, STATS_ENV, speculative_config  # noqa: E402
 from sbd_ext.recipes.smollm2 import checkpoint, data  # noqa: E402
 from sbd_ext.recipes.smollm2.prompts import eval_prompts  # noqa: E402
 
@@ -61,6 +62,7 @@ SBD_METHODS = {  # the proposer's environment per method
     "sbd": {},
     "sbd-block": {DRAFT_ENV: "block", QUANTIZE_ENV: "none"},
     "sbd-packed": {QUANTIZE_ENV: "packed"},
+    "sbd-compiled": {COMPILE_ENV: "1"},
 }
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm"
 NAME = os.environ.get("SBD_BENCH_RESULTS_NAME", "bench")  # bench/results/vllm/<NAME>.json / .md

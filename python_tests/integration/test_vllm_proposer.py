@@ -22,6 +22,7 @@ from sbd_ext.cache import SBDCache
 from sbd_ext.demo import export, models
 from sbd_ext.drafter import sampler_head as sh
 from sbd_ext.integration.vllm import (
+    COMPILE_ENV,
     DRAFT_ENV,
     FILL_FORWARDS_ENV,
     QUANTIZE_ENV,
@@ -257,6 +258,33 @@ def test_bad_environment_setting_is_refused(arith, monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ProposerError, match=env):
         SBDProposer(_config(arith))
+
+
+@pytest.mark.parametrize("value", ["x", "2", "true"])
+def test_bad_compile_setting_is_refused(arith, monkeypatch, value):
+    monkeypatch.setenv(COMPILE_ENV, value)
+    with pytest.raises(ProposerError, match=COMPILE_ENV):
+        SBDProposer(_config(arith))
+
+
+def test_compiled_draft_forward_drafts_as_the_eager_one(gated, monkeypatch):
+    """SBD_EXT_VLLM_COMPILE=1: a one-request step's draft forward runs compiled (sbd_ext's compiled forward, any row
+    count: the prefill and each later step in one graph), a step with two requests eagerly; every draft equals the
+    eager proposer's, through accepted tokens, a rollback and a second request (the gated drafter and its head)."""
+    folder, _ = gated
+    seqs = _sequences(11, n=2, length=14)
+    with one_thread():
+        eager = _proposer(folder)
+        monkeypatch.setenv(COMPILE_ENV, "1")
+        comp = _proposer(folder)
+        assert comp.stats["compiled_forwards"] == 0  # the warm-up is not counted
+        steps = [[seqs[0][:14]], [seqs[0][:15]], [seqs[0][:18]], [seqs[0][:16]], [seqs[0][:19], seqs[1][:14]],
+                 [seqs[1][:17]]]  # fmt: skip
+        for rows in steps:
+            assert _propose(comp, rows) == _propose(eager, rows), rows
+    assert comp.stats["forwards"] == eager.stats["forwards"] == len(steps)
+    assert comp.stats["compiled_forwards"] == len(steps) - 1  # the two-request step drafted eagerly
+    assert comp.cache.seq_lens == eager.cache.seq_lens
 
 
 def test_drafting_weights_follow_the_environment(arith, monkeypatch):

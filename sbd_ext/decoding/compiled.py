@@ -20,7 +20,7 @@ from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
 
-__all__ = ["StaticStep", "COMPILED_RUN_LOCK", "decode_compiled", "pooled_cache"]
+__all__ = ["StaticStep", "COMPILED_RUN_LOCK", "compiled_rows_forward", "decode_compiled", "pooled_cache"]
 
 
 # Compiled generations run one at a time (CUDA-graph trees and the pooled caches are per process). Eager generations
@@ -105,6 +105,7 @@ def _static_forward(
     block_rows: int,
     sbd: bool = True,
     branch_rows: int = 0,
+    block_from: int = 0,
 ) -> torch.Tensor:
     """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
 
@@ -112,7 +113,8 @@ def _static_forward(
     committed rows and valid rows ([5, B] with ``branch_rows``: then the branch's cache length and valid rows, the
     branch being the last ``branch_rows`` rows). Runs the decoder and the output head; with ``block_rows`` > 0 only each
     sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
-    small model with a large vocabulary). ``sbd`` False (NTP forwards): the plan says there are no set-block rows,
+    small model with a large vocabulary); ``block_from`` shifts that range (-1: the last committed row too, whose
+    logits are the model's next token). ``sbd`` False (NTP forwards): the plan says there are no set-block rows,
     so a gated drafter adds nothing to the graph (not even a zero-gated adapter). Returns logits [B, block_rows or
     T, V].
     """
@@ -132,9 +134,11 @@ def _static_forward(
     ).last_hidden_state
     plan.check_layers()
     if block_rows:
-        rows = meta[1].long().view(B, 1) + torch.arange(block_rows, device=meta.device).view(1, block_rows)
+        rows = (meta[1].long() + block_from).view(B, 1) + torch.arange(block_rows, device=meta.device).view(
+            1, block_rows
+        )
         # A shortened last block (budget) or a finished sequence reads past its rows: clamped, never used.
-        rows = rows.clamp(max=tokens.shape[2] - 1)
+        rows = rows.clamp(min=0, max=tokens.shape[2] - 1)
         hidden = torch.gather(hidden, 1, rows.unsqueeze(-1).expand(B, block_rows, hidden.shape[-1]))
     return families.lm_logits(model, hidden)  # the head as the model's forward applies it (final soft-capping)
 
@@ -212,6 +216,40 @@ def _with_cache_tag(fn):
             return fn(*args)
 
     return run
+
+
+def compiled_rows_forward(
+    model,
+    cache: SBDCache,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    n_commit: list[int],
+    n_valid: list[int],
+    rows: int,
+    row_from: int = 0,
+) -> torch.Tensor:
+    """One forward of ``model`` over ``cache`` (on the CPU) through the compiled step's forward, any row count.
+
+    ``ids`` / ``pos`` [B, T] and the plan ``n_commit`` / ``n_valid`` as for :meth:`SBDCache.forward_plan`. Returns the
+    logits of ``rows`` rows per sequence, from row ``n_commit[b] + row_from`` on ([B, rows, V]; -1: the last committed
+    row and the block after it), and advances the cache by ``n_commit``. T is marked dynamic: one graph serves every
+    row count (a prompt's prefill and each later forward), one per batch size B and (rows, row_from). The first call
+    compiles (minutes on one thread for a 135M model; inductor's on-disk cache keeps it for the next process). The
+    model's drafter factors are read as they were at the last ``drafter.refresh``. Used by the vLLM proposer
+    (sbd_ext.integration.vllm, ``SBD_EXT_VLLM_COMPILE``)."""
+    device = cache.layers[0].keys.device
+    if device.type != "cpu":
+        raise ValueError(f"compiled_rows_forward runs on the CPU (CUDA: generate(..., compile=True)), got {device}")
+    if ids.dim() != 2 or ids.shape != pos.shape or ids.shape[1] < 2:
+        raise ValueError(f"compiled_rows_forward: ids and pos must be [B, T] with T >= 2, got {tuple(ids.shape)}")
+    n_commit, n_valid = cache.check_plan(n_commit, n_valid)
+    tokens = torch.stack([ids, pos])
+    meta = torch.tensor([cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
+    torch._dynamo.mark_dynamic(tokens, 2)
+    with cache.static_forwards():
+        logits = _compiled_forward(device)(model, cache, tokens, meta, rows, True, 0, row_from)
+    cache.advance(n_commit)
+    return logits
 
 
 _CACHE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [cache, leased]}

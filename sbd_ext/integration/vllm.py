@@ -20,6 +20,10 @@ slot given the token chosen before it), and the slots are revealed by the checkp
 (``generation_config.json``'s ``sbd_*`` fields); after ``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the
 positions still masked take their most likely token.
 ``SBD_EXT_VLLM_DRAFT=block`` takes every slot from the block rows instead (the proposer before 2026-11-27).
+``SBD_EXT_VLLM_COMPILE=1`` runs the draft forward of a step with one request through sbd_ext's compiled forward
+(:func:`sbd_ext.decoding.compiled.compiled_rows_forward`, one graph for every row count, compiled while the model
+loads: minutes on one thread the first time, inductor's on-disk cache afterwards); steps with several requests draft
+eagerly. Default ``0``.
 ``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights (:func:`sbd_ext.quantize`): ``w8a8`` (the default
 for an fp32 model: int8 weights and inputs, a cheaper draft forward; vLLM still checks every draft, so the output is
 vLLM's), ``int8``, ``packed`` (the same fp32 values in row_linear's panel layout) or ``none``.
@@ -57,6 +61,7 @@ import torch
 from .. import drafter as drafter_mod
 from .. import hf  # noqa: F401  (registers attn_implementation="sbd")
 from ..cache import SBDCache
+from ..decoding.compiled import compiled_rows_forward
 from ..decoding.gen_config import layered_settings, sbd_fields
 from ..decoding.sampling import ban_mask, sample_block
 from ..linear import ensure_row_linear
@@ -68,6 +73,7 @@ from ..samplers import DEFAULT_THRESHOLDS
 __all__ = [
     "SBDProposer",
     "ProposerError",
+    "COMPILE_ENV",
     "DRAFT_ENV",
     "DRAFT_RULES",
     "FILL_FORWARDS_ENV",
@@ -84,6 +90,7 @@ FILL_FORWARDS_ENV = "SBD_EXT_VLLM_FILL_FORWARDS"  # forwards per draft (default 
 DRAFT_ENV = "SBD_EXT_VLLM_DRAFT"  # "verify" (default) or "block": where the draft's first token comes from
 DRAFT_RULES = ("verify", "block")
 QUANTIZE_ENV = "SBD_EXT_VLLM_QUANTIZE"  # the drafting model's weights: "w8a8" (default), "int8", "packed", "none"
+COMPILE_ENV = "SBD_EXT_VLLM_COMPILE"  # "1": a one-request step's draft forward compiled (CPU); "0" (default) eager
 SLOTS_ENV = "SBD_EXT_VLLM_SLOTS"  # sequences the proposer's KV cache holds (default 8, at most max_num_seqs)
 STATS_ENV = "SBD_EXT_VLLM_STATS"  # a JSON file the proposer writes its counters to (forwards, time), for benches
 
@@ -190,6 +197,10 @@ class SBDProposer:
         self.draft_rule = os.environ.get(DRAFT_ENV, "verify")
         if self.draft_rule not in DRAFT_RULES:
             raise ProposerError(f"{DRAFT_ENV} must be one of {', '.join(DRAFT_RULES)}, got {self.draft_rule!r}")
+        compile_flag = os.environ.get(COMPILE_ENV, "0")
+        if compile_flag not in ("0", "1"):
+            raise ProposerError(f"{COMPILE_ENV} must be 0 or 1, got {compile_flag!r}")
+        self.compile = compile_flag == "1"
         weights = os.environ.get(QUANTIZE_ENV, "w8a8" if self.dtype == torch.float32 else "none")
         self.quantize = _drafting_weights(None if weights == "none" else weights, self.dtype, QUANTIZE_ENV)
         if self.k < 1:
@@ -198,7 +209,8 @@ class SBDProposer:
         self.cache: SBDCache | None = None
         self.settings: dict = {}
         self.slots = [_Slot(b) for b in range(self.n_slots)]
-        self.stats = {"calls": 0, "drafts": 0, "forwards": 0, "draft_s": 0.0, "prefill_rows": 0}
+        self.stats = {"calls": 0, "drafts": 0, "forwards": 0, "compiled_forwards": 0, "draft_s": 0.0, "prefill_rows": 0}
+        self._views: list[SBDCache] = []  # one single-sequence view per slot (the compiled forward's cache argument)
         self._stats_path = os.environ.get(STATS_ENV)
         self._lock = threading.Lock()
 
@@ -220,6 +232,24 @@ class SBDProposer:
             raise ProposerError(f"the served model's vocabulary ({target_vocab}) is not the drafter's ({vocab})")
         self.model, self.settings = model, settings
         self.cache = SBDCache(model.config, self.n_slots, self.max_model_len + self.k, dtype=self.dtype)
+        if self.compile:
+            drafter = getattr(model, "sbd_drafter", None)
+            if drafter is not None:  # the compiled graph reads the adapters' decoding copies of their factors
+                drafter.refresh(model, torch.device("cpu"))
+            # One view per slot, made once: the compiled forward's guards see the same objects on every call.
+            self._views = [self.cache.batch_view(b, b + 1) for b in range(self.n_slots)]
+            self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile the draft forward now (while vLLM loads the model) on slot 0 with a dummy request, then empty it."""
+        view = self._views[0]
+        view.seq_lens = [0]
+        T = 1 + self.k
+        ids = torch.full((1, T), self.settings["mask_id"], dtype=torch.int64)
+        ids[0, 0] = 0
+        compiled_rows_forward(self.model, view, ids, torch.arange(T).view(1, T), [1], [T], self.k + 1, -1)
+        self.cache.seq_lens[0] = 0
 
     def _slot_for(self, row: int, tokens: np.ndarray, taken: set[int]) -> _Slot | None:
         """The free slot that continues ``tokens`` (longest common prefix; the slot of the same vLLM row first on a
@@ -240,7 +270,13 @@ class SBDProposer:
         best.row = row
         return best
 
-    def _forward(self, view: SBDCache, ids, pos, n_commit: list[int], n_valid: list[int], keep: int) -> torch.Tensor:
+    def _forward(
+        self, view: SBDCache, ids, pos, n_commit: list[int], n_valid: list[int], keep: int, compiled: bool = False
+    ) -> torch.Tensor:
+        if compiled:  # one request's draft forward (a slot's view): its last committed row and the k block rows
+            self.stats["forwards"] += 1
+            self.stats["compiled_forwards"] += 1
+            return compiled_rows_forward(self.model, view, ids, pos, n_commit, n_valid, self.k + 1, -1)
         with view.forward_plan(n_commit, n_valid) as plan:
             out = self.model(
                 input_ids=ids, position_ids=pos, past_key_values=view, use_cache=True, sbd_plan=plan,
@@ -276,9 +312,14 @@ class SBDProposer:
             self.stats["prefill_rows"] += len(new)
         rows = [s.b - lo for s, _ in work]
         first = min(n_commit[r] for r in rows) - 1  # >= 0: every request commits its last token (_slot_for)
-        view = self.cache.batch_view(lo, hi)
+        compiled = bool(self._views) and B == 1
+        if compiled:
+            view = self._views[lo]
+            view.seq_lens = self.cache.seq_lens[lo:hi]
+        else:
+            view = self.cache.batch_view(lo, hi)
         try:
-            out = self._forward(view, ids, pos, n_commit, n_valid, T - first)
+            out = self._forward(view, ids, pos, n_commit, n_valid, T - first, compiled)
             at = [n_commit[r] - first for r in rows]  # each request's first block row in ``out``
             logits = torch.stack([out[r, a : a + k] for r, a in zip(rows, at, strict=True)])
             for s, tokens in work:
