@@ -9,6 +9,7 @@ block rows). The served path (vllm serve) is python_tests/vllm_serving/test_vllm
 import copy
 import json
 import math
+import os
 import types
 
 import numpy as np
@@ -30,6 +31,7 @@ from sbd_ext.integration.vllm import (
     ProposerError,
     SBDProposer,
     load_drafting_model,
+    speculative_config,
 )
 from sbd_ext.quantization import quantized_scheme
 from sbd_ext.recipes.smollm2 import checkpoint as smollm2
@@ -365,6 +367,28 @@ def test_cli_serve_refuses_a_non_checkpoint_and_a_missing_vllm(tmp_path, capsys,
     monkeypatch.setattr(cli.vllm_integration, "vllm_installed", lambda: False)
     assert cli.main(["serve", str(tmp_path)]) == 1
     assert "tools/vllm_env.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_cli_serve_passes_the_settings_to_vllm(tmp_path, monkeypatch, flag):
+    """sbd-ext serve runs vllm serve with the proposer's speculative config, fp32, the given address and what follows
+    --; --compile-draft sets SBD_EXT_VLLM_COMPILE=1 for vLLM's processes."""
+    from sbd_ext.demo import cli
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    monkeypatch.setattr(cli.vllm_integration, "vllm_installed", lambda: True)
+    seen = {}
+    monkeypatch.setattr(
+        cli.vllm_integration, "vllm_cli", lambda argv: seen.update(argv=argv, env=os.environ.get(COMPILE_ENV)) or 0
+    )
+    argv = ["serve", str(tmp_path), "-k", "3", "--port", "8123"] + (["--compile-draft"] if flag else [])
+    assert cli.main([*argv, "--", "--max-num-seqs", "2"]) == 0
+    spec = seen["argv"][seen["argv"].index("--speculative-config") + 1]
+    assert json.loads(spec) == speculative_config(3)
+    assert seen["argv"][:2] == ["serve", str(tmp_path)] and seen["argv"][-2:] == ["--max-num-seqs", "2"]
+    assert "8123" in seen["argv"] and "float32" in seen["argv"]
+    assert seen["env"] == ("1" if flag else None)
 
 
 def test_vllm_installed_reads_the_distribution(monkeypatch, tmp_path):

@@ -285,6 +285,8 @@ def cmd_serve(args) -> int:
     if not vllm_integration.vllm_installed():
         raise ValueError("vLLM is not installed here: make its venv with `bash tools/vllm_env.sh` (vLLM's CPU build)")
     rest = list(args.vllm_args)
+    if args.compile_draft:  # read by the proposer in vLLM's worker process, which inherits this environment
+        os.environ[vllm_integration.COMPILE_ENV] = "1"
     spec = json.dumps(vllm_integration.speculative_config(args.num_speculative_tokens))
     argv = ["serve", folder, "--host", args.host, "--port", str(args.port), "--dtype", "float32"]
     return vllm_integration.vllm_cli([*argv, "--speculative-config", spec, *rest]) or 0
@@ -449,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("checkpoint", help="a folder from sbd-ext export (the drafter in its sbd_drafter/, or an SBD model)")
     v.add_argument(
         "-k", "--num-speculative-tokens", type=positive, default=4, help="the SBD block size k (default: %(default)s)"
+    )
+    v.add_argument(
+        "--compile-draft",
+        action="store_true",
+        help="compile the draft forward of one-request steps (SBD_EXT_VLLM_COMPILE=1): faster drafts, a few minutes "
+        "of compiling at start the first time",
     )
     v.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     v.add_argument("--port", type=_int_in(1, 65535), default=8000, help="default: %(default)s")
