@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 import sbd_ext
 import sbd_ext.hf
 import sbd_ext.linear
+from sbd_ext.cache import SBDCache
 from sbd_ext.decoding import GenerationSettings, generate
 from sbd_ext.decoding import compiled as compiled_mod
 from sbd_ext.demo import models, tasks
@@ -388,3 +389,22 @@ def test_compiled_step_follows_changes_deep_in_the_model(sbd):
     _assert_same(generate(model, ids, mask, settings, compile=True), before)
     config = torch._dynamo.config  # the process's settings untouched
     assert config.use_recursive_dict_tags_for_guards is False and config.skip_nnmodule_hook_guards is True
+
+
+def test_compiled_rows_forward_refuses_bad_input():
+    """compiled_rows_forward (the vLLM proposer's compiled draft forward) checks its rows and plan before compiling:
+    [B, T] ids and positions of one shape with T >= 2, a plan the cache can hold."""
+    compiled_rows_forward = compiled_mod.compiled_rows_forward
+    model, _ = models.load(models.DEFAULT_MODEL)
+    cache = SBDCache(model.config, 1, 16)
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    pos = torch.arange(4).view(1, 4)
+    with pytest.raises(ValueError, match="T >= 2"):
+        compiled_rows_forward(model, cache, ids[:, :1], pos[:, :1], [1], [1], 1)
+    with pytest.raises(ValueError, match="same shape|T >= 2"):
+        compiled_rows_forward(model, cache, ids, pos[:, :3], [1], [4], 2)
+    with pytest.raises(ValueError, match="overflow"):
+        compiled_rows_forward(model, SBDCache(model.config, 1, 2), ids, pos, [4], [4], 2)
+    with pytest.raises(ValueError, match="n_commit <= n_valid"):
+        compiled_rows_forward(model, cache, ids, pos, [3], [2], 2)
+    assert cache.seq_lens == [0]  # nothing ran

@@ -241,7 +241,10 @@ def compiled_rows_forward(
     if device.type != "cpu":
         raise ValueError(f"compiled_rows_forward runs on the CPU (CUDA: generate(..., compile=True)), got {device}")
     if ids.dim() != 2 or ids.shape != pos.shape or ids.shape[1] < 2:
-        raise ValueError(f"compiled_rows_forward: ids and pos must be [B, T] with T >= 2, got {tuple(ids.shape)}")
+        raise ValueError(
+            f"compiled_rows_forward: ids and pos must be [B, T] of the same shape with T >= 2, got "
+            f"{tuple(ids.shape)} and {tuple(pos.shape)}"
+        )
     n_commit, n_valid = cache.check_plan(n_commit, n_valid)
     tokens = torch.stack([ids, pos])
     meta = torch.tensor([cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
