@@ -20,10 +20,8 @@ slot given the token chosen before it), and the slots are revealed by the checkp
 (``generation_config.json``'s ``sbd_*`` fields); after ``SBD_EXT_VLLM_FILL_FORWARDS`` forwards (default 1) the
 positions still masked take their most likely token.
 ``SBD_EXT_VLLM_DRAFT=block`` takes every slot from the block rows instead (the proposer before 2026-11-27).
-``SBD_EXT_VLLM_COMPILE=1`` runs the draft forward of a step with one request through sbd_ext's compiled forward
-(:func:`sbd_ext.decoding.compiled.compiled_rows_forward`, one graph for every row count, compiled while the model
-loads: minutes on one thread the first time, inductor's on-disk cache afterwards); steps with several requests draft
-eagerly. Default ``0``.
+``SBD_EXT_VLLM_COMPILE=1`` compiles the draft forward of one-request steps while the model loads
+(``compiled_rows_forward``); steps with several requests draft eagerly. Default ``0``.
 ``SBD_EXT_VLLM_QUANTIZE`` sets the drafting model's linear weights (:func:`sbd_ext.quantize`): ``w8a8`` (the default
 for an fp32 model: int8 weights and inputs, a cheaper draft forward; vLLM still checks every draft, so the output is
 vLLM's), ``int8``, ``packed`` (the same fp32 values in row_linear's panel layout) or ``none``.
@@ -238,18 +236,10 @@ class SBDProposer:
                 drafter.refresh(model, torch.device("cpu"))
             # One view per slot, made once: the compiled forward's guards see the same objects on every call.
             self._views = [self.cache.batch_view(b, b + 1) for b in range(self.n_slots)]
-            self._warm_up()
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """Compile the draft forward now (while vLLM loads the model) on slot 0 with a dummy request, then empty it."""
-        view = self._views[0]
-        view.seq_lens = [0]
-        T = 1 + self.k
-        ids = torch.full((1, T), self.settings["mask_id"], dtype=torch.int64)
-        ids[0, 0] = 0
-        compiled_rows_forward(self.model, view, ids, torch.arange(T).view(1, T), [1], [T], self.k + 1, -1)
-        self.cache.seq_lens[0] = 0
+            T, ids = self.k + 1, torch.full((1, self.k + 1), settings["mask_id"], dtype=torch.int64)
+            ids[0, 0] = 0
+            with torch.inference_mode():  # compiled now, while vLLM loads: a dummy request in slot 0's view only
+                compiled_rows_forward(model, self._views[0], ids, torch.arange(T).view(1, T), [1], [T], T, -1)
 
     def _slot_for(self, row: int, tokens: np.ndarray, taken: set[int]) -> _Slot | None:
         """The free slot that continues ``tokens`` (longest common prefix; the slot of the same vLLM row first on a
