@@ -65,6 +65,9 @@
 #   before the drafter-cuda / smollm2 call: all but smollm2-drafter out; `bash tools/gpu_carry.sh restore`).
 #   The third run (run3/) did, in one session: call 1 `gguf-part; build; e2e-cuda` (130 s, the arithmetic models
 #   kept: `tools/gpu_carry.sh a-arith`), call 2 `drafter-cuda` (250 s), 15 min in all with two more calls.
+#   The fourth run (run4/): call 1 `build; test` with the full tree (no carry, ~60 MB), call 2 `gguf-part` (tree `a`),
+#   call 3 `drafter-cuda` (tree `b`): 626 s of device time for the three; a fresh machine's build took over 61 s once
+#   (53 s before): give a build step at least 120 s of a call's deadline.
 # `bash bench/run_gpu.sh cpu` measures the GPU machine's host CPU (issue 13). After each call, copy the files from
 # files_at into bench/results/gpu-<gpu name>/ and commit them before the next call.
 set -u -o pipefail
