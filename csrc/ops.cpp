@@ -2,7 +2,7 @@
 //
 // Device implementations register themselves with TORCH_LIBRARY_IMPL in their own files:
 //   csrc/cpu/<op>_cpu.cpp    CPU kernels (always built)
-//   csrc/cuda/<op>_cuda.cu   CUDA bindings over the raw-pointer kernels in csrc/cuda/kernels (built with a CUDA torch)
+//   csrc/cuda/<op>_cuda.cpp  CUDA bindings over the raw-pointer kernels in csrc/cuda/kernels (built with a CUDA torch)
 // Fake (meta) implementations for torch.compile live in sbd_ext/ops.py.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -47,7 +47,7 @@ TORCH_LIBRARY(sbd_ext, m) {
 
 #ifdef SBD_EXT_WITH_CUDA
 namespace sbd_ext {
-std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cuda.cu
+std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cuda.cpp
 }
 #endif
 

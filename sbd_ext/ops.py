@@ -1,7 +1,7 @@
 """Typed Python wrappers of the sbd_ext ops, and their fake (meta) implementations for torch.compile.
 
 The ops are defined once in csrc/ops.cpp (``torch.ops.sbd_ext.<name>``), implemented per device in
-csrc/cpu/<name>_cpu.cpp and csrc/cuda/<name>_cuda.cu, and have pure-PyTorch references of the same name in
+csrc/cpu/<name>_cpu.cpp and csrc/cuda/<name>_cuda.cpp, and have pure-PyTorch references of the same name in
 :mod:`sbd_ext.reference`.
 """
 

@@ -1,4 +1,4 @@
-// Helpers of the torch-facing CUDA bindings (csrc/cuda/*_cuda.cu): dtype dispatch to the kernels' element types
+// Helpers of the torch-facing CUDA bindings (csrc/cuda/*_cuda.cpp): dtype dispatch to the kernels' element types
 // and the 16-byte alignment test of the vectorised kernels.
 //
 // Torch headers used by the bindings are the light c10/cuda ones (CUDAGuard.h, CUDAStream.h, CUDAException.h):

@@ -5,9 +5,9 @@
 # Exits non-zero if any file fails.
 #
 #   bash csrc/cuda/compile_check.sh              # the launch files (what CI runs)
-#   bash csrc/cuda/compile_check.sh --bindings   # also the torch-facing *_cuda.cu bindings, host code only,
-#                                                # against the installed torch's headers (a CPU wheel has the
-#                                                # c10/cuda headers they use); about 30 s more per file
+#   bash csrc/cuda/compile_check.sh --bindings   # also the torch-facing *_cuda.cpp bindings (host C++, passed
+#                                                # by nvcc to the host compiler) against the installed torch's
+#                                                # headers (a CPU wheel has the c10/cuda headers they use)
 # Environment: NVCC (default nvcc), JOBS (parallel compiles, default 2), PYTHON (reads the config; default python3),
 # SBD_EXT_CUDA_ARCH (architectures instead of the config's, TORCH_CUDA_ARCH_LIST syntax, e.g. "9.0a").
 set -u
@@ -75,13 +75,13 @@ if [ "$BINDINGS" = 1 ]; then
   PY_INC=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   ABI=$("$PYTHON" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
   # C10_CUDA_NO_CMAKE_CONFIGURE_FILE: a CPU wheel lacks c10/cuda/impl/cuda_cmake_macros.h (it only sets export
-  # macros). Host code only (-arch=sm_80, no kernels in these files).
+  # macros). Host code only (no kernels in these files).
   BIND=(-std=c++20 -Icsrc/include -Icsrc $TORCH_INC -I"$PY_INC" "${BIND_FLAGS[@]}" -O0
         -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DSBD_EXT_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI"
         -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -arch=sm_80)
-  for src in csrc/cuda/*_cuda.cu; do
+  for src in csrc/cuda/*_cuda.cpp; do
     names+=("$src [binding, host]")
-    cmds+=("$NVCC ${BIND[*]} -c $src -o $OUT/$(basename "$src" .cu).o")
+    cmds+=("$NVCC ${BIND[*]} -c $src -o $OUT/$(basename "$src" .cpp).o")
   done
 fi
 

@@ -1,5 +1,5 @@
 // C entry points of the emulated kernels for tools/cuda_emu/run.py: they build the params the way the torch
-// bindings (csrc/cuda/*_cuda.cu) do, call the real launchers, and return the cudaError_t.
+// bindings (csrc/cuda/*_cuda.cpp) do, call the real launchers, and return the cudaError_t.
 #include "emu.h"
 
 #include "cuda/kernels/block_attention.cuh"
