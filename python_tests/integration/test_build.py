@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import cuda_toolkit  # noqa: E402
 import link_flags  # noqa: E402
+import unity_build  # noqa: E402
 
 
 def _toolkit(folder: Path, with_cudart: bool = True) -> Path:
@@ -149,3 +150,39 @@ def test_extension_links_the_shared_libstdcxx():
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cache_lens\[0\] \+ n_commit\[0\] = 9 \+ 1 exceeds the cache size"):
         sbd_ext.block_attention(q, kv, kv, cache, cache.clone(), one * 9, one, one)
+
+
+def _host_sources():
+    csrc = ROOT / "csrc"
+    files = [*csrc.glob("*.cpp"), *csrc.glob("cpu/*.cpp"), *csrc.glob("cuda/*_cuda.cpp")]
+    return sorted(f for f in files if not f.name.endswith("_kernel.cpp"))
+
+
+def test_unity_file_includes_every_host_source_and_is_rewritten_only_when_its_list_changes(tmp_path):
+    srcs = ["csrc/ops.cpp", "csrc/cpu/isa.cpp", "csrc/cpu/x_cpu.cpp", "csrc/cuda/x_launch.cu"]
+    out = unity_build.unity_sources(srcs, str(tmp_path / "b"), environ={})
+    unity = tmp_path / "b" / unity_build.FILE_NAME
+    assert out == [str(unity), "csrc/cuda/x_launch.cu"]
+    includes = [ln for ln in unity.read_text().splitlines() if ln.startswith("#include")]
+    assert includes == [f'#include "{os.path.abspath(s)}"' for s in srcs[:3]]
+    os.utime(unity, (1, 1))  # the same list again: the file (and so ninja's view of it) is left alone
+    unity_build.unity_sources(srcs, str(tmp_path / "b"), environ={})
+    assert unity.stat().st_mtime == 1
+    unity_build.unity_sources(srcs[1:], str(tmp_path / "b"), environ={})
+    assert unity.stat().st_mtime != 1 and "ops.cpp" not in unity.read_text()
+    # SBD_EXT_UNITY=0, or a single C++ source: the sources as they are, nothing generated.
+    assert unity_build.unity_sources(srcs, str(tmp_path / "c"), environ={"SBD_EXT_UNITY": "0"}) == srcs
+    assert unity_build.unity_sources(srcs[2:], str(tmp_path / "d"), environ={}) == srcs[2:]
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def test_host_sources_leak_no_macro_or_namespace_into_each_other():
+    """Compiled as one translation unit, a file-scope #define or `using namespace` in one host source would change
+    the meaning of the ones after it without an error."""
+    files = _host_sources()
+    assert {f.name for f in files} >= {"ops.cpp", "block_attention_cpu.cpp", "block_attention_cuda.cpp"}, files
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            stripped = line.strip()
+            assert not stripped.startswith("#define"), f"{f}:{n}: {stripped}"
+            assert not stripped.startswith("using namespace"), f"{f}:{n}: {stripped}"
