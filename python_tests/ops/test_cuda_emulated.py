@@ -118,12 +118,16 @@ ATTN = [  # (B, Hkv, g, T, D, S, lens, commit, valid)
 ]
 
 
-@pytest.mark.parametrize("kernel", ["mma", "simt"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# The kernels each dtype has: fp32 only the CUDA-core (simt) one, bf16 / fp16 the tensor-core (mma) one and simt.
+KERNELS = [
+    ("simt", torch.float32),
+    *[(k, dt) for k in ("mma", "simt") for dt in (torch.bfloat16, torch.float16)],
+]
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("case", ATTN, ids=lambda c: f"g{c[2]}-T{c[3]}-D{c[4]}-S{c[5]}")
 def test_block_attention_emulated(so, case, dtype, kernel):
-    if dtype == torch.float32 and kernel == "mma":
-        pytest.skip("fp32 has only the CUDA-core kernel")
     B, Hkv, g, T, D, S, lens, commit, valid = case
     emu.check_block_attention(
         so,
