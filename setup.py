@@ -164,8 +164,7 @@ class BuildExtWithISA(BuildExtension):
 def _extension():
     debug = os.environ.get("SBD_EXT_DEBUG", "0") == "1"
     with_cuda = _cuda_wanted()
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    sources = [f for f in sources if not f.endswith("_kernel.cpp")]  # built per ISA by BuildExtWithISA
+    sources = unity_build.host_sources(ROOT, with_cuda)  # the *_kernel.cpp are built per ISA by BuildExtWithISA
     # -g0 in a release build: Python's CFLAGS (which torch's build passes first) carry -g, and debug information
     # for torch's headers made the bindings' compile 1.4x slower and the object 29x larger.
     cxx = list(CONFIG["cxx_debug_flags"] if debug else [*CONFIG["cxx_flags"], "-g0"])
@@ -187,9 +186,8 @@ def _extension():
         return CppExtension(**kwargs)
     # Set, not setdefault: an environment TORCH_CUDA_ARCH_LIST must not replace the chosen list unannounced.
     os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list()
-    # The torch-facing bindings are host C++ (*_cuda.cpp: the host compiler, in the one translation unit); nvcc
-    # compiles only the kernels and their launchers (*_launch.cu, no torch headers).
-    kwargs["sources"] += sorted(glob.glob(os.path.join("csrc", "cuda", "*_cuda.cpp")))
+    # The torch-facing bindings are host C++ (*_cuda.cpp, among the sources above: the host compiler, in the one
+    # translation unit); nvcc compiles only the kernels and their launchers (*_launch.cu, no torch headers).
     kwargs["sources"] += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     # torch's CUDAExtension adds the __CUDA_NO_* defines (nvcc_defines of the config) itself.
     nvcc = [*(CONFIG["nvcc_debug_flags"] if debug else CONFIG["nvcc_flags"]), "-DSBD_EXT_WITH_CUDA"]

@@ -8,10 +8,23 @@ stay as they are. Being one unit, they may not leak names into each other: no fi
 compiler says so if not).
 """
 
+import glob
 import os
 
 ENV = "SBD_EXT_UNITY"  # 0: compile the sources one by one (quicker rebuilds while editing one file)
 FILE_NAME = "sbd_ext_unity.cpp"
+
+
+def host_sources(root, with_cuda):
+    """The extension's host C++ sources, relative to `root`, in build order: csrc/*.cpp and csrc/cpu/*.cpp but the
+    per-ISA kernels (*_kernel.cpp, compiled by setup.py once per instruction set), then with CUDA the torch-facing
+    CUDA bindings (csrc/cuda/*_cuda.cpp)."""
+
+    def found(*pattern):
+        return [os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "csrc", *pattern))]
+
+    sources = sorted(f for f in found("*.cpp") + found("cpu", "*.cpp") if not f.endswith("_kernel.cpp"))
+    return sources + (sorted(found("cuda", "*_cuda.cpp")) if with_cuda else [])
 
 
 def unity_sources(sources, build_dir, environ=os.environ):

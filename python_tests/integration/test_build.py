@@ -152,12 +152,6 @@ def test_extension_links_the_shared_libstdcxx():
         sbd_ext.block_attention(q, kv, kv, cache, cache.clone(), one * 9, one, one)
 
 
-def _host_sources():
-    csrc = ROOT / "csrc"
-    files = [*csrc.glob("*.cpp"), *csrc.glob("cpu/*.cpp"), *csrc.glob("cuda/*_cuda.cpp")]
-    return sorted(f for f in files if not f.name.endswith("_kernel.cpp"))
-
-
 def test_unity_file_includes_every_host_source_and_is_rewritten_only_when_its_list_changes(tmp_path):
     srcs = ["csrc/ops.cpp", "csrc/cpu/isa.cpp", "csrc/cpu/x_cpu.cpp", "csrc/cuda/x_launch.cu"]
     out = unity_build.unity_sources(srcs, str(tmp_path / "b"), environ={})
@@ -179,8 +173,9 @@ def test_unity_file_includes_every_host_source_and_is_rewritten_only_when_its_li
 def test_host_sources_leak_no_macro_or_namespace_into_each_other():
     """Compiled as one translation unit, a file-scope #define or `using namespace` in one host source would change
     the meaning of the ones after it without an error."""
-    files = _host_sources()
+    files = [ROOT / f for f in unity_build.host_sources(ROOT, with_cuda=True)]  # what setup.py compiles as one
     assert {f.name for f in files} >= {"ops.cpp", "block_attention_cpu.cpp", "block_attention_cuda.cpp"}, files
+    assert not any(f.name.endswith("_kernel.cpp") for f in files), files
     for f in files:
         for n, line in enumerate(f.read_text().splitlines(), 1):
             stripped = line.strip()
