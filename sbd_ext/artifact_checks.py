@@ -32,6 +32,7 @@ __all__ = [
     "check_token_id",
     "load_tensor_file",
     "lora_pairs",
+    "tensor_shapes",
     "read_json_config",
     "register_base_loader",
     "resolve_base_loader",
@@ -154,6 +155,21 @@ def load_tensor_file(path: str | Path) -> dict[str, torch.Tensor]:
         raise ArtifactError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a safetensors file, read from its header (nothing is loaded): shapes a config
+    names are checked against these before anything is built. Errors as :func:`load_tensor_file`'s."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent}: {path.name} is missing")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors' SafetensorError (truncated / corrupt header), an OS error while reading
+        raise ArtifactError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
 def lora_pairs(
     tensors: Mapping[str, torch.Tensor], path: str | Path, a_suffix: str = ".lora_A", b_suffix: str = ".lora_B"
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -184,10 +200,12 @@ def check_lora_factors(
     rank_field: str = "rank",
     config_path: str | Path | None = None,
     suffixes: tuple[str, str] = (".lora_A", ".lora_B"),
+    dtype: torch.dtype | None = None,
 ) -> int:
     """Check LoRA factor pairs (A [r, in], B [out, r]): 2-D, the same r in A and B and across every layer, equal to
-    the config's ``rank`` when given, every value finite. Returns r. :class:`ArtifactError` names the file and the
-    tensor (``<layer><suffix>``; or the config file and its ``rank_field``)."""
+    the config's ``rank`` when given, every value finite (once cast to ``dtype``, the dtype they are loaded in, when
+    given). Returns r. :class:`ArtifactError` names the file and the tensor (``<layer><suffix>``; or the config file
+    and its ``rank_field``)."""
     ranks: dict[int, str] = {}
     for layer, (a, b) in pairs.items():
         if a.dim() != 2 or b.dim() != 2:
@@ -209,17 +227,23 @@ def check_lora_factors(
         raise ArtifactError(
             f"{config_path or path}: field {rank_field!r} is {rank}, but the LoRA factors in {path} have rank {r}"
         )
-    check_finite({layer + suffixes[0]: a for layer, (a, _) in pairs.items()}, path)
-    check_finite({layer + suffixes[1]: b for layer, (_, b) in pairs.items()}, path)
+    check_finite({layer + suffixes[0]: a for layer, (a, _) in pairs.items()}, path, dtype)
+    check_finite({layer + suffixes[1]: b for layer, (_, b) in pairs.items()}, path, dtype)
     return r
 
 
-def check_finite(tensors: Mapping[str, torch.Tensor], path: str | Path) -> None:
-    """Every value of every tensor finite (no NaN / inf), else :class:`ArtifactError` naming the file and tensor."""
+def check_finite(tensors: Mapping[str, torch.Tensor], path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Every value of every tensor finite (no NaN / inf), else :class:`ArtifactError` naming the file and tensor.
+    ``dtype``: the floating dtype the tensors are loaded in; each is checked once cast to it (a value finite in fp32
+    can overflow to inf in bf16 / fp16)."""
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise ArtifactError(f"{path}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf)")
+        if not t.is_floating_point():
+            continue
+        cast = t if dtype is None or t.dtype == dtype else t.to(dtype)
+        if not bool(torch.isfinite(cast).all()):
+            bad = int((~torch.isfinite(cast)).sum())
+            how = "" if cast is t else f" once cast from {t.dtype} to {dtype} (the load dtype)"
+            raise ArtifactError(f"{path}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf){how}")
 
 
 def check_mask_rows(

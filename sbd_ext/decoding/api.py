@@ -54,7 +54,8 @@ def generate(
         settings: a :class:`GenerationSettings`; None: the ``sbd_*`` fields of ``model.generation_config``
             (``sbd_block_size``, ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``:
             :mod:`sbd_ext.decoding.gen_config`) over the defaults. ``**overrides`` are its fields by keyword,
-            applied on top of it:
+            applied on top of it (an explicit ``mode="ntp"`` drops the recommended SBD-only ``verify`` / ``lookup``
+            / ``branch``):
 
             - ``mode``: "sbd" or "ntp";
             - ``block_size`` (k), ``strict_block_size`` (refuse a k outside the model's trained range);

@@ -7,8 +7,11 @@ to ``model.generate``.
 Precedence, highest first: explicit settings (keywords / a :class:`GenerationSettings`), then each generation
 config given (a per-call one, then the model's), then the :class:`GenerationSettings` defaults. A threshold only
 means something for its sampler: a layer's ``sbd_threshold`` is dropped when that layer names its ``sbd_sampler``
-and a higher layer picks another one (the sampler's registry default, or a threshold from above, applies). Any other
-``sbd_*`` attribute (a misspelt field) is refused, naming it.
+and a higher layer picks another one (the sampler's registry default, or a threshold from above, applies). Likewise
+the settings that only apply to SBD (``verify``, ``first_from_ntp``, ``lookup``, ``branch``) are dropped from a layer
+when a higher one picks ``mode="ntp"`` (``sbd_ext.generate(model, ids, mode="ntp")`` decodes NTP on a model that
+recommends ``sbd_verify``), and a layer's ``mode="ntp"`` is dropped when a higher one asks for ``verify`` or
+``first_from_ntp`` (SBD then). Any other ``sbd_*`` attribute (a misspelt field) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .settings import GenerationSettings
 __all__ = [
     "KNOWN_SBD_FIELDS",
     "SBD_FIELDS",
+    "SBD_ONLY",
     "check_sbd_field_names",
     "sbd_fields",
     "layered_settings",
@@ -36,6 +40,8 @@ SBD_FIELDS = {
     "sbd_lookup": "lookup",
     "sbd_branch": "branch",
 }
+# The settings that only apply to SBD decoding: a lower layer's are dropped under a higher layer's mode="ntp".
+SBD_ONLY = ("verify", "first_from_ntp", "lookup", "branch")
 # Every sbd_* generation-config field: the settings above, and sbd_seed (the Philox seed of ``model.generate``).
 KNOWN_SBD_FIELDS = (*SBD_FIELDS, "sbd_seed")
 
@@ -80,6 +86,10 @@ def layered_settings(explicit: dict, *layers: dict) -> GenerationSettings:
             own = layer.get("sampler")
             if name == "threshold" and own is not None and merged.get("sampler", own) != own:
                 continue  # this layer's threshold is for its own sampler, not the one chosen above it
+            if name in SBD_ONLY and merged.get("mode") == "ntp":
+                continue  # an SBD setting under NTP chosen above: it does not apply
+            if name == "mode" and value == "ntp" and (merged.get("verify") or merged.get("first_from_ntp")):
+                continue  # SBD's verify / first_from_ntp asked for above: they need SBD
             merged[name] = value
     return GenerationSettings(**merged)
 

@@ -208,9 +208,17 @@ class SequenceState:
         if k == 0:
             return None
         if job.verify and n_commit > 0:
+            last = ntp[n_commit - 1] if ntp is not None and len(ntp) >= n_commit else None
+            if last is None or last < 0:  # the row that reveals position 0: the base's own computation decides it
+                raise RuntimeError(
+                    f"verify: sequence {b} got an invalid next-token distribution at forward {f} (NaN or +inf logits "
+                    "in the committed row that decides the next token)"
+                )
             self.block_verified = 1  # position 0 was revealed from the last committed row's NTP choice
         block = block[:k]
-        if n_rem > 0 and n_rev == 0:
+        # Verify mode: block rows whose logits are invalid (a drafter's NaN / +inf) propose nothing; the block is
+        # drafted as far as it is revealed (position 0 at least: the committed row's choice), never an error.
+        if n_rem > 0 and n_rev == 0 and not (job.verify and block[0] != job.mask_id):
             raise RuntimeError(
                 f"SBD decoding: sequence {b} revealed no token at forward {f} although {n_rem} positions are masked: "
                 f"every proposal was invalid (NaN or +inf logits, or all logits -inf once the mask token is banned)"
@@ -223,8 +231,9 @@ class SequenceState:
             keep = stop + 1
         elif n_rem == 0:
             keep = k
-        elif job.verify and self._credit() < 1:
-            keep = self._revealed_prefix(block)  # no credit for a forward that commits nothing: draft what we have
+        elif job.verify and (self._credit() < 1 or n_rev == 0):
+            # no credit for a forward that commits nothing, or nothing revealed (invalid drafts): draft what we have
+            keep = self._revealed_prefix(block)
         else:
             keep = None
         start = self.block_start

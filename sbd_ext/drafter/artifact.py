@@ -21,8 +21,10 @@ from ..artifact_checks import (
     load_tensor_file,
     lora_pairs,
     read_json_config,
+    resolve_base_loader,
+    tensor_shapes,
 )
-from ..metadata import set_sbd_metadata
+from ..metadata import get_sbd_metadata, set_sbd_metadata
 from .gate import attach, detach, get_drafter
 from .sampler_head import SamplerHead
 
@@ -121,50 +123,93 @@ def read_drafter_config(folder: str | Path) -> dict:
     return cfg
 
 
-def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path):
-    """The sampler head the artifact holds (its tensors popped from ``tensors``), checked; None if it has none."""
+def _check_shapes(shapes: dict, cfg: dict, hidden_size: int, path: Path, cfg_path: Path) -> None:
+    """The shapes the config implies (the mask row [H], the sampler head's tensors for ``sbd.sampler_head.hidden``)
+    against the stored tensors' shapes ``shapes`` (read from the file's header): checked before anything is loaded
+    or built, so that a crafted size allocates nothing."""
+    row = shapes.get(_MASK_ROW_KEY)
+    if row != (hidden_size,):
+        got = "missing" if row is None else f"of shape {row}"
+        raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{hidden_size}] (the hidden size), {got}")
+    have = {k[len(_HEAD_PREFIX) :]: v for k, v in shapes.items() if k.startswith(_HEAD_PREFIX)}
+    spec = cfg["sbd"].get("sampler_head")
+    if spec is None:
+        if have:
+            raise ArtifactError(f"{path}: holds sampler head tensors but {cfg_path} has no 'sbd.sampler_head'")
+        return
+    want = SamplerHead.param_shapes(hidden_size, spec["hidden"])
+    if have != want:
+        raise ArtifactError(
+            f"{cfg_path}: field 'sbd.sampler_head.hidden' is {spec['hidden']!r}, and the model's hidden size is "
+            f"{hidden_size}: the sampler head's tensors in {path} must then be {want}, they are {have}"
+        )
+
+
+def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path, dtype: torch.dtype):
+    """The sampler head the artifact holds (its tensors popped from ``tensors``, their shapes checked by
+    :func:`_check_shapes`), finite in ``dtype``; None if it has none."""
     got = {k[len(_HEAD_PREFIX) :]: tensors.pop(k) for k in [k for k in tensors if k.startswith(_HEAD_PREFIX)]}
     spec = cfg["sbd"].get("sampler_head")
     if spec is None:
-        if got:
-            raise ArtifactError(f"{path}: holds sampler head tensors but the config has no 'sbd.sampler_head'")
         return None
+    check_finite({_HEAD_PREFIX + n: t for n, t in got.items()}, path, dtype)
     head = SamplerHead(hidden_size, hidden=spec["hidden"], topk=spec["topk"])
-    want = {n: tuple(t.shape) for n, t in head.state_dict().items()}
-    have = {n: tuple(t.shape) for n, t in got.items()}
-    if have != want:
-        raise ArtifactError(f"{path}: the sampler head's tensors must be {want}, got {have}")
-    check_finite({_HEAD_PREFIX + n: t for n, t in got.items()}, path)
     head.load_state_dict({n: t.float() for n, t in got.items()})
     return head.eval().requires_grad_(False)
 
 
+def _check_mask_id(model: nn.Module, mask_id: int, rows: int, cfg_path: Path, tokenizer) -> bool:
+    """Whether the mask token's row is to be appended (``mask_id`` == the base's vocabulary size ``rows``). Else it
+    must be the mask token the base's config (or its ``tokenizer``) names, or a padding row past the tokenizer's
+    tokens (a padded vocabulary); any other id is an ordinary token of this base (a drafter made over another base),
+    which decoding would ban: :class:`ArtifactError`."""
+    if mask_id == rows:
+        return True
+    check_token_id(mask_id, rows + 1, cfg_path, "sbd.mask_token_id")
+    own = {get_sbd_metadata(model)[0], getattr(tokenizer, "mask_token_id", None)} - {None}
+    if mask_id in own or (tokenizer is not None and len(tokenizer) <= mask_id < rows):
+        return False
+    names = f"mask token {sorted(own)[0]}" if own else "no mask token"
+    raise ArtifactError(
+        f"{cfg_path}: field 'sbd.mask_token_id' is {mask_id}, an ordinary token of this base model (vocabulary size "
+        f"{rows}; its config names {names}): the drafter's mask id must be the base's vocabulary size (its row is "
+        "appended) or the base's own mask token. This drafter was made over another base: load it over that one"
+    )
+
+
 @torch.no_grad()
-def load_weights(model: nn.Module, folder: str | Path, cfg: dict | None = None) -> dict:
-    """Attach a drafter to ``model`` (the base, mask token in its vocabulary) from ``folder``; returns the config.
-    Everything is checked before the model is touched: the factors (pairs, one rank equal to ``r``, finite), the
-    layers they adapt against the model's, the mask row ([hidden], finite), the mask id within the vocabulary."""
+def load_weights(
+    model: nn.Module,
+    folder: str | Path,
+    cfg: dict | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer=None,
+) -> dict:
+    """Attach a drafter to ``model`` (the base) from ``folder``; returns the config. Everything is checked before
+    the model is touched: the shapes the config implies against the file's header (before anything is loaded or
+    built), the factors (pairs, one rank equal to ``r``), the layers they adapt against the model's, the mask row
+    ([hidden]), every value finite in ``dtype`` (the dtype the model is used in; default: the model's), the mask id
+    (the base's vocabulary size, its row then appended; the mask token the base's config names; or, given the base's
+    ``tokenizer``, its mask token or a padding row past its tokens)."""
     folder = Path(folder)
     cfg = read_drafter_config(folder) if cfg is None else cfg
     path, cfg_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
-    tensors = load_tensor_file(path)
-    row = tensors.pop(_MASK_ROW_KEY, None)
     emb = model.get_input_embeddings().weight
+    dtype = emb.dtype if dtype is None else dtype
     # A base with its original vocabulary (an exported checkpoint): the mask token's row is appended once the
     # artifact is checked (its value is the drafter's mask row, spliced in by the gate).
-    grow = cfg["sbd"]["mask_token_id"] == emb.shape[0]
-    check_token_id(cfg["sbd"]["mask_token_id"], emb.shape[0] + grow, cfg_path)
-    if row is None or row.dim() != 1 or row.shape[0] != emb.shape[1]:
-        got = "missing" if row is None else f"of shape {tuple(row.shape)}"
-        raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{emb.shape[1]}] (the hidden size), {got}")
-    check_finite({_MASK_ROW_KEY: row}, path)
-    head = _sampler_head(tensors, cfg, emb.shape[1], path)
+    grow = _check_mask_id(model, cfg["sbd"]["mask_token_id"], emb.shape[0], cfg_path, tokenizer)
+    _check_shapes(tensor_shapes(path), cfg, emb.shape[1], path, cfg_path)
+    tensors = load_tensor_file(path)
+    row = tensors.pop(_MASK_ROW_KEY)
+    check_finite({_MASK_ROW_KEY: row}, path, dtype)
+    head = _sampler_head(tensors, cfg, emb.shape[1], path, dtype)
     unknown = sorted(k for k in tensors if not k.startswith(_PREFIX))
     if unknown:
         raise ArtifactError(f"{path}: unexpected tensor(s) {unknown[:3]}")
     suffixes = (".lora_A.weight", ".lora_B.weight")
     pairs = lora_pairs({k[len(_PREFIX) :]: t for k, t in tensors.items()}, path, *suffixes)
-    check_lora_factors(pairs, path, cfg["r"], "r", cfg_path, suffixes)
+    check_lora_factors(pairs, path, cfg["r"], "r", cfg_path, suffixes, dtype)
     sbd = cfg["sbd"]
     if grow:
         model.resize_token_embeddings(emb.shape[0] + 1, mean_resizing=False)
@@ -217,16 +262,27 @@ def load_folder_base(path: str | Path, attn_implementation: str = "sbd"):
 
 def base_folder(cfg: dict, folder: str | Path = "") -> Path | None:
     """The local base model folder a drafter config names (``base_model_name_or_path``, peft's field) when it has no
-    ``sbd.base_loader``; None when it has one. :class:`ArtifactError` when it names neither."""
+    ``sbd.base_loader``; None when it has one. A relative path is relative to the drafter's ``folder`` (the folder
+    holding the artifact), never to the working directory. :class:`ArtifactError` when it names neither, or names a
+    relative path and ``folder`` is not given."""
     if "base_loader" in cfg["sbd"]:
         return None
     where = cfg.get("base_model_name_or_path") or ""
+    cfg_path = Path(folder) / CONFIG_FILE
     if not isinstance(where, str) or not where:
         raise ArtifactError(
-            f"{Path(folder) / CONFIG_FILE}: names no base model (neither 'sbd.base_loader' nor "
+            f"{cfg_path}: names no base model (neither 'sbd.base_loader' nor "
             "'base_model_name_or_path'); pass base=<the base model's folder>"
         )
-    return Path(where)
+    p = Path(where)
+    if p.is_absolute():
+        return p
+    if not str(folder):
+        raise ArtifactError(
+            f"{cfg_path}: field 'base_model_name_or_path' is the relative path {where!r}, relative to the drafter's "
+            "folder: pass the folder (base_folder(cfg, folder))"
+        )
+    return Path(folder) / p
 
 
 def load_drafter(
@@ -241,20 +297,28 @@ def load_drafter(
     SBD metadata set, its recommended decoding settings on ``model.generation_config``. The base: ``base`` (a local
     HF model folder) when given, else the drafter's ``sbd.base_loader`` (imported only if it is a known loader or
     ``trust_base_loader``: see :func:`sbd_ext.adapters.resolve_base_loader`), else the local folder its
-    ``base_model_name_or_path`` names (a drafter trained over a user's checkpoint, :func:`load_folder_base`)."""
+    ``base_model_name_or_path`` names (a drafter trained over a user's checkpoint, :func:`load_folder_base`; a
+    relative path is relative to ``folder``, not to the working directory). ``dtype``: the model's dtype, in which
+    every stored value must be finite."""
     folder = Path(folder)
     cfg = read_drafter_config(folder)
     where = Path(base) if base is not None else base_folder(cfg, folder)
-    loader = None
-    if where is not None:
+    if where is None:
+        base_loader = resolve_base_loader(cfg["sbd"].get("base_loader", ""), folder / CONFIG_FILE, trust_base_loader)
+    toks = []  # the base's tokenizer, for the mask id's check (its mask token; a padded vocabulary's unused rows)
 
-        def loader(attn_implementation):
-            return load_folder_base(where, attn_implementation)
+    def loader(attn_implementation):
+        if where is not None:
+            model, tok = load_folder_base(where, attn_implementation)
+        else:
+            model, tok = base_loader(attn_implementation=attn_implementation)
+        toks.append(tok)
+        return model, tok
 
     return load_on_base(
         cfg["sbd"],
         folder / CONFIG_FILE,
-        lambda model: load_weights(model, folder, cfg),
+        lambda model: load_weights(model, folder, cfg, dtype, toks[0]),
         dtype,
         attn_implementation,
         device,

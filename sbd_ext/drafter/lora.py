@@ -234,11 +234,11 @@ class GatedLoRALinear(nn.Module):
                 ys.view(-1, ys.shape[-1]).addmm_(torch.mm(xs, a_t), b_t)
             else:
                 delta = torch.mm(torch.mm(xs, a_t), b_t).view(ys.shape)
-                ys += delta if gate is None else delta * gate.to(y.dtype)
+                ys += delta if gate is None else _gated(delta, gate)
             return y
         if gate is None:
             return y
-        return y + self._delta(x) * gate.to(y.dtype)
+        return y + _gated(self._delta(x), gate)
 
     def _row_kernel_forward(
         self, x: torch.Tensor, gate: torch.Tensor | None, rows: tuple[int, int] | None
@@ -264,9 +264,15 @@ class GatedLoRALinear(nn.Module):
             xs = x if rows is None else x[:, rows[0] : rows[1]]
             delta = self._delta_rows(as_rows(xs, row_count(xs)))
         if rows is None:  # a compiled step: out of place, the gate over every row
-            return y + delta.view(y.shape) * gate.to(y.dtype)
+            return y + _gated(delta.view(y.shape), gate)
         y = y.contiguous()  # a fused call's base output is a strided view
         ys = y[:, rows[0] : rows[1]]
         delta = delta.view(ys.shape)
-        ys += delta if gate is None else delta * gate.to(y.dtype)
+        ys += delta if gate is None else _gated(delta, gate)
         return y
+
+
+def _gated(delta: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``delta`` on the rows whose gate is set, exactly 0 elsewhere: a select, not ``delta * gate``, so that a
+    non-finite adapter output on a block row (a drafter's inf / NaN) never reaches a committed row (inf * 0 = NaN)."""
+    return torch.where(gate > 0, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))

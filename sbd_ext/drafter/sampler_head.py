@@ -53,6 +53,13 @@ class SamplerHead(nn.Module):
     def hidden(self) -> int:
         return self.w1.shape[0]
 
+    @staticmethod
+    def param_shapes(hidden_size: int, hidden: int) -> dict[str, tuple[int, ...]]:
+        """The parameters' shapes of a head of these sizes, without building one (an artifact's stored tensors are
+        checked against them before anything is allocated)."""
+        h, n = hidden_size, hidden
+        return {"w1": (n, h), "b1": (n,), "w2": (h, n), "b2": (h,), "a": ()}
+
     def direction(self, emb: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
         """u [N, H] for tokens ``t0`` [N] (``emb``: the input embedding's weight)."""
         x = emb[t0].to(self.w1.dtype)
