@@ -29,11 +29,20 @@ fp32 model's, plus a packed copy of a weight tied to the embedding (the head).
 
 It is one-way and for inference: gradients do not flow through an int8 or packed weight, and the tensors are buffers
 (``weight_int8``, ``weight_scale``, ``weight_packed``), not a checkpoint format; quantize after loading, every time.
+So the quantized model's ``save_pretrained`` (and :func:`sbd_ext.integration.save_pretrained`) writes a packed model's
+weights in ``nn.Linear``'s layout (unpacked: the same values, a checkpoint ``from_pretrained`` loads) and refuses an
+int8 / w8a8 model (its int8 values are not the original weights); ``model.train()`` on a quantized model whose base
+is still trainable (its embedding requires grad), or its whole ``model.parameters()`` taken with autograd on (an
+optimizer's list), warns once per model that the linear weights are frozen buffers. A tied head follows the
+embedding: an in-place edit of it or ``resize_token_embeddings`` (seen by the tensor's version, storage and shape;
+not an edit through ``.data``) re-packs (re-quantises) the head's copy at its next forward outside torch.compile.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 
 import torch
 from torch import nn
@@ -59,6 +68,7 @@ __all__ = [
     "quantize",
     "quantize_weight",
     "quantized_scheme",
+    "saveable_state_dict",
 ]
 
 SCHEMES = ("packed", "int8", "w8a8")
@@ -136,6 +146,7 @@ class Int8Linear(nn.Linear):
         return unpack_row_linear_int8(self.weight_int8_packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _follow_tied(self)
         packed = self._buffers.get("weight_int8_packed")
         q = packed if packed is not None else self.weight_int8
         rows = _kernel_rows(x, q)
@@ -168,6 +179,7 @@ class PackedLinear(nn.Linear):
         return tied if tied is not None else unpack_row_linear_weight(self.weight_packed, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _follow_tied(self)
         wp = self.weight_packed
         rows = _kernel_rows(x, wp)
         if rows:
@@ -178,6 +190,31 @@ class PackedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight=fp32 packed in panels of {PANEL}"
+
+
+def _tied_key(w: torch.Tensor) -> tuple:
+    """What an edit of a tied weight changes: in place (its version), replaced storage or a resize (its data)."""
+    return id(w), w.data_ptr(), tuple(w.shape), w._version
+
+
+@torch.no_grad()
+def _follow_tied(m: nn.Module) -> None:
+    """A tied layer's packed / int8 copy made again from the tied fp32 weight when that weight changed since the copy
+    was made (an in-place edit of the embedding, ``resize_token_embeddings``): the head follows the embedding. Skipped
+    inside torch.compile (the check is Python state; the next eager forward makes it)."""
+    tied = m._parameters.get("weight")
+    if tied is None or torch.compiler.is_compiling() or m.__dict__.get("_sbd_tied_key") == _tied_key(tied):
+        return
+    m.out_features = tied.shape[0]
+    if isinstance(m, PackedLinear):
+        m.weight_packed = pack_row_linear_weight(tied, pad=True)
+    else:
+        packed = "weight_int8_packed" in m._buffers
+        if packed:
+            _set_int8_layout(m, False)
+        m.weight_int8, m.weight_scale = quantize_weight(tied)
+        _set_int8_layout(m, packed)
+    m._sbd_tied_key = _tied_key(tied)
 
 
 def _tied_ids(model: nn.Module) -> set[int]:
@@ -233,13 +270,94 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 m.register_buffer("weight_int8", new[0].to(w.device))
                 m.register_buffer("weight_scale", new[1].to(w.device))
                 m.__class__ = Int8Linear
+            if "weight" in m._parameters:  # tied: the copy follows the tied weight (_follow_tied)
+                m._sbd_tied_key = _tied_key(w)
         pack = scheme == "w8a8" and _cpu_vnni()
         for m in model.modules():
             if isinstance(m, Int8Linear):
                 m.quantize_x = scheme == "w8a8"
                 _set_int8_layout(m, pack and m.weight_scale.device.type == "cpu")
         setattr(model, _STATE, scheme)
+        _guard(model)
     return model
+
+
+def _guard(model: nn.Module) -> None:
+    """The quantized model's own ``train``, ``parameters`` and ``save_pretrained`` (instance attributes: the class and
+    every other instance stay as they are; ``functools.partial`` so that copies and pickles keep working)."""
+    model.train = functools.partial(_train, model)
+    model.parameters = functools.partial(_all_parameters, model)
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = functools.partial(_save_pretrained, model)
+
+
+def _base_trainable(model: nn.Module) -> bool:
+    """Whether the base is being trained: its input embedding requires grad (as :func:`check_trainable_weights`)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    return isinstance(w, torch.Tensor) and w.requires_grad
+
+
+def _warn_frozen(model: nn.Module, what: str) -> None:
+    if model.__dict__.get("_sbd_warned_frozen") or not _base_trainable(model):
+        return
+    model._sbd_warned_frozen = True
+    scheme = quantized_scheme(model)
+    warnings.warn(
+        f"{what} on a quantized model: its linear weights are frozen buffers under scheme {scheme!r} "
+        "(sbd_ext.quantize), not parameters, so an optimizer over model.parameters() would train only the embeddings "
+        "and norms; train the fp32 model and quantize afterwards, or train adapters over the frozen base "
+        "(sbd_ext.adapters.prepare)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _train(model: nn.Module, mode: bool = True) -> nn.Module:
+    out = type(model).train(model, mode)
+    if mode:
+        _warn_frozen(model, "model.train()")
+    return out
+
+
+def _all_parameters(model: nn.Module, recurse: bool = True):
+    yield from type(model).parameters(model, recurse)
+    # the whole list taken (an optimizer's), not next(model.parameters()) for a device or dtype
+    if torch.is_grad_enabled():
+        _warn_frozen(model, "model.parameters()")
+
+
+def saveable_state_dict(model: nn.Module, state_dict: dict | None = None, who: str = "save_pretrained"):
+    """``state_dict`` (None: the model's) as a checkpoint of ``model`` to save: unchanged (None stays None) without
+    converted layers; a packed layer's ``weight_packed`` as its ``weight`` in ``nn.Linear``'s layout (the same fp32
+    values, what from_pretrained loads). Raises ValueError for int8 layers (``"int8"`` / ``"w8a8"``): their int8 values
+    are not the original weights, and from_pretrained would give those layers random ones."""
+    int8 = [(n, m) for n, m in model.named_modules() if isinstance(m, Int8Linear)]
+    if int8:
+        scheme = quantized_scheme(model) or ("w8a8" if int8[0][1].quantize_x else "int8")
+        raise ValueError(
+            f"{who}: this model is quantized with scheme {scheme!r} (sbd_ext.quantize: int8 weights in buffers, e.g. "
+            f"{int8[0][0] or 'the model'}), which is not a checkpoint format (from_pretrained would load those layers "
+            "with random weights); quantize is for inference after loading: save the fp32 model, and call "
+            "sbd_ext.quantize after from_pretrained"
+        )
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        return state_dict
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    for n, m in packed:
+        at = f"{n}." if n else ""
+        if sd.pop(at + "weight_packed", None) is not None and at + "weight" not in sd:
+            sd[at + "weight"] = unpack_row_linear_weight(m.weight_packed, m.out_features).contiguous()
+    return sd
+
+
+def _save_pretrained(model: nn.Module, save_directory, *args, **kwargs):
+    if len(args) >= 2:  # save_pretrained(dir, is_main_process, state_dict, ...)
+        args = (args[0], saveable_state_dict(model, args[1]), *args[2:])
+    else:
+        kwargs["state_dict"] = saveable_state_dict(model, kwargs.get("state_dict"))
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
 
 def _set_int8_layout(m: Int8Linear, packed: bool) -> None:

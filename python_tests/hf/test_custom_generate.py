@@ -540,3 +540,28 @@ def test_out_of_vocab_eos_in_the_models_config_is_treated_alike(demo, batch):
         model.generate(ids, custom_generate=CG, trust_remote_code=True, max_new_tokens=8, eos_token_id=10**6)
     with pytest.raises(ValueError, match="could never stop"):
         sbd_ext.generate(model, ids, max_new_tokens=8, eos_token_id=10**6)
+
+
+@pytest.mark.parametrize("source", ["built from a config", "loaded without generation_config.json"])
+def test_saved_sbd_settings_survive_a_reload(source, tmp_path):
+    """Issue 61 item 3: a generation config that came from the model config (``_from_model_config``) was saved with
+    its sbd_* fields, and transformers dropped them on load (the checkpoint decoded plain SBD at k=16, not the saved
+    verify k=4). The settings read back are the ones saved."""
+    from sbd_models import tiny_llama
+
+    from sbd_ext.decoding.gen_config import sbd_fields
+
+    model = tiny_llama()
+    if source != "built from a config":
+        model.save_pretrained(tmp_path / "plain")
+        (tmp_path / "plain" / "generation_config.json").unlink()
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    gc = model.generation_config
+    assert gc._from_model_config
+    gc.sbd_verify, gc.sbd_block_size, gc.sbd_threshold = True, 4, 0.25
+    save_pretrained(model, tmp_path / "ck")
+    assert gc._from_model_config  # the model's own config object is left as it was
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck").generation_config
+    want = {"sbd_verify": True, "sbd_block_size": 4, "sbd_threshold": 0.25}
+    assert {k: getattr(loaded, k, None) for k in want} == want
+    assert sbd_fields(loaded, "reloaded") == sbd_fields(gc, "saved")

@@ -252,3 +252,131 @@ def test_compiled_step_on_int8_weights(arith):
     eager = sbd_ext.generate(model, ids, mask, **s)
     compiled = sbd_ext.generate(model, ids, mask, compile=True, **s)
     assert torch.equal(compiled.sequences, eager.sequences) and torch.equal(compiled.nfe, eager.nfe)
+
+
+# ---- issue 61: saving, tied heads and training on a quantized model ------------------------------------------------
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("how", ["model.save_pretrained", "integration.save_pretrained"])
+def test_packed_model_saves_the_original_weights(tie, how, tmp_path):
+    """Issue 61 item 4: a packed model saved with save_pretrained reloaded with random linear weights (the packed
+    buffers are no checkpoint keys); now the weights are saved unpacked: the reloaded model is the fp32 model."""
+    from transformers import AutoModelForCausalLM
+
+    from sbd_ext.integration import save_pretrained
+
+    fp32 = tiny_llama(tie=tie)
+    model = sbd_ext.quantize(copy.deepcopy(fp32), "packed")
+    if how == "model.save_pretrained":
+        model.save_pretrained(tmp_path)
+    else:
+        save_pretrained(model, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(fp32, ids), rtol=1e-4, atol=1e-4)
+    assert type(model.lm_head) is PackedLinear  # the saved model itself stays packed
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+@pytest.mark.parametrize("how", ["model.save_pretrained", "integration.save_pretrained"])
+def test_int8_model_refuses_to_save(scheme, how, tmp_path):
+    """Issue 61 item 4: an int8 model saved without a word and reloaded with random linear weights (logits off by
+    20); its int8 values are not the original weights, so saving is refused before any file is written."""
+    from sbd_ext.integration import save_pretrained
+
+    model = sbd_ext.quantize(tiny_llama(), scheme)
+    with pytest.raises(ValueError, match=rf"quantized with scheme '{scheme}'.*quantize is for inference after loading"):
+        if how == "model.save_pretrained":
+            model.save_pretrained(tmp_path / "ck")
+        else:
+            save_pretrained(model, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def _edit(model, edit):
+    torch.manual_seed(7)  # resize's new rows: the same draws for both models
+    if edit == "add_mask_token":
+        from sbd_ext.training import add_mask_token
+
+        add_mask_token(model)
+    elif edit == "resize_token_embeddings":
+        model.resize_token_embeddings(120, mean_resizing=False)
+    else:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[3:9] *= -2.0
+
+
+@pytest.mark.parametrize("edit", ["add_mask_token", "resize_token_embeddings", "in_place"])
+def test_packed_tied_head_follows_the_embedding(edit):
+    """Issue 61 item 5: a packed tied head was a copy: after add_mask_token / resize_token_embeddings / an in-place
+    edit of the embedding a new token's logit was a constant 0 (the head did not see the edit). Now the logits equal
+    the unquantised model's with the same edit."""
+    fp32 = tiny_llama(tie=True, mask_id=None)
+    model = sbd_ext.quantize(copy.deepcopy(fp32), "packed")
+    _edit(fp32, edit)
+    _edit(model, edit)
+    vocab = fp32.get_input_embeddings().weight.shape[0]
+    ids = torch.tensor([[1, 4, 5, 8, vocab - 1, 2, vocab - 1]])
+    want = _logits(fp32, ids)
+    assert want.shape[-1] == vocab and not bool((want[..., -1] == 0).all())
+    torch.testing.assert_close(_logits(model, ids), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("edit", ["add_mask_token", "in_place"])
+def test_int8_tied_head_follows_the_embedding(edit):
+    """The same for an int8 tied head: after the edit the model computes what the edited fp32 model quantised
+    afresh computes."""
+    fp32 = tiny_llama(tie=True, mask_id=None)
+    model = sbd_ext.quantize(copy.deepcopy(fp32), "int8")
+    _edit(fp32, edit)
+    _edit(model, edit)
+    fresh = sbd_ext.quantize(copy.deepcopy(fp32), "int8")
+    ids = torch.tensor([[1, 4, 5, 8, fp32.get_input_embeddings().weight.shape[0] - 1]])
+    torch.testing.assert_close(_logits(model, ids), _logits(fresh, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_add_mask_token_refuses_an_untied_quantized_head():
+    """An untied packed head's rows cannot take the new token's: refused before anything changes."""
+    from sbd_ext.training import add_mask_token
+
+    model = sbd_ext.quantize(tiny_llama(tie=False, mask_id=None), "packed")
+    rows = model.get_input_embeddings().weight.shape[0]
+    with pytest.raises(ValueError, match=r"add_mask_token: the model's output head holds 'packed' weights"):
+        add_mask_token(model)
+    assert model.get_input_embeddings().weight.shape[0] == rows
+
+
+@pytest.mark.parametrize("scheme", ["packed", "int8"])
+def test_training_a_quantized_model_warns_once(scheme):
+    """Issue 61 item 6: a plain optimizer over a quantized model trains only embeddings and norms (the linears are
+    buffers). model.train() and the whole model.parameters() taken (an optimizer's list) warn, once per model;
+    next(model.parameters()) (a device / dtype lookup) and a frozen base do not."""
+    import warnings
+
+    match = rf"frozen buffers under scheme '{scheme}'"
+    model = sbd_ext.quantize(tiny_llama(), scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model.device.type == "cpu" and model.dtype == torch.float32
+        with torch.no_grad():
+            list(model.parameters())  # inference: no autograd, no optimizer
+    with pytest.warns(UserWarning, match=match):
+        model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.train()  # once per model
+        torch.optim.AdamW(model.parameters())
+    other = sbd_ext.quantize(tiny_llama(), scheme)
+    with pytest.warns(UserWarning, match=match):
+        torch.optim.AdamW(other.parameters())
+    frozen = sbd_ext.quantize(tiny_llama(), scheme)
+    for p in frozen.parameters():
+        p.requires_grad_(False)  # adapter training over the frozen base: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frozen.train()
+        list(frozen.parameters())

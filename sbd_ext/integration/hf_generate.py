@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..decoding.api import generate as sbd_generate
 from ..decoding.gen_config import KNOWN_SBD_FIELDS, SBD_FIELDS, layered_settings, sbd_fields
 from ..drafter import attach_from_checkpoint
+from ..quantization import saveable_state_dict
 from .hooks import (  # noqa: F401  (refuse_continuous_batching: called by checkpoints' custom_generate/generate.py)
     REQUEST_SAMPLES,
     end_stream_with_error,
@@ -330,8 +331,20 @@ def save_pretrained(model, save_directory: str | Path, **kwargs) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` plus ``custom_generate/`` (generate.py +
     requirements.txt naming sbd_ext), so that ``from_pretrained(save_directory, trust_remote_code=True)`` gives a
     model whose ``generate`` decodes with SBD. The SBD settings to carry go on ``model.generation_config``
-    (``sbd_block_size``, ...) before saving."""
-    model.save_pretrained(save_directory, **kwargs)
+    (``sbd_block_size``, ...) before saving; a generation config built from the model config (transformers' default,
+    ``_from_model_config``, which from_pretrained would rebuild from config.json, dropping every ``sbd_*`` field) is
+    saved as the checkpoint's own. A quantized model: :func:`sbd_ext.quantization.saveable_state_dict` (packed weights
+    saved unpacked; int8 / w8a8 refused before anything is written)."""
+    kwargs["state_dict"] = saveable_state_dict(model, kwargs.get("state_dict"), "sbd_ext.integration.save_pretrained")
+    gc = getattr(model, "generation_config", None)
+    own = bool(getattr(gc, "_from_model_config", False)) and any(k.startswith("sbd_") for k in vars(gc))
+    if own:
+        gc._from_model_config = False
+    try:
+        model.save_pretrained(save_directory, **kwargs)
+    finally:
+        if own:
+            gc._from_model_config = True
     dest = Path(save_directory) / "custom_generate"
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("generate.py", "requirements.txt"):

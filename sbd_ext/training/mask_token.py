@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..metadata import DEFAULT_BLOCK_SIZE_RANGE, check_block_size_range, set_sbd_metadata
+from ..quantization import Int8Linear, PackedLinear, quantized_scheme
 
 __all__ = ["add_mask_token"]
 
@@ -20,8 +21,11 @@ def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_ra
     The input (and, when untied, output) embeddings grow when the id does not fit; a newly created token's rows are
     set to the mean of the existing tokens' rows, so the mask token starts as an "average" token and its output logit as
     the average logit. Sets ``config.mask_token_id`` and ``config.sbd_block_size_range``. Returns the id.
+    A quantized model (:func:`sbd_ext.quantize`) whose untied output head holds packed / int8 weights is refused
+    when a token is to be created (that head's rows cannot be edited); a tied head follows the embedding.
     """
     lo, hi = check_block_size_range(block_size_range)
+    _check_head_editable(model, tokenizer)
     emb = model.get_input_embeddings()
     n_rows = emb.weight.shape[0]
     fresh = False  # a token that did not exist before this call: its embedding rows need initialising
@@ -60,3 +64,21 @@ def add_mask_token(model, tokenizer=None, token: str = "<|mask|>", block_size_ra
 
     set_sbd_metadata(model, mask_id, (lo, hi))
     return mask_id
+
+
+def _check_head_editable(model, tokenizer) -> None:
+    """Refuse, before anything changes, a new token on a model whose untied output head is a converted layer."""
+    out = model.get_output_embeddings()
+    if not isinstance(out, (Int8Linear, PackedLinear)) or "weight" in out._parameters:
+        return
+    if tokenizer is not None:
+        new = tokenizer.mask_token is None or tokenizer.mask_token_id is None
+    else:
+        existing = getattr(model.config, "mask_token_id", None)
+        new = existing is None or not 0 <= int(existing) < model.get_input_embeddings().weight.shape[0]
+    if new:
+        scheme = quantized_scheme(model) or ("packed" if isinstance(out, PackedLinear) else "int8")
+        raise ValueError(
+            f"add_mask_token: the model's output head holds {scheme!r} weights (sbd_ext.quantize), whose rows the new "
+            "token's cannot be written into: add the mask token to the fp32 model, then quantize"
+        )
