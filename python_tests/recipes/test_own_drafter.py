@@ -111,15 +111,18 @@ def test_bad_uses_get_clear_errors(run, tmp_path, capsys):
     assert own.main(["train", "--out", str(tmp_path / "r")]) == 2
     assert own.main(["head", "--samples", "x.pt", "--out", str(tmp_path / "h")]) == 2
     assert "--base DIR" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="not a local HF model folder"):
+    with pytest.raises(SystemExit):  # a usage error (exit code 2), before anything is loaded
         own.main(["data", "--base", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")])
+    assert "not a local HF model folder" in capsys.readouterr().err
     other = _base(tmp_path / "other")
-    with pytest.raises(ValueError, match="another base model's answers"):  # the run folder holds base's answers
-        own.main(["data", "--base", str(other), "--out", str(out), "--n", "8", "--max-new-tokens", "8"])
-    with pytest.raises(ValueError, match="task 'general'"):
+    # the run folder holds base's answers: one line on stderr, exit code 1 (issue 61 item 10: no traceback)
+    assert own.main(["data", "--base", str(other), "--out", str(out), "--n", "8", "--max-new-tokens", "8"]) == 1
+    assert "another base model's answers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         own.main(["train", "--base", str(base), "--task", "arith", "--out", str(out), "--resume", *TRAIN])
-    with pytest.raises(FileNotFoundError, match="run `data"):
-        own.main(["train", "--base", str(base), "--out", str(tmp_path / "r2"), *TRAIN])
+    assert "--task general" in capsys.readouterr().err
+    assert own.main(["train", "--base", str(base), "--out", str(tmp_path / "r2"), *TRAIN]) == 1
+    assert "run `data" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # never into the package's embedded folders
         own.main(["ship", "--out", str(out), "--block-size", "2"])
     assert "needs --dest" in capsys.readouterr().err

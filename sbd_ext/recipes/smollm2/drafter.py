@@ -45,6 +45,8 @@ from ... import drafter as drafter_mod
 from ...demo import tasks
 from ...training import add_mask_token
 from . import checkpoint, data
+from .drafter_args import TRAIN_INTS, check_args, check_batches, count, guarded, number
+from .drafter_args import base_path as _base_path
 from .prompts import clean_instruction, eval_prompts, held_out_texts, self_instruct_requests, training_prompts
 
 __all__ = ["DrafterConfig", "make_samples", "make_self_prompts", "make_batches", "train", "ship", "main"]
@@ -116,16 +118,6 @@ def _prompt_ids(tok, text: str) -> list[int]:
     if getattr(tok, "chat_template", None):
         return checkpoint.chat_prompt(tok, text)
     return list(tok(text).input_ids)
-
-
-def _base_path(base: str | Path | None) -> str:
-    """``--base``: the absolute path of a local HF model folder ("" for SmolLM2); a clear error for anything else."""
-    if not base:
-        return ""
-    p = Path(base).expanduser().resolve()
-    if not (p / "config.json").is_file():
-        raise ValueError(f"--base {base}: not a local HF model folder (no config.json)")
-    return str(p)
 
 
 def artifact_base(artifact: Path) -> str:
@@ -336,13 +328,13 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
     elif ck.exists():
         raise FileExistsError(f"{ck} exists: pass --resume to continue that run, or use another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     samples = torch.load(out / SAMPLES_FILE, weights_only=True)
     if any(d.get("task", "general") != cfg.task for d in samples):
         raise ValueError(f"{out / SAMPLES_FILE} holds samples of another task than {cfg.task!r}")
     if any(d.get("base", "") != cfg.base for d in samples):
         raise ValueError(f"{out / SAMPLES_FILE} holds another base model's answers than {cfg.base or 'SmolLM2'!r}")
+    check_batches(out / SAMPLES_FILE, len(samples), cfg.batch_size)
+    cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     torch.manual_seed(cfg.seed)
     model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa", base=cfg.base)
     mask_id = int(tok.mask_token_id)  # every base loader adds it with add_mask_token (<|mask|> for SmolLM2)
@@ -636,15 +628,16 @@ BASE_HELP = (
 )
 
 
+@guarded  # errors: one line on stderr, exit code 1 (sbd_ext.recipes.smollm2.drafter_args)
 def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.smollm2.drafter") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data")
     d.add_argument("--out", required=True)
-    d.add_argument("--n", type=int, default=1024)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--threads", type=int)
+    d.add_argument("--n", type=count(1), default=1024)
+    d.add_argument("--max-new-tokens", type=count(1), default=128)
+    d.add_argument("--batch-size", type=count(1), default=16)
+    d.add_argument("--threads", type=count(1))
     d.add_argument("--task", choices=sorted(TASKS), default="general")
     d.add_argument(
         "--prompts",
@@ -657,12 +650,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
     t = sub.add_parser("train")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true")
-    t.add_argument("--threads", type=int)
+    t.add_argument("--threads", type=count(1))
     for f in ("steps", "batch_size", "max_len", "rank", "warmup", "seed", "checkpoint_every", "log_every"):
-        t.add_argument("--" + f.replace("_", "-"), type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--full-block-prob", type=float)
-    t.add_argument("--block-size-range", type=int, nargs=2, metavar=("MIN", "MAX"))
+        t.add_argument("--" + f.replace("_", "-"), type=TRAIN_INTS[f])
+    t.add_argument("--lr", type=number(0.0, above=True))
+    t.add_argument("--full-block-prob", type=number(0.0, 1.0))
+    t.add_argument("--block-size-range", type=count(1), nargs=2, metavar=("MIN", "MAX"))
     t.add_argument(
         "--no-first-slot-loss",
         dest="first_slot_loss",
@@ -678,16 +671,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
     t.add_argument("--base", help=BASE_HELP)
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
-    e.add_argument("--n", type=int, default=16)
-    e.add_argument("--max-new-tokens", type=int, default=64)
-    e.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8])
-    e.add_argument("--thresholds", type=float, nargs="*", default=[0.35, 1.0], help="entropy bounds of the verify rows")
-    e.add_argument("--plain-thresholds", type=float, nargs="*", default=[0.35], help="entropy bounds of plain SBD rows")
-    e.add_argument("--lookups", type=int, nargs="*", default=[0], help="verify rows' lookup (drafts per cycle; 0: off)")
+    e.add_argument("--n", type=count(1), default=16)
+    e.add_argument("--max-new-tokens", type=count(1), default=64)
+    e.add_argument("--block-sizes", type=count(1), nargs="*", default=[4, 8])
+    e.add_argument("--thresholds", type=number(), nargs="*", default=[0.35, 1.0], help="entropy bounds of verify rows")
+    e.add_argument("--plain-thresholds", type=number(), nargs="*", default=[0.35], help="entropy bounds of SBD rows")
+    e.add_argument("--lookups", type=count(0), nargs="*", default=[0], help="verify rows' lookup (drafts per cycle)")
     e.add_argument("--branches", type=int, nargs="*", choices=[0, 1], default=[0], help="verify rows' branch (1: on)")
     e.add_argument(
         "--slot-accuracy",
-        type=int,
+        type=count(0),
         default=0,
         metavar="K",
         help="also the drafter's teacher-forced accuracy per slot of fully masked blocks of K on the base's answers",
@@ -700,7 +693,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
         default=[1],
         help="verify rows with (1) and without (0) the drafter's sampler head, where it has one",
     )
-    e.add_argument("--threads", type=int)
+    e.add_argument("--threads", type=count(1))
     e.add_argument("--json", help="write the rows here")
     hd = sub.add_parser("head", help="train a sampler head for a drafter (slot 1 given slot 0's token)")
     hd.add_argument("--out", required=True)
@@ -708,24 +701,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
         "--artifact", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter")
     )
     hd.add_argument("--samples", nargs="+", required=True, help="samples.pt files of `data` (the base's answers)")
-    hd.add_argument("--limit", type=int, help="the first N samples of each file")
-    hd.add_argument("--epochs", type=int, default=5)
-    hd.add_argument("--hidden", type=int, default=512)
-    hd.add_argument("--topk", type=int, default=64)
+    hd.add_argument("--limit", type=count(1), help="the first N samples of each file")
+    hd.add_argument("--epochs", type=count(1), default=5)
+    hd.add_argument("--hidden", type=count(1), default=512)
+    hd.add_argument("--topk", type=count(1), default=64)
     hd.add_argument("--seed", type=int, default=0)
-    hd.add_argument("--threads", type=int)
+    hd.add_argument("--threads", type=count(1))
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
     s.add_argument("--dest", help="default: the embedded folder of the run's task (smollm2-drafter, ...)")
-    s.add_argument("--block-size", type=int, default=8)
+    s.add_argument("--block-size", type=count(1), default=8)
     s.add_argument("--sampler", default="eb")
-    s.add_argument("--threshold", type=float, default=0.35)
-    s.add_argument("--lookup", type=int, default=0, help="drafts from the context per cycle (0: off)")
+    s.add_argument("--threshold", type=number(), default=0.35)
+    s.add_argument("--lookup", type=count(0), default=0, help="drafts from the context per cycle (0: off)")
     s.add_argument("--branch", action="store_true", help="recommend verify's branch (behind the verified token)")
-    s.add_argument("--check-n", type=int, default=8)
-    s.add_argument("--max-new-tokens", type=int, help="default: 96 for arith (its answers), else 64")
-    s.add_argument("--threads", type=int)
+    s.add_argument("--check-n", type=count(1), default=8)
+    s.add_argument("--max-new-tokens", type=count(1), help="default: 96 for arith (its answers), else 64")
+    s.add_argument("--threads", type=count(1))
     args = ap.parse_args(argv)
+    check_args(ap, args)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     out = Path(getattr(args, "out", "") or ".")
