@@ -242,3 +242,22 @@ def test_next_token_generate_of_an_sbd_checkpoint_warns_once(tmp_path, monkeypat
         warnings.simplefilter("always")
         plain_load.generate(ids, max_new_tokens=4)
     assert not [w for w in caught if "next-token" in str(w.message)]  # once
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_export_names_a_tokenizer_file_that_is_not_json(name, tmp_path, capsys):
+    """Issue 61 item 12: a tokenizer file that is a link to a non-JSON file gave "Expecting value: line 1 column 1"
+    without the file's name."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(models.path(models.DEFAULT_MODEL), src)
+    (tmp_path / "notes.txt").write_text("not JSON\n")
+    (src / name).unlink()
+    (src / name).symlink_to(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match=rf"{name} \(a link to .*notes.txt\) is not a JSON file"):
+        export.export(src, tmp_path / "out")
+    assert cli.main(["export", str(tmp_path / "out"), "--model", str(src)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{name} (a link to" in err and "notes.txt" in err
+    assert not (tmp_path / "out").exists()

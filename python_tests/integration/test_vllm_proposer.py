@@ -334,6 +334,20 @@ def test_propose_before_load_model_is_refused(arith):
         _propose(SBDProposer(_config(arith)), [[1, 2, 3]])
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab", 10**6])
+def test_a_token_outside_the_vocabulary_is_refused(arith, bad):
+    """Issue 61 item 12: an out-of-vocabulary or negative token id gave a bare IndexError from the embedding; now a
+    ProposerError naming the id and the vocabulary size, and the proposer still drafts for good rows after it."""
+    vocab = json.loads((arith / "config.json").read_text())["vocab_size"]
+    bad = vocab if bad == "vocab" else bad
+    p = _proposer(arith)
+    good = _sequences(n=1)[0]
+    want = rf"token id {bad}, outside .* vocabulary of {vocab} ids \(0\.\.{vocab - 1}\)"
+    with pytest.raises(ProposerError, match=want):
+        _propose(p, [good, good[:10] + [bad] + good[10:20]])
+    assert _propose(p, [good]) == _propose(_proposer(arith), [good])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.INSTALL_HINT)
 def test_gated_export_is_the_plain_base_and_drafts(tmp_path):

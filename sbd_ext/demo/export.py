@@ -74,6 +74,22 @@ def _json_field(path: Path, key: str):
     return data.get(key) if isinstance(data, dict) else None
 
 
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+
+
+def _check_tokenizer_json(folder: Path) -> None:
+    """The folder's JSON tokenizer files parse (the tokenizer's loader reports a bad one without its name)."""
+    for name in _TOKENIZER_JSON:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            link = f" (a link to {path.resolve()})" if path.is_symlink() else ""
+            raise ValueError(f"{path}{link} is not a JSON file ({e}): copy the model's tokenizer files into {folder}")
+
+
 def _check_source(name_or_path, info: dict, plain: bool) -> None:
     """Refuse, before anything is loaded or written, a checkpoint folder without a tokenizer, and (without
     ``plain``) a checkpoint or adapter artifact that was not trained for SBD. Other kinds of model folder are left
@@ -84,6 +100,7 @@ def _check_source(name_or_path, info: dict, plain: bool) -> None:
             raise ValueError(
                 f"{folder} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}): copy the model's tokenizer files into it"
             )
+        _check_tokenizer_json(folder)
         mask_id = _json_field(folder / "config.json", MASK_TOKEN_ATTR)
     elif adapters.is_artifact(folder):
         mask_id = _json_field(folder / "sbd_config.json", MASK_TOKEN_ATTR)

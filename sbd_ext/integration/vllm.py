@@ -228,7 +228,7 @@ class SBDProposer:
         target_vocab = getattr(getattr(target_model, "config", None), "vocab_size", None)
         if target_vocab is not None and int(target_vocab) not in (vocab, vocab - int(settings["gated"])):
             raise ProposerError(f"the served model's vocabulary ({target_vocab}) is not the drafter's ({vocab})")
-        self.model, self.settings = model, settings
+        self.model, self.settings, self.vocab = model, settings, vocab
         self.cache = SBDCache(model.config, self.n_slots, self.max_model_len + self.k, dtype=self.dtype)
         if self.compile:
             drafter = getattr(model, "sbd_drafter", None)
@@ -358,6 +358,9 @@ class SBDProposer:
                 if not sampled or n < 1 or n + self.k > self.max_model_len:
                     continue
                 tokens = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
+                if (bad := tokens[(tokens < 0) | (tokens >= self.vocab)]).size:
+                    raise ProposerError(f"propose: row {i} holds token id {int(bad[0])}, outside the drafting model's "
+                                        f"vocabulary of {self.vocab} ids (0..{self.vocab - 1})")  # fmt: skip
                 slot = self._slot_for(i, tokens, taken)
                 if slot is not None:
                     work.append((slot, tokens))
