@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 
 #include "checks.h"
 
@@ -103,9 +104,10 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
   TORCH_CHECK_VALUE(weight.size(0) - lora_b.size(0) >= a_panels, op, ": weight must hold the base's ",
                     lora_b.size(0), " panels (N = ", n, ") and ", a_panels, " panel(s) of A's ", lora_b.size(1),
                     " rows, got shape ", weight.sizes());
-  for (const auto* t : {&weight, &lora_b, &gate})
-    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": weight, lora_b and gate must be contiguous, got strides ",
-                      t->strides());
+  const std::pair<const char*, const at::Tensor*> dense[] = {{"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate}};
+  for (const auto& [name, t] : dense)
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t->sizes(), " and strides ",
+                      t->strides(), " (call .contiguous())");
   check_same_device(op, "weight", weight, x, "x");
   check_same_device(op, "lora_b", lora_b, x, "x");
   check_same_device(op, "gate", gate, x, "x");

@@ -343,9 +343,12 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
         weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
         lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
     )
-    for t in (weight, lora_b, gate):
+    for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)):
         if not t.is_contiguous():
-            raise ValueError(f"{op}: weight, lora_b and gate must be contiguous, got strides {t.stride()}")
+            raise ValueError(
+                f"{op}: {name} must be contiguous, got shape {tuple(t.shape)} and strides {t.stride()} "
+                "(call .contiguous())"
+            )
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError(f"{op}: x must be contiguous in its last dimension (stride 1), got strides {x.stride()}")
     return x.new_empty((x.shape[0], lora_b.shape[0] * PANEL))
