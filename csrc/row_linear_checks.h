@@ -32,8 +32,11 @@ inline int64_t row_linear_out_features(const at::Tensor& weight) {
 inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                              bool quantize_x) {
   constexpr const char* op = "row_linear";
-  check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte});
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte, at::kBFloat16});
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16, op,
+                   ": bf16 x goes with a bf16 weight (a bf16 layer); weight has dtype ", weight.scalar_type(),
+                   " (pass x in fp32)");
   check_dim(op, "x", x, 2, "[M, K]");
   const bool q8_packed = weight.scalar_type() == at::kByte;
   if (q8_packed) {  // sbd_ext.packing.pack_row_linear_int8

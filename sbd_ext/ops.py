@@ -227,9 +227,9 @@ def row_linear(
     computes, with a CPU kernel that reads the weight once for all rows (see csrc/cpu/row_linear_kernel.cpp).
 
     Args:
-        x: [M, K] fp32, contiguous along K (rows may be strided).
-        weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, or int8 for
-            weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
+        x: [M, K] fp32 (or bf16, with a bf16 weight), contiguous along K (rows may be strided).
+        weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, bf16 (a bf16 layer:
+            widened exactly, summed in fp32), or int8 for weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
             [N / 16, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`;
             ``sbd_ext.quantize(model, "packed")``), which
             the CPU kernel multiplies at the FMA rate (one weight vector times a broadcast x value per step, no
@@ -242,9 +242,11 @@ def row_linear(
             outputs NaN. :func:`sbd_ext.reference.row_linear` is the exact definition.
 
     Returns:
-        [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
-        fp32 rounding. Any M: past 32 rows (a prefill) an fp32 weight runs the framework's GEMM (F.linear's, whose
-        sums may depend on the thread count) and an int8 weight runs the kernel on slices of 32 rows. No backward
+        [M, N] in x's dtype (bf16 x: the fp32 sums rounded once). Each output is summed in one fixed order, the same
+        whatever the row count, the tile a row falls in or the thread count (batch invariance: a row's result is the
+        one it gets alone); the result equals F.linear's to fp32 rounding. Any M: past 32 rows (a prefill) a plain
+        fp32 weight runs the framework's GEMM (F.linear's, whose sums may depend on the row and thread counts) and
+        every other weight runs the kernel on slices of 32 rows. No backward
         (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS (an int8 weight is widened
         to fp32 first).
     """
@@ -358,8 +360,8 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
 def _row_linear_fake(x, weight, scale=None, quantize_x=False):
     # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This
     # is also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
-    allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8, torch.uint8)}
-    names = {torch.float32: "Float", torch.int8: "Char", torch.uint8: "Byte"}
+    allowed = {"x": (torch.float32, torch.bfloat16), "weight": (torch.float32, torch.int8, torch.uint8, torch.bfloat16)}
+    names = {torch.float32: "Float", torch.int8: "Char", torch.uint8: "Byte", torch.bfloat16: "BFloat16"}
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in allowed[name]:
             want = ", ".join(names[d] for d in allowed[name])
@@ -373,6 +375,10 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
                 )
         elif t.dim() != 2 and not packed:
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
+    if x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16:
+        raise TypeError(
+            f"row_linear: bf16 x goes with a bf16 weight (a bf16 layer); weight has dtype {weight.dtype} (pass x in fp32)"
+        )
     for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
         if t.device != x.device:
             raise RuntimeError(
@@ -419,4 +425,4 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
             f"row_linear: quantize_x=True multiplies int8 x with an int8 weight; weight has dtype {weight.dtype} "
             "(quantise the weight, or pass quantize_x=False)"
         )
-    return x.new_empty((x.shape[0], row_linear_out_features(weight)))
+    return x.new_empty((x.shape[0], row_linear_out_features(weight)))  # x's dtype: fp32, or bf16 with a bf16 weight

@@ -132,7 +132,25 @@ inline Vec load_w(const int8_t* p) {
 #endif
 }
 
+// Vec::size() bf16 weights as fp32: the 16 bits are the fp32 value's upper half (exact).
+inline Vec load_w(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  alignas(64) float lanes[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) lanes[i] = static_cast<float>(p[i]);
+  return Vec::loadu(lanes);
+#endif
+}
+
 inline const float* weight_of(const RowLinearParams& p, float) { return p.w; }
+inline const c10::BFloat16* weight_of(const RowLinearParams& p, c10::BFloat16) {
+  return reinterpret_cast<const c10::BFloat16*>(p.wb);
+}
 inline const int8_t* weight_of(const RowLinearParams& p, int8_t) { return p.wq; }
 
 // PREFETCH: the first x tile of a weight tile also prefetches the next weight tile (the same K offsets), so the
@@ -831,6 +849,8 @@ void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
     tiled_range<Q8Tiles>(p, n0, n1);
   } else if (p.wq != nullptr) {
     range<int8_t>(p, n0, n1);
+  } else if (p.wb != nullptr) {
+    range<c10::BFloat16>(p, n0, n1);
   } else if (p.packed) {
     panel_range<F32Panels>(p, n0, n1);
   } else {
