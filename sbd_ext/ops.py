@@ -113,7 +113,10 @@ def block_attention(
             transformers' ``sliding_window = W`` (``kv > q - W``) is ``window_left = W - 1``. -1: no window.
 
     Returns:
-        [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32.
+        [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32. On the CPU a row's
+        output does not depend on the other rows of the call (batch invariance, docs/ops.md), and the V of a set-block
+        row is read with its non-finite values as 0 (a row that does not see it gets an exact zero from it; the
+        reference has the same rule; the CUDA kernels do not have it yet).
     The lengths are not updated: after the last layer the caller adds n_commit to cache_lens.
 
     Invalid lengths (negative, ``n_commit > n_valid``, ``n_valid > T``, ``cache_lens + n_commit > S``) raise a

@@ -293,9 +293,12 @@ Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
 
 // The unit's keys from position first_key to last_key (its lanes' union), within its split, in blocks of at most
 // `rows` that end at absolute multiples of `rows`, as fn(k rows, k row stride, v rows, v row stride, n rows, pos0),
-// pos0 the position of the block's first key. A block of cache rows or of new rows is read in place; one that holds
-// both (the cache's end) is gathered into gk / gv (rows x D each). New rows are always read from k / v, never from
-// the cache rows the append writes.
+// pos0 the position of the block's first key. A block of cache rows or of committed new rows is read in place; one
+// that holds both (the cache's end) or set-block rows is gathered into gk / gv (rows x D each). New rows are always
+// read from k / v, never from the cache rows the append writes. The V of a set-block row (never stored: the drafter's
+// rows) is read with its non-finite values as 0, so that a row that does not see it gets an exact zero from it (a
+// hidden key's probability is 0, and 0 * NaN would be NaN): a drafter's NaN costs its drafts, never the committed
+// rows (sbd_ext.reference.block_attention has the same rule).
 template <typename T, typename Fn>
 void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t rows, int64_t first_key,
                         int64_t last_key, T* gk, T* gv, Fn&& fn) {
@@ -303,7 +306,7 @@ void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t ro
   // From first_key itself (no row before the earliest window is read), then the aligned blocks: a lane whose
   // window starts later sees the keys before its start as hidden keys of the same block (exact zeros).
   const int64_t k0 = std::max(s0, first_key), k1 = std::min(s1, last_key + 1);
-  const int64_t len = p.cache_len(u.b), D = p.D;
+  const int64_t len = p.cache_len(u.b), D = p.D, block0 = len + p.commit(u.b);
   const T* kc = static_cast<const T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh;
   const T* vc = static_cast<const T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh;
   const T* kn = static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh;
@@ -312,7 +315,7 @@ void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t ro
     const int64_t j1 = std::min(k1, (j / rows + 1) * rows), nb = j1 - j;
     if (j1 <= len) {
       fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, nb, j);
-    } else if (j >= len) {
+    } else if (j >= len && j1 <= block0) {
       fn(kn + (j - len) * p.k_st, p.k_st, vn + (j - len) * p.v_st, p.v_st, nb, j);
     } else {
       for (int64_t n = 0; n < nb; ++n) {
@@ -321,6 +324,9 @@ void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t ro
         const T* vs = pos < len ? vc + pos * p.vc_st : vn + (pos - len) * p.v_st;
         std::memcpy(gk + n * D, ks, D * sizeof(T));
         std::memcpy(gv + n * D, vs, D * sizeof(T));
+        if (pos >= block0)
+          for (int64_t d = 0; d < D; ++d)
+            if (!std::isfinite(static_cast<float>(gv[n * D + d]))) gv[n * D + d] = T(0.f);
       }
       fn(gk, D, gv, D, nb, j);
     }

@@ -100,3 +100,24 @@ def test_block_attention_row_equals_the_row_alone(cpu_isa, Hkv, g, D, dtype, win
                     assert all(same), f"threads={threads} L={L} T={T}: {same.count(False)} rows differ"
     finally:
         torch.set_num_threads(old)
+
+
+def test_a_set_block_rows_nan_value_never_reaches_a_committed_row(cpu_isa):
+    """A drafter's non-finite V in the set-block rows (never stored) costs its drafts only: the committed rows of the
+    same forward are exactly what they are with finite block rows, and equal the reference (same rule)."""
+    from sbd_ext import reference
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 4, 6, 64, generator=gen) for _ in range(3))
+    kc, vc = torch.randn(1, 2, 40, 64, generator=gen), torch.randn(1, 2, 40, 64, generator=gen)
+    lens = lambda *n: torch.tensor(n, dtype=torch.int64)  # noqa: E731
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    clean = sbd_ext.block_attention(q, k, v, kc.clone(), vc.clone(), lens(3), lens(4), lens(6), 0.125)
+    bad_v = v.clone()
+    bad_v[:, :, 4:, 5] = float("nan")
+    bad_v[:, :, 5, 9] = float("inf")
+    out = sbd_ext.block_attention(q, k, bad_v, kc.clone(), vc.clone(), lens(3), lens(4), lens(6), 0.125)
+    assert torch.equal(out[:, :4], clean[:, :4])
+    assert torch.isfinite(out).all()
+    ref = reference.block_attention(q, k, bad_v, kc.clone(), vc.clone(), lens(3), lens(4), lens(6), 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
