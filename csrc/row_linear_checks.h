@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 
 #include "checks.h"
 
@@ -31,8 +32,11 @@ inline int64_t row_linear_out_features(const at::Tensor& weight) {
 inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                              bool quantize_x) {
   constexpr const char* op = "row_linear";
-  check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte});
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kChar, at::kByte, at::kBFloat16});
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16, op,
+                   ": bf16 x goes with a bf16 weight (a bf16 layer); weight has dtype ", weight.scalar_type(),
+                   " (pass x in fp32)");
   check_dim(op, "x", x, 2, "[M, K]");
   const bool q8_packed = weight.scalar_type() == at::kByte;
   if (q8_packed) {  // sbd_ext.packing.pack_row_linear_int8
@@ -103,9 +107,10 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
   TORCH_CHECK_VALUE(weight.size(0) - lora_b.size(0) >= a_panels, op, ": weight must hold the base's ",
                     lora_b.size(0), " panels (N = ", n, ") and ", a_panels, " panel(s) of A's ", lora_b.size(1),
                     " rows, got shape ", weight.sizes());
-  for (const auto* t : {&weight, &lora_b, &gate})
-    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": weight, lora_b and gate must be contiguous, got strides ",
-                      t->strides());
+  const std::pair<const char*, const at::Tensor*> dense[] = {{"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate}};
+  for (const auto& [name, t] : dense)
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t->sizes(), " and strides ",
+                      t->strides(), " (call .contiguous())");
   check_same_device(op, "weight", weight, x, "x");
   check_same_device(op, "lora_b", lora_b, x, "x");
   check_same_device(op, "gate", gate, x, "x");

@@ -9,7 +9,7 @@ x rows (csrc/cpu/row_linear_kernel.cpp).
 
 :func:`use_row_linear` switches a model's plain ``nn.Linear`` layers (not subclasses: quantised or adapter
 layers keep their own forward) to :class:`RowLinear` in place, by class: parameters, hooks, ``state_dict`` and
-``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 CPU models on its first call (once, like the
+``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 and bf16 CPU models on its first call (once, like the
 attention switch) unless :func:`use_row_linear` was called with ``False`` for that model. A RowLinear forward
 falls back to ``F.linear`` for other dtypes or devices and whenever autograd needs a graph, so training is
 unaffected. It calls the op for any row count: past :data:`ROW_LIMIT` rows (a prefill) the op itself runs the
@@ -53,7 +53,11 @@ def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class RowLinear(nn.Linear):
-    """``nn.Linear`` with row_linear for fp32 CPU rows without an autograd graph."""
+    """``nn.Linear`` with row_linear for fp32 or bf16 CPU rows without an autograd graph.
+
+    A bf16 layer (bf16 x and weight): the op widens both in registers, sums the exact products in fp32 in its fixed
+    order and rounds the result to bf16 once -- like ``F.linear`` in bf16, but with sums that do not depend on the row
+    count (batch invariance), which the framework's bf16 GEMM does not promise."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -61,8 +65,8 @@ class RowLinear(nn.Linear):
         if (
             rows > 0  # no upper bound here: the op takes a prefill (see the module doc)
             and x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and w.dtype == torch.float32
+            and x.dtype == w.dtype
+            and w.dtype in (torch.float32, torch.bfloat16)
             and w.device.type == "cpu"
             and w.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
@@ -87,8 +91,8 @@ def use_row_linear(model: nn.Module, enable: bool = True) -> int:
 
 
 def ensure_row_linear(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """What :func:`sbd_ext.generate` calls: switch an fp32 CPU model once, unless it was opted out."""
-    if device.type != "cpu" or dtype != torch.float32 or getattr(model, _OPT_OUT, None) is not None:
+    """What :func:`sbd_ext.generate` calls: switch an fp32 or bf16 CPU model once, unless it was opted out."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or getattr(model, _OPT_OUT, None) is not None:
         return
     use_row_linear(model)
 

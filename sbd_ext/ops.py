@@ -12,7 +12,7 @@ import operator
 import torch
 
 from . import _C
-from .packing import PANEL
+from .fake_kernels import row_linear_out_features  # noqa: F401  (re-exported; the import registers the fake kernels)
 from .samplers import check_threshold, get_sampler
 
 __all__ = [
@@ -113,7 +113,10 @@ def block_attention(
             transformers' ``sliding_window = W`` (``kv > q - W``) is ``window_left = W - 1``. -1: no window.
 
     Returns:
-        [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32.
+        [B, T, Hq, D] in q's dtype (the layout the o_proj consumes). Accumulation is fp32. On the CPU a row's
+        output does not depend on the other rows of the call (batch invariance, docs/ops.md), and the V of a set-block
+        row is read with its non-finite values as 0 (a row that does not see it gets an exact zero from it; the
+        reference has the same rule; the CUDA kernels do not have it yet).
     The lengths are not updated: after the last layer the caller adds n_commit to cache_lens.
 
     Invalid lengths (negative, ``n_commit > n_valid``, ``n_valid > T``, ``cache_lens + n_commit > S``) raise a
@@ -227,9 +230,9 @@ def row_linear(
     computes, with a CPU kernel that reads the weight once for all rows (see csrc/cpu/row_linear_kernel.cpp).
 
     Args:
-        x: [M, K] fp32, contiguous along K (rows may be strided).
-        weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, or int8 for
-            weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
+        x: [M, K] fp32 (or bf16, with a bf16 weight), contiguous along K (rows may be strided).
+        weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, bf16 (a bf16 layer:
+            widened exactly, summed in fp32), or int8 for weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
             [N / 16, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`;
             ``sbd_ext.quantize(model, "packed")``), which
             the CPU kernel multiplies at the FMA rate (one weight vector times a broadcast x value per step, no
@@ -242,9 +245,11 @@ def row_linear(
             outputs NaN. :func:`sbd_ext.reference.row_linear` is the exact definition.
 
     Returns:
-        [M, N] fp32. Sums run in a fixed order (independent of the thread count); the result equals F.linear's to
-        fp32 rounding. Any M: past 32 rows (a prefill) an fp32 weight runs the framework's GEMM (F.linear's, whose
-        sums may depend on the thread count) and an int8 weight runs the kernel on slices of 32 rows. No backward
+        [M, N] in x's dtype (bf16 x: the fp32 sums rounded once). Each output is summed in one fixed order, the same
+        whatever the row count, the tile a row falls in or the thread count (batch invariance: a row's result is the
+        one it gets alone); the result equals F.linear's to fp32 rounding. Any M: past 32 rows (a prefill) a plain
+        fp32 weight runs the framework's GEMM (F.linear's, whose sums may depend on the row and thread counts) and
+        every other weight runs the kernel on slices of 32 rows. No backward
         (an input requiring grad while grad mode is on is refused). On CUDA it is cuBLAS (an int8 weight is widened
         to fp32 first).
     """
@@ -282,138 +287,3 @@ def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tenso
             "merges the adapter into the weight: GatedLoRALinear.merged_weight)"
         )
     return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate)
-
-
-def row_linear_out_features(weight: torch.Tensor) -> int:
-    """N, the output size of row_linear with this weight: [N, K], or packed [N / 16, K, 16]."""
-    packed = weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == PANEL
-    return weight.shape[0] * PANEL if packed or weight.dtype == torch.uint8 else weight.shape[0]
-
-
-# ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
-@torch.library.register_fake("sbd_ext::block_attention")
-def _block_attention_fake(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap=0.0, window_left=-1):
-    B, Hq, T, D = q.shape
-    return q.new_empty((B, T, Hq, D))
-
-
-@torch.library.register_fake("sbd_ext::entropy_sample")
-def _entropy_sample_fake(logits, temperature, seed, offset):
-    N = logits.shape[0]
-    f = logits.new_empty((N,), dtype=torch.float32)
-    return f, torch.empty_like(f), logits.new_empty((N,), dtype=torch.int64)
-
-
-@torch.library.register_fake("sbd_ext::mask_replace")
-def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, threshold):
-    B = tokens.shape[0]
-    return tokens.new_empty((B,)), tokens.new_empty((B,))
-
-
-@torch.library.register_fake("sbd_ext::gated_lora_linear")
-def _gated_lora_linear_fake(x, weight, lora_b, gate):
-    # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
-    op = "gated_lora_linear"
-    for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: {name} must have dtype Float, got {t.dtype}")
-        if t.device != x.device:
-            raise RuntimeError(
-                f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
-            )
-    dims = {"x": (x, 2, "[M, K]"), "weight": (weight, 3, "(packed [W; A]: [P, K, 16])")}
-    dims.update(lora_b=(lora_b, 3, "(packed scale * B: [N / 16, r, 16])"), gate=(gate, 1, "[M]"))
-    for name, (t, nd, shape) in dims.items():
-        if t.dim() != nd:
-            raise ValueError(f"{op}: {name} must be {nd}-D {shape}, got shape {tuple(t.shape)}")
-    sizes = [
-        (weight, "weight", 1, x.shape[1], "x.size(1) (K)"),
-        (weight, "weight", 2, PANEL, "16 (a packed weight is [P, K, 16])"),
-        (lora_b, "lora_b", 2, PANEL, "16 (a packed lora_b is [N / 16, r, 16])"),
-        (gate, "gate", 0, x.shape[0], "x.size(0) (M)"),
-    ]
-    for t, name, d, want, what in sizes:
-        msg = f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}"
-        torch._check_value(t.shape[d] == want, lambda msg=msg: msg)
-    torch._check_value(
-        lora_b.shape[0] >= 1 and lora_b.shape[1] >= 1,
-        lambda: f"{op}: lora_b must hold at least one panel and rank r >= 1, got shape {tuple(lora_b.shape)}",
-    )
-    torch._check_value(
-        weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
-        lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
-    )
-    for t in (weight, lora_b, gate):
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: weight, lora_b and gate must be contiguous, got strides {t.stride()}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        raise ValueError(f"{op}: x must be contiguous in its last dimension (stride 1), got strides {x.stride()}")
-    return x.new_empty((x.shape[0], lora_b.shape[0] * PANEL))
-
-
-@torch.library.register_fake("sbd_ext::row_linear")
-def _row_linear_fake(x, weight, scale=None, quantize_x=False):
-    # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This
-    # is also the Meta kernel, which the dispatcher picks for a meta x with a weight on another device.
-    allowed = {"x": (torch.float32,), "weight": (torch.float32, torch.int8, torch.uint8)}
-    names = {torch.float32: "Float", torch.int8: "Char", torch.uint8: "Byte"}
-    for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in allowed[name]:
-            want = ", ".join(names[d] for d in allowed[name])
-            raise TypeError(f"row_linear: {name} must have dtype {want}, got {t.dtype}")
-        packed = name == "weight" and t.dim() == 3 and t.dtype == torch.float32 and t.shape[2] == PANEL
-        if name == "weight" and t.dtype == torch.uint8:
-            if t.dim() != 4 or t.shape[2] != PANEL or t.shape[3] != 4:
-                raise ValueError(
-                    f"row_linear: weight must be 4-D (a packed int8 weight: uint8 [N / 16, ceil(K / 32) * 8, 16, 4]), "
-                    f"got shape {tuple(t.shape)}"
-                )
-        elif t.dim() != 2 and not packed:
-            raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
-    for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
-        if t.device != x.device:
-            raise RuntimeError(
-                f"row_linear: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
-            )
-    q8_packed = weight.dtype == torch.uint8
-    if q8_packed:
-        torch._check_value(
-            weight.shape[1] == (x.shape[1] + 31) // 32 * 8,
-            lambda: (
-                f"row_linear: weight.size(1) must equal ceil(x.size(1) / 32) * 8 (K in blocks of 32) = "
-                f"{(x.shape[1] + 31) // 32 * 8}, got shape {tuple(weight.shape)}"
-            ),
-        )
-        if not quantize_x:
-            raise ValueError(
-                "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: "
-                "pass quantize_x=True"
-            )
-    else:
-        torch._check_value(
-            weight.shape[1] == x.shape[1],
-            lambda: (
-                f"row_linear: weight.size(1) must equal x.size(1) (K) = {x.shape[1]}, got shape {tuple(weight.shape)}"
-            ),
-        )
-    n = row_linear_out_features(weight)
-    if weight.dtype in (torch.int8, torch.uint8):
-        if scale is None:
-            raise ValueError("row_linear: an int8 weight needs scale [N] fp32 (one scale per weight row), got None")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"row_linear: scale must have dtype Float, got {scale.dtype}")
-        if scale.dim() != 1:
-            raise ValueError(f"row_linear: scale must be 1-D [N], got shape {tuple(scale.shape)}")
-        what = "16 * weight.size(0) (N)" if q8_packed else "weight.size(0) (N)"
-        torch._check_value(
-            scale.shape[0] == n,
-            lambda: f"row_linear: scale.size(0) must equal {what} = {n}, got shape {tuple(scale.shape)}",
-        )
-    elif scale is not None:
-        raise ValueError(f"row_linear: scale is for an int8 weight; weight has dtype {weight.dtype} (pass scale=None)")
-    if quantize_x and weight.dtype not in (torch.int8, torch.uint8):
-        raise ValueError(
-            f"row_linear: quantize_x=True multiplies int8 x with an int8 weight; weight has dtype {weight.dtype} "
-            "(quantise the weight, or pass quantize_x=False)"
-        )
-    return x.new_empty((x.shape[0], row_linear_out_features(weight)))

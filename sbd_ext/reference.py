@@ -114,7 +114,11 @@ def block_attention(
     cache_lens, n_commit, n_valid = (t.to(q.device) for t in (cache_lens, n_commit, n_valid))
     g = Hq // Hkv
     keys = torch.cat([k_cache.float(), k.float()], dim=2).repeat_interleave(g, dim=1)  # [B, Hq, S+T, D]
-    vals = torch.cat([v_cache.float(), v.float()], dim=2).repeat_interleave(g, dim=1)
+    # A set-block row's V (never stored: the drafter's rows) with its non-finite values as 0, so that a row that
+    # does not see it gets an exact zero from it (probability 0 times NaN would be NaN): the kernels' rule.
+    block_row = torch.arange(T, device=q.device).view(1, 1, T, 1) >= n_commit.long().view(B, 1, 1, 1)
+    vnew = torch.where(block_row & ~torch.isfinite(v.float()), torch.zeros((), device=q.device), v.float())
+    vals = torch.cat([v_cache.float(), vnew], dim=2).repeat_interleave(g, dim=1)
     mask = block_attention_mask(cache_lens, n_commit, n_valid, T, S, window_left)  # [B, T, S+T]
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), keys) * scale
     if softcap > 0:

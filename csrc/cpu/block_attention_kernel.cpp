@@ -118,6 +118,18 @@ constexpr auto kMicroKernels = make_micro_kernels(std::make_index_sequence<kRI *
 
 inline MicroKernel micro_kernel_for(int64_t ri, int64_t rm) { return kMicroKernels[(ri - 1) * kRM + (rm - 1)]; }
 
+// The running state of W lanes after a block: m_new = max(m_old, the block's max), off = softmax_offset(m_new), sum
+// = the block's e^(s - off) summed in ascending key order. One function for both paths (the lanes path calls it on
+// its lane vectors, the rows path on its lanes gathered), so a lane's state is rounded alike whichever path ran it:
+// alpha = e^(m_old - off) by the vector exp, l = fma(l, alpha, sum).
+inline void lane_state(const Vec& m_old, const Vec& m_new, const Vec& off, const Vec& sum, float* run_m, float* run_l,
+                       float* alpha) {
+  const Vec a = (m_old - off).exp();
+  at::vec::fmadd(Vec::loadu(run_l), a, sum).store(run_l);
+  m_new.store(run_m);
+  a.store(alpha);
+}
+
 // One block of nb keys for the lanes [0, nvec * W) of a tile. The scores st [nb][ld] become e^(s - offset) in
 // place; the lanes' running (m, l) absorb the block and alpha receives the factor their earlier accumulators
 // must be scaled by. The vector form of sbd::SoftmaxState::push_block. The scores are soft-capped first when
@@ -153,10 +165,7 @@ void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, float softcap
       e.store(col + n * ld);
       sum = sum + e;
     }
-    const Vec a = (m_old - off).exp();
-    (Vec::loadu(run_l + j * W) * a + sum).store(run_l + j * W);
-    m_new.store(run_m + j * W);
-    a.store(alpha + j * W);
+    lane_state(m_old, m_new, off, sum, run_m + j * W, run_l + j * W, alpha + j * W);
   }
 }
 
@@ -194,24 +203,28 @@ inline int64_t tiled_index(int64_t D, int64_t d, int64_t m) {
 
 // Per-thread working set, sized for the largest panel.
 struct Workspace {
-  Buffer qt, ot, st, kf, vf, kt, ones, lim, run_m, run_l, alpha, tile_lim, lo, hi;
-  std::unique_ptr<int64_t[]> first;  // per lane: the first key position its window shows (0 without a window)
+  Buffer qt, ot, st, kf, vf, gk, gv, kt, ones, run_m, run_l, alpha, lo, hi, sums;
+  // per lane: the first key position its window shows (0 without a window) and the last key it sees (-1: none)
+  std::unique_ptr<int64_t[]> first, last, tile_last;
   explicit Workspace(const BlockAttentionParams& p)
       : qt(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
         ot(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
         st(alloc_floats(kBlock * kTileLanes)),
         kf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
         vf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
+        gk(alloc_floats(kBlock * p.D)),  // a block of cache and new rows gathered (element type <= 4 bytes)
+        gv(alloc_floats(kBlock * p.D)),
         kt(alloc_floats(p.D * kBlock)),
         ones(alloc_floats(kTileLanes)),
-        lim(alloc_floats(p.panel_lanes)),
         run_m(alloc_floats(p.panel_lanes)),
         run_l(alloc_floats(p.panel_lanes)),
         alpha(alloc_floats(kTileLanes)),
-        tile_lim(alloc_floats(tiled_lanes(p.panel_lanes) / kTileLanes)),
         lo(alloc_floats(kTileLanes)),
         hi(alloc_floats(kTileLanes)),
-        first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]) {
+        sums(alloc_floats(4 * W)),
+        first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
+        last(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
+        tile_last(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes) / kTileLanes)]) {
     std::fill(ones.get(), ones.get() + kTileLanes, 1.f);
     std::fill(kt.get(), kt.get() + p.D * kBlock, 0.f);  // its ragged columns are computed on, then masked
   }
@@ -259,14 +272,14 @@ void append_and_pad(const BlockAttentionParams& p, const Unit& u) {
       std::memset(out_row<T>(p, u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
 }
 
-// The cache rows [c0, c1) of a unit's split: the rows from the first one a sliding window shows (0 without one)
-// to cache_lens[b], in equal shares rounded to whole blocks of kBlock rows (for both paths, so the partial states
-// line up); the new rows go with the last split.
+// Keys by absolute position: cache row j is position j, new row t is position cache_len + t. Split s of a unit
+// covers the positions [s * split_keys, (s + 1) * split_keys) (the last split: to the end), and a split's keys are
+// walked in blocks aligned to absolute multiples of the block size. So the blocks (and splits) a key falls in, and
+// with them every sum a lane makes, depend only on the key's position -- not on how many rows share the forward or
+// where the cache ends and the new rows begin: a row's output is the one it gets alone (batch invariance).
 inline std::pair<int64_t, int64_t> split_range(const BlockAttentionParams& p, const Unit& u) {
-  const int64_t len = p.cache_len(u.b), start = p.first_cache_row(len);
-  const int64_t share = ((len - start + p.n_splits - 1) / p.n_splits + kBlock - 1) / kBlock * kBlock;
-  const int64_t c0 = std::min(len, start + u.split * share), c1 = std::min(len, c0 + share);
-  return {c0, c1};
+  const int64_t k0 = u.split * p.split_keys;
+  return {k0, u.split == p.n_splits - 1 ? std::numeric_limits<int64_t>::max() : k0 + p.split_keys};
 }
 
 // Unit `unit` described, after its share of the append and padding (split 0 of panel 0 of its (b, kv head)).
@@ -278,47 +291,71 @@ Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
   return u;
 }
 
-// The unit's keys in blocks of at most `rows`: its split's cache rows, then (last split only) the new rows, as
-// fn(k rows, k row stride, v rows, v row stride, n rows, j0, pos0), j0 = -1 for cache rows (causally visible to
-// all) and the index of the first new row otherwise (masked), pos0 the position of the block's first key.
-// max_lim: the last new row any lane of the unit sees -- the causal skip: no block past it is visited (matters
-// when T is long, e.g. a prefill).
+// The unit's keys from position first_key to last_key (its lanes' union), within its split, in blocks of at most
+// `rows` that end at absolute multiples of `rows`, as fn(k rows, k row stride, v rows, v row stride, n rows, pos0),
+// pos0 the position of the block's first key. A block of cache rows or of committed new rows is read in place; one
+// that holds both (the cache's end) or set-block rows is gathered into gk / gv (rows x D each). New rows are always
+// read from k / v, never from the cache rows the append writes. The V of a set-block row (never stored: the drafter's
+// rows) is read with its non-finite values as 0, so that a row that does not see it gets an exact zero from it (a
+// hidden key's probability is 0, and 0 * NaN would be NaN): a drafter's NaN costs its drafts, never the committed
+// rows (sbd_ext.reference.block_attention has the same rule).
 template <typename T, typename Fn>
-void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t rows, float max_lim, Fn&& fn) {
-  const auto [c0, c1] = split_range(p, u);
+void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t rows, int64_t first_key,
+                        int64_t last_key, T* gk, T* gv, Fn&& fn) {
+  const auto [s0, s1] = split_range(p, u);
+  // From first_key itself (no row before the earliest window is read), then the aligned blocks: a lane whose
+  // window starts later sees the keys before its start as hidden keys of the same block (exact zeros).
+  const int64_t k0 = std::max(s0, first_key), k1 = std::min(s1, last_key + 1);
+  const int64_t len = p.cache_len(u.b), D = p.D, block0 = len + p.commit(u.b);
   const T* kc = static_cast<const T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh;
   const T* vc = static_cast<const T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh;
-  for (int64_t j = c0; j < c1; j += rows)
-    fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, std::min(rows, c1 - j), int64_t{-1}, j);
-  if (u.split != p.n_splits - 1) return;
   const T* kn = static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh;
   const T* vn = static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh;
-  const int64_t new_end = max_lim >= static_cast<float>(u.nv) ? u.nv : static_cast<int64_t>(max_lim) + 1;
-  const int64_t len = p.cache_len(u.b);
-  for (int64_t j = 0; j < new_end; j += rows)
-    fn(kn + j * p.k_st, p.k_st, vn + j * p.v_st, p.v_st, std::min(rows, new_end - j), j, len + j);
+  for (int64_t j = k0; j < k1;) {
+    const int64_t j1 = std::min(k1, (j / rows + 1) * rows), nb = j1 - j;
+    if (j1 <= len) {
+      fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, nb, j);
+    } else if (j >= len && j1 <= block0) {
+      fn(kn + (j - len) * p.k_st, p.k_st, vn + (j - len) * p.v_st, p.v_st, nb, j);
+    } else {
+      for (int64_t n = 0; n < nb; ++n) {
+        const int64_t pos = j + n;
+        const T* ks = pos < len ? kc + pos * p.kc_st : kn + (pos - len) * p.k_st;
+        const T* vs = pos < len ? vc + pos * p.vc_st : vn + (pos - len) * p.v_st;
+        std::memcpy(gk + n * D, ks, D * sizeof(T));
+        std::memcpy(gv + n * D, vs, D * sizeof(T));
+        if (pos >= block0)
+          for (int64_t d = 0; d < D; ++d)
+            if (!std::isfinite(static_cast<float>(gv[n * D + d]))) gv[n * D + d] = T(0.f);
+      }
+      fn(gk, D, gv, D, nb, j);
+    }
+    j = j1;
+  }
 }
 
-// The last new row lane (head h, row t) sees: a committed row (t < n_commit) sees new rows 0..t, a set-block row
-// every valid new row.
-inline float lane_limit(int64_t t, int64_t n_commit) { return t < n_commit ? static_cast<float>(t) : INFINITY; }
+// The last key position lane (row t) sees: a committed row (t < n_commit) its own position, a set-block row the
+// last valid new row's.
+inline int64_t lane_last_key(int64_t len, int64_t t, int64_t n_commit, int64_t n_valid) {
+  return t < n_commit ? len + t : len + n_valid - 1;
+}
 
 // The first key position lane (row t) sees: the start of its sliding window, at the row's position cache_len + t.
 inline int64_t lane_first_key(const BlockAttentionParams& p, int64_t cache_len, int64_t t) {
   return sbd::window_first_key(cache_len + t, p.window_left);
 }
 
-// The mask of one block of nb keys, the first at position pos0 (new-row index j0, or -1 for cache rows), for n
-// lanes with limits lim (lane_limit; -1 for padding lanes) and window starts first: key i is visible to lane m when
-// lo[m] <= i <= hi[m]. Returns false, leaving lo / hi unspecified, when every key is visible to every lane.
-inline bool block_bounds(const float* lim, const int64_t* first, int64_t n, int64_t nb, int64_t j0, int64_t pos0,
-                         float* lo, float* hi) {
+// The mask of one block of nb keys, the first at position pos0, for n lanes that see the positions [first[m],
+// last[m]] (last -1: a padding lane, sees nothing): key i of the block is visible to lane m when lo[m] <= i <=
+// hi[m]. Returns false, leaving lo / hi unspecified, when every key is visible to every lane.
+inline bool block_bounds(const int64_t* first, const int64_t* last, int64_t n, int64_t nb, int64_t pos0, float* lo,
+                         float* hi) {
   bool masked = false;
   for (int64_t m = 0; m < n; ++m) {
-    const int64_t f = first[m] - pos0;  // keys before it are outside the window; exact in fp32 once clamped to nb
-    lo[m] = f <= 0 ? 0.f : static_cast<float>(std::min(f, nb));
-    hi[m] = j0 < 0 ? INFINITY : lim[m] - static_cast<float>(j0);  // both at most T: exact
-    masked = masked || f > 0 || hi[m] < static_cast<float>(nb - 1);
+    const int64_t f = first[m] - pos0, l = last[m] - pos0;  // both clamped to [-1, nb]: exact in fp32
+    lo[m] = static_cast<float>(std::clamp<int64_t>(f, 0, nb));
+    hi[m] = static_cast<float>(std::clamp<int64_t>(l, -1, nb));
+    masked = masked || f > 0 || l < nb - 1;
   }
   return masked;
 }
@@ -359,48 +396,54 @@ class UnitRunner {
     const Unit u = begin_unit<T>(p_, unit);
     if (u.lanes == 0) return;
     // Fewer lanes than a vector (decode: T = 1) would fill a fraction of each lane vector: vectorise over keys and
-    // the head dimension instead (rows path, see row_block); it needs whole vectors along D.
+    // the head dimension instead (rows path, see row_block); it needs whole vectors along D. Both paths round every
+    // lane alike (the same sums in the same order), so which one runs does not change a lane's result.
     rows_ = u.lanes < W && p_.D % W == 0;
     pack_queries(u);
     first_ = true;
-    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0,
-                           int64_t pos0) { block(u, kp, ks, vp, vs, nb, j0, pos0); };
-    for_each_key_block<T>(p_, u, kBlock, max_lim_, visit);
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t pos0) {
+      block(u, kp, ks, vp, vs, nb, pos0);
+    };
+    for_each_key_block<T>(p_, u, kBlock, first_key_, last_key_, reinterpret_cast<T*>(ws_.gk.get()),
+                          reinterpret_cast<T*>(ws_.gv.get()), visit);
     finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
                    [&](int64_t d, int64_t m) { return ws_.ot[q_index(d, m)]; });
   }
 
  private:
-  // QT (tiled) = scale * q of the unit's lanes (zero beyond them); lim = the last new row each lane sees (-1 for
-  // the padding lanes up to mp), and its max per tile and over the unit; first = its window start; state reset.
+  // QT (tiled) = scale * q of the unit's lanes (zero beyond them); each lane's first / last key (last -1 for the
+  // padding lanes up to mp), the last per tile and the unit's key range; O^T zero; state reset.
   void pack_queries(const Unit& u) {
     const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b), len = p_.cache_len(u.b);
     float* qt = ws_.qt.get();
-    max_lim_ = -1.f;
+    last_key_ = -1;
+    first_key_ = lane_first_key(p_, len, 0);  // the earliest row's window start: no lane sees a key before it
     for (int64_t m = 0; m < mp; ++m) {
       const int64_t lane = u.lane0 + m;
       if (m < u.lanes) {
         const int64_t h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = static_cast<float>(q[d]) * p_.scale;
-        ws_.lim[m] = lane_limit(t, c);
+        ws_.last[m] = lane_last_key(len, t, c, u.nv);
         ws_.first[m] = lane_first_key(p_, len, t);
       } else {
         for (int64_t d = 0; d < D; ++d) qt[q_index(d, m)] = 0.f;
-        ws_.lim[m] = -1.f;
+        ws_.last[m] = -1;
         ws_.first[m] = 0;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
-      float& tl = ws_.tile_lim[m / kTileLanes];
-      tl = m % kTileLanes == 0 ? ws_.lim[m] : std::max(tl, ws_.lim[m]);
-      max_lim_ = std::max(max_lim_, ws_.lim[m]);
+      int64_t& tl = ws_.tile_last[m / kTileLanes];
+      tl = m % kTileLanes == 0 ? ws_.last[m] : std::max(tl, ws_.last[m]);
+      last_key_ = std::max(last_key_, ws_.last[m]);
     }
+    // O^T from zero: every block scales it by its alpha (0 until a lane sees a key), so a tile that skips a block
+    // (none of its lanes sees it) and a lane whose first keys are hidden accumulate exactly as from the start.
+    std::fill(ws_.ot.get(), ws_.ot.get() + (rows_ ? u.lanes : tiled_lanes(mp)) * D, 0.f);
   }
 
-  // Keys j0 .. j0 + nb of the new rows (j0 >= 0, masked) or nb cache rows (j0 < 0, causally visible), the first
-  // at position pos0.
-  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0, int64_t pos0) {
+  // The nb keys from position pos0.
+  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t pos0) {
     const int64_t D = p_.D;
     const float* kf;
     const float* vf;
@@ -418,46 +461,46 @@ class UnitRunner {
       kfs = vfs = D;
     }
     if (rows_) {
-      row_block(u, kf, kfs, vf, vfs, nb, j0, pos0);
+      row_block(u, kf, kfs, vf, vfs, nb, pos0);
     } else {
-      lane_block(u, kf, kfs, vf, vfs, nb, j0, pos0);
+      lane_block(u, kf, kfs, vf, vfs, nb, pos0);
     }
     first_ = false;
   }
 
   // Lanes path: the lanes are the vector axis of both products (see the file comment).
-  void lane_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0,
+  void lane_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb,
                   int64_t pos0) {
     const int64_t D = p_.D, mp = u.mp;
     float* st = ws_.st.get();
     for (int64_t m0 = 0; m0 < mp; m0 += kTileLanes) {
-      // A tile none of whose lanes sees these new rows is left as is (alpha = 1, p = 0). Never the unit's first
-      // block: that is a cache block, or new rows from 0, which are within every valid lane's causal limit.
-      if (j0 > ws_.tile_lim[m0 / kTileLanes]) continue;
+      if (pos0 > ws_.tile_last[m0 / kTileLanes]) continue;  // no lane of the tile sees these keys
       const int64_t rm = std::min<int64_t>(kRM, (mp - m0) / W);
       for (int64_t n = 0; n < nb; n += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, nb - n);
         micro_kernel_for(ri, rm)(kf + n * kfs, kfs, 1, ws_.qt.get() + m0 * D, kTileLanes, st + n * kTileLanes,
                                  kTileLanes, D, nullptr);
       }
-      const bool masked = block_bounds(ws_.lim.get() + m0, ws_.first.get() + m0, rm * W, nb, j0, pos0, ws_.lo.get(),
+      const bool masked = block_bounds(ws_.first.get() + m0, ws_.last.get() + m0, rm * W, nb, pos0, ws_.lo.get(),
                                        ws_.hi.get());
       softmax_tile(st, kTileLanes, nb, rm, p_.softcap, masked ? ws_.lo.get() : nullptr,
                    masked ? ws_.hi.get() : nullptr, ws_.run_m.get() + m0, ws_.run_l.get() + m0, ws_.alpha.get());
       for (int64_t d = 0; d < D; d += kRI) {
         const int64_t ri = std::min<int64_t>(kRI, D - d);
         micro_kernel_for(ri, rm)(vf + d, 1, vfs, st, kTileLanes, ws_.ot.get() + m0 * D + d * kTileLanes, kTileLanes,
-                                 nb, first_ ? nullptr : ws_.alpha.get());
+                                 nb, ws_.alpha.get());
       }
     }
   }
 
   // Rows path, for lanes < W: Q [lanes][D] and O [lanes][D] row-major, K^T [D][kBlock] transposed per block.
   //   S [lanes][keys] = Q . K^T        (broadcast a q element, FMA a vector of keys)
-  //   softmax along each row           (sbd::SoftmaxState per lane)
+  //   softmax along each row           (each lane's max, e^(s - off), and its sum in ascending key order; the
+  //                                     lanes' state by lane_state, as the lanes path does)
   //   O = O * alpha + P . V            (broadcast a probability, FMA a vector of V's head dimension)
-  // Every vector is full however few lanes there are; the price is the transpose of each K block.
-  void row_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb, int64_t j0,
+  // Every vector is full however few lanes there are; the price is the transpose of each K block. The sums are the
+  // lanes path's, term for term: a score is an FMA chain over d from zero, P . V one over the keys from O * alpha.
+  void row_block(const Unit& u, const float* kf, int64_t kfs, const float* vf, int64_t vfs, int64_t nb,
                  int64_t pos0) {
     const int64_t D = p_.D, lanes = u.lanes, nbw = (nb + W - 1) / W * W;  // kBlock is a multiple of W
     float* kt = ws_.kt.get();
@@ -471,6 +514,15 @@ class UnitRunner {
                                  nullptr);
       }
     }
+    // per lane (< W of them): m_old, m_new, off, sum, gathered for lane_state
+    float* g_old = ws_.sums.get();
+    float* g_new = g_old + W;
+    float* g_off = g_new + W;
+    float* g_sum = g_off + W;
+    for (int64_t m = 0; m < W; ++m) {
+      g_old[m] = g_new[m] = -INFINITY;
+      g_off[m] = g_sum[m] = 0.f;
+    }
     const Vec ninf(-INFINITY);
     for (int64_t m = 0; m < lanes; ++m) {
       float* row = st + m * kBlock;
@@ -480,35 +532,42 @@ class UnitRunner {
       }
       for (int64_t n = nb; n < nbw; ++n) row[n] = -INFINITY;  // the transposed block's ragged edge
       float lo, hi;  // the causal / set-block rule and the window (block_bounds): keys outside [lo, hi] are hidden
-      if (block_bounds(ws_.lim.get() + m, ws_.first.get() + m, 1, nb, j0, pos0, &lo, &hi))
+      if (block_bounds(ws_.first.get() + m, ws_.last.get() + m, 1, nb, pos0, &lo, &hi))
         for (int64_t n = 0; n < nb; ++n)
           if (static_cast<float>(n) < lo || static_cast<float>(n) > hi) row[n] = -INFINITY;
       Vec vmax = ninf;
       for (int64_t n = 0; n < nbw; n += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + n));
       const float bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-      sbd::SoftmaxState state{ws_.run_m[m], ws_.run_l[m]};
-      const Vec off(sbd::softmax_offset(std::max(state.m, bmax)));
-      Vec vsum(0.f);
-      for (int64_t n = 0; n < nbw; n += W) {
-        const Vec e = (Vec::loadu(row + n) - off).exp();
-        e.store(row + n);
-        vsum = vsum + e;
-      }
-      const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-      const float alpha = state.push_block(bmax, sum);
-      ws_.run_m[m] = state.m;
-      ws_.run_l[m] = state.l;
-      if (!first_) {
-        float* o = ws_.ot.get() + m * D;
-        for (int64_t d = 0; d < D; d += W) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
-      }
+      const float m_old = ws_.run_m[m], m_new = m_old > bmax ? m_old : bmax;
+      const float off = sbd::softmax_offset(m_new);
+      const Vec voff(off);
+      for (int64_t n = 0; n < nbw; n += W) (Vec::loadu(row + n) - voff).exp().store(row + n);
+      float sum = 0.f;
+      for (int64_t n = 0; n < nb; ++n) sum += row[n];  // ascending keys, as the lanes path's vector sum per lane
+      g_old[m] = m_old;
+      g_new[m] = m_new;
+      g_off[m] = off;
+      g_sum[m] = sum;
+    }
+    float* alpha = ws_.alpha.get();
+    float lane_m[W], lane_l[W];
+    for (int64_t m = 0; m < W; ++m) {
+      lane_m[m] = m < lanes ? ws_.run_m[m] : -INFINITY;
+      lane_l[m] = m < lanes ? ws_.run_l[m] : 0.f;
+    }
+    lane_state(Vec::loadu(g_old), Vec::loadu(g_new), Vec::loadu(g_off), Vec::loadu(g_sum), lane_m, lane_l, alpha);
+    for (int64_t m = 0; m < lanes; ++m) {
+      ws_.run_m[m] = lane_m[m];
+      ws_.run_l[m] = lane_l[m];
+      float* o = ws_.ot.get() + m * D;
+      for (int64_t d = 0; d < D; d += W) (Vec::loadu(o + d) * Vec(alpha[m])).store(o + d);
     }
     for (int64_t m0 = 0; m0 < lanes; m0 += kRI) {
       const int64_t ri = std::min<int64_t>(kRI, lanes - m0);
       for (int64_t d0 = 0; d0 < D; d0 += kTileLanes) {
         const int64_t rm = std::min<int64_t>(kRM, (D - d0) / W);
         micro_kernel_for(ri, rm)(st + m0 * kBlock, kBlock, 1, vf + d0, vfs, ws_.ot.get() + m0 * D + d0, D, nb,
-                                 first_ ? nullptr : ws_.ones.get());
+                                 ws_.ones.get());
       }
     }
   }
@@ -518,9 +577,9 @@ class UnitRunner {
 
   const BlockAttentionParams& p_;
   Workspace& ws_;
-  bool first_ = true;  // no key block processed yet: O^T holds no data
+  bool first_ = true;  // no key block processed yet (an empty split: its partial state is empty)
   bool rows_ = false;  // this unit takes the rows path
-  float max_lim_ = -1.f;
+  int64_t first_key_ = 0, last_key_ = -1;
 };
 
 // ---- the GEMM path ---------------------------------------------------------------------------------------------
@@ -535,21 +594,23 @@ class UnitRunner {
 constexpr int64_t kGemmBlock = 2 * kBlock;
 
 struct GemmWorkspace {
-  Buffer st, o, run_m, run_l, alpha, lim, lo, hi;
-  std::unique_ptr<int64_t[]> first;  // per lane: its window start (UnitRunner's)
-  std::unique_ptr<char[]> qt, pm;  // input-type QT [D][mp] and P [lanes][kGemmBlock]
+  Buffer st, o, run_m, run_l, alpha, lo, hi;
+  std::unique_ptr<int64_t[]> first, last;  // per lane: its first and last key (UnitRunner's)
+  std::unique_ptr<char[]> qt, pm, gk, gv;  // input-type QT [D][mp], P [lanes][kGemmBlock], a gathered K / V block
   GemmWorkspace(const BlockAttentionParams& p, size_t elem)
       : st(alloc_floats(kGemmBlock * tiled_lanes(p.panel_lanes))),
         o(alloc_floats(p.panel_lanes * p.D)),
         run_m(alloc_floats(tiled_lanes(p.panel_lanes))),
         run_l(alloc_floats(tiled_lanes(p.panel_lanes))),
         alpha(alloc_floats(tiled_lanes(p.panel_lanes))),
-        lim(alloc_floats(tiled_lanes(p.panel_lanes))),
         lo(alloc_floats(tiled_lanes(p.panel_lanes))),
         hi(alloc_floats(tiled_lanes(p.panel_lanes))),
         first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
+        last(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
         qt(new char[static_cast<size_t>(p.D * tiled_lanes(p.panel_lanes)) * elem]),
-        pm(new char[static_cast<size_t>(p.panel_lanes * kGemmBlock) * elem]) {}
+        pm(new char[static_cast<size_t>(p.panel_lanes * kGemmBlock) * elem]),
+        gk(new char[static_cast<size_t>(kGemmBlock * p.D) * elem]),
+        gv(new char[static_cast<size_t>(kGemmBlock * p.D) * elem]) {}
 };
 
 template <typename T>
@@ -563,45 +624,47 @@ class GemmUnitRunner {
     if (u.lanes == 0) return;
     pack_queries(u);
     first_ = true;
-    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0,
-                           int64_t pos0) { block(u, kp, ks, vp, vs, nb, j0, pos0); };
-    for_each_key_block<T>(p_, u, kGemmBlock, max_lim_, visit);
+    const auto visit = [&](const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t pos0) {
+      block(u, kp, ks, vp, vs, nb, pos0);
+    };
+    for_each_key_block<T>(p_, u, kGemmBlock, lane_first_key(p_, p_.cache_len(u.b), 0), last_key_,
+                          reinterpret_cast<T*>(ws_.gk.get()), reinterpret_cast<T*>(ws_.gv.get()), visit);
     finish_unit<T>(p_, u, unit, first_, ws_.run_m.get(), ws_.run_l.get(),
                    [&](int64_t d, int64_t m) { return ws_.o[m * p_.D + d]; });
   }
 
  private:
-  // QT [D][mp] (input type, unscaled; zero beyond the unit's lanes), lim per lane (-1 for the padding lanes), the
-  // window starts, state.
+  // QT [D][mp] (input type, unscaled; zero beyond the unit's lanes), each lane's first / last key (last -1 for the
+  // padding lanes), state.
   void pack_queries(const Unit& u) {
     const int64_t D = p_.D, mp = u.mp, c = p_.commit(u.b), len = p_.cache_len(u.b);
-    max_lim_ = -1.f;
+    last_key_ = -1;
     for (int64_t m = 0; m < mp; ++m) {
       if (m < u.lanes) {
         const int64_t lane = u.lane0 + m, h = lane / u.nv, t = lane % u.nv;
         const T* q = static_cast<const T*>(p_.q) + u.b * p_.q_sb + (u.kvh * u.g + h) * p_.q_sh + t * p_.q_st;
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = q[d];
-        ws_.lim[m] = lane_limit(t, c);
+        ws_.last[m] = lane_last_key(len, t, c, u.nv);
         ws_.first[m] = lane_first_key(p_, len, t);
       } else {
         for (int64_t d = 0; d < D; ++d) qt_[d * mp + m] = T(0.f);
-        ws_.lim[m] = -1.f;
+        ws_.last[m] = -1;
         ws_.first[m] = 0;
       }
       ws_.run_m[m] = -INFINITY;
       ws_.run_l[m] = 0.f;
-      max_lim_ = std::max(max_lim_, ws_.lim[m]);
+      last_key_ = std::max(last_key_, ws_.last[m]);
     }
   }
 
-  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t j0, int64_t pos0) {
+  void block(const Unit& u, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t nb, int64_t pos0) {
     namespace blas = at::native::cpublas;
     const int64_t D = p_.D, mp = u.mp, lanes = u.lanes;
     float* st = ws_.st.get();
     blas::brgemm(nb, mp, D, ks, mp, mp, /*add_C=*/false, kp, qt_, st, /*is_vnni=*/false);
     const Vec scale(p_.scale);
     for (int64_t i = 0; i < nb * mp; i += W) (Vec::loadu(st + i) * scale).store(st + i);
-    const bool masked = block_bounds(ws_.lim.get(), ws_.first.get(), mp, nb, j0, pos0, ws_.lo.get(), ws_.hi.get());
+    const bool masked = block_bounds(ws_.first.get(), ws_.last.get(), mp, nb, pos0, ws_.lo.get(), ws_.hi.get());
     softmax_tile(st, mp, nb, mp / W, p_.softcap, masked ? ws_.lo.get() : nullptr, masked ? ws_.hi.get() : nullptr,
                  ws_.run_m.get(), ws_.run_l.get(), ws_.alpha.get());
     // P = (S^T)^T in the input type, 8 x 8 tiles so that neither side is walked a long stride apart.
@@ -627,7 +690,7 @@ class GemmUnitRunner {
   T* qt_;
   T* pm_;
   bool first_ = true;
-  float max_lim_ = -1.f;
+  int64_t last_key_ = -1;
 };
 
 template <typename T>

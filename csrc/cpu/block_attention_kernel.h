@@ -25,12 +25,16 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   // Work decomposition, chosen by block_attention_plan below.
   // A work item is (b, kv head, panel): the g = Hq / Hkv query heads of that kv head times the valid new rows,
   // packed as g * n_valid[b] query rows ("lanes", head-major), cut into panels of panel_lanes lanes. Each item is
-  // further cut into n_splits ranges of the cache (flash-decoding); split s of an item is unit
+  // further cut into n_splits ranges of key positions (flash-decoding); split s of an item is unit
   // (item * n_splits + s). With n_splits > 1 every unit writes a partial state to `partials` and
   // block_attention_merge combines them.
   int64_t panel_lanes;
   int64_t n_panels;
   int64_t n_splits;
+  // Keys per split, by absolute position (split s: positions [s * split_keys, (s + 1) * split_keys); the last split
+  // takes the rest): a multiple of every block size, and a function of the cache's capacity S alone, so a row's
+  // splits -- and its result -- do not depend on the row count, the cache length or the thread count.
+  int64_t split_keys;
   float* partials;  // n_items * n_splits * partial_floats(), when n_splits > 1
 
   int64_t n_items() const { return B * Hkv * n_panels; }

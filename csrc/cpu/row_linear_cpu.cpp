@@ -39,19 +39,24 @@ sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, co
 
 }  // namespace
 
-at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                           bool quantize_x) {
-  check_row_linear(x, weight, scale, quantize_x);
+  check_row_linear(x_in, weight, scale, quantize_x);
+  // A bf16 layer: x widened to fp32 (exact), the sums in fp32, the result rounded to bf16 once, all inside the op (a
+  // compiled graph sees bf16 in and out, as with F.linear, and cannot move the roundings)
+  if (x_in.scalar_type() == at::kBFloat16) return row_linear_cpu(x_in.to(at::kFloat), weight, scale, quantize_x).to(at::kBFloat16);
+  const at::Tensor& x = x_in;
   const int64_t M = x.size(0), N = row_linear_out_features(weight), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const bool q8 = weight.scalar_type() == at::kChar, packed = row_linear_is_packed(weight);
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const bool q8_packed = row_linear_is_q8_packed(weight);
-  if (!q8 && !packed && !q8_packed && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
+  if (!q8 && !packed && !q8_packed && !bf16 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                              x.stride(0),
-                             q8 || q8_packed ? nullptr : weight.data_ptr<float>(),
+                             q8 || q8_packed || bf16 ? nullptr : weight.data_ptr<float>(),
                              q8_packed ? 0 : weight.stride(0),
                              q8 ? weight.data_ptr<int8_t>() : nullptr,
                              q8 || q8_packed ? scale->data_ptr<float>() : nullptr,
@@ -61,6 +66,7 @@ at::Tensor row_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const s
                              N,
                              K};
   p.packed = packed;
+  if (bf16) p.wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   if (q8_packed) p.wq_packed = weight.data_ptr<uint8_t>();
   // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step), in a scratch buffer below
   at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk

@@ -95,6 +95,28 @@ inline float tree_sum(const Vec& v) {
 #endif
 }
 
+// ---- The sum order of one output (batch invariance) --------------------------------------------------------------
+// Every path below sums one output x[m] . w[n] in the same order, whatever the row count, the tile a row falls in or
+// the thread count, so a row's result is bit for bit the one it gets alone (verify decoding equals next-token
+// decoding by construction, sbd_ext's central promise). The order: K's whole vectors (dot-product paths) or steps
+// (panel paths) cut into kSegs = 4 fixed segments (segment s < 3: [s q, (s + 1) q), q = the count / 4; segment 3 the
+// rest), each one FMA chain from zero in ascending k; the four combined as (s0 + s1) + (s2 + s3); then (dot-product
+// paths) the lanes by the ISA's fixed tree and the K tail in ascending k by fused multiply-adds. A path only chooses
+// how many segments it runs at once (one x row: all four, four independent chains along one weight row; a tile of
+// many rows: one at a time, the partial sums parked in L1 between segments) -- never the order.
+constexpr int kSegs = 4;
+
+// Segment s of n items (vectors or steps): [seg_begin(n, s), seg_begin(n, s + 1)).
+inline int64_t seg_begin(int64_t n, int s) { return s == kSegs ? n : (n / kSegs) * s; }
+
+// The K tail of a dot-product output, in ascending k, each step one fused multiply-add (std::fma: no contraction
+// choice left to the compiler, so every path rounds it alike).
+template <typename W>
+inline float tail_dot(float s, const float* x, const W* w, int64_t k0, int64_t K) {
+  for (int64_t k = k0; k < K; ++k) s = std::fma(x[k], static_cast<float>(w[k]), s);
+  return s;
+}
+
 inline Vec load_w(const float* p) { return Vec::loadu(p); }
 
 // Vec::size() int8 weights as fp32.
@@ -110,7 +132,25 @@ inline Vec load_w(const int8_t* p) {
 #endif
 }
 
+// Vec::size() bf16 weights as fp32: the 16 bits are the fp32 value's upper half (exact).
+inline Vec load_w(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  alignas(64) float lanes[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) lanes[i] = static_cast<float>(p[i]);
+  return Vec::loadu(lanes);
+#endif
+}
+
 inline const float* weight_of(const RowLinearParams& p, float) { return p.w; }
+inline const c10::BFloat16* weight_of(const RowLinearParams& p, c10::BFloat16) {
+  return reinterpret_cast<const c10::BFloat16*>(p.wb);
+}
 inline const int8_t* weight_of(const RowLinearParams& p, int8_t) { return p.wq; }
 
 // PREFETCH: the first x tile of a weight tile also prefetches the next weight tile (the same K offsets), so the
@@ -118,30 +158,36 @@ inline const int8_t* weight_of(const RowLinearParams& p, int8_t) { return p.wq; 
 // prefetches over all x tiles measured slower here.)
 template <typename W, int MR, int NR, bool PREFETCH>
 inline void tile(const RowLinearParams& p, int64_t m0, int64_t n0) {
-  const int64_t K = p.K, Kv = K - K % Vec::size();
+  const int64_t K = p.K, C = K / Vec::size(), Kv = C * Vec::size();
   const float* xr[MR];
   const W* wr[NR];
   for (int i = 0; i < MR; ++i) xr[i] = p.x + (m0 + i) * p.x_stride;
   for (int j = 0; j < NR; ++j) wr[j] = weight_of(p, W{}) + (n0 + j) * p.w_stride;
-  Vec acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
-  for (int64_t k = 0; k < Kv; k += Vec::size()) {
-    Vec wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      if constexpr (PREFETCH) __builtin_prefetch(wr[j] + NR * p.w_stride + k, 0, 3);
-      wv[j] = load_w(wr[j] + k);
+  Vec lo[MR][NR], hi[MR][NR];  // s0 + s1 and s2 + s3 (the segments one at a time: the canonical order above)
+  for (int seg = 0; seg < kSegs; ++seg) {
+    Vec acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
+    const int64_t k1 = seg_begin(C, seg + 1) * Vec::size();
+    for (int64_t k = seg_begin(C, seg) * Vec::size(); k < k1; k += Vec::size()) {
+      Vec wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (PREFETCH) __builtin_prefetch(wr[j] + NR * p.w_stride + k, 0, 3);
+        wv[j] = load_w(wr[j] + k);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const Vec xv = Vec::loadu(xr[i] + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
+      }
     }
-    for (int i = 0; i < MR; ++i) {
-      const Vec xv = Vec::loadu(xr[i] + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
-    }
+    Vec(&half)[MR][NR] = seg < 2 ? lo : hi;
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) half[i][j] = seg % 2 == 0 ? acc[i][j] : half[i][j] + acc[i][j];
   }
   for (int i = 0; i < MR; ++i) {
     float* o = p.out + (m0 + i) * p.out_stride + n0;
     for (int j = 0; j < NR; ++j) {
-      float s = tree_sum(acc[i][j]);
-      for (int64_t k = Kv; k < K; ++k) s += xr[i][k] * static_cast<float>(wr[j][k]);
+      float s = tail_dot(tree_sum(lo[i][j] + hi[i][j]), xr[i], wr[j], Kv, K);
       if constexpr (std::is_same_v<W, int8_t>) s *= p.w_scale[n0 + j];
       o[j] = s;
     }
@@ -223,7 +269,10 @@ constexpr bool kStreamPrefetchF32 = true;
 template <typename W>
 void range_one_row(const RowLinearParams& p, int64_t n0, int64_t n1) {
   constexpr int64_t L = Vec::size();
-  const int64_t K = p.K, Kv = K - K % L, Ku = K - K % (kAcc * L);
+  static_assert(kAcc == kSegs, "one x row runs the four segments at once");
+  const int64_t K = p.K, C = K / L, Kv = C * L, q = seg_begin(C, 1) * L;  // q: the length of segments 0-2
+  // a software prefetch once per cache line of each segment's stream
+  constexpr int64_t kLineSteps = std::max<int64_t>(1, 64 / (L * static_cast<int64_t>(sizeof(W))));
   const float* x = p.x;
   const W* w0 = weight_of(p, W{});
   const char* end = reinterpret_cast<const char*>(w0 + (p.N - 1) * p.w_stride + K);
@@ -231,18 +280,19 @@ void range_one_row(const RowLinearParams& p, int64_t n0, int64_t n1) {
     const W* w = w0 + n * p.w_stride;
     Vec acc[kAcc];
     for (int a = 0; a < kAcc; ++a) acc[a] = Vec(0.f);
-    int64_t k = 0;
-    for (; k < Ku; k += kAcc * L) {
+    for (int64_t k = 0; k < q; k += L) {
       if constexpr (kStreamPrefetchF32 || !std::is_same_v<W, float>) {
-        const char* ahead = reinterpret_cast<const char*>(w + k) + kStreamAhead;
-        if (ahead < end) __builtin_prefetch(ahead, 0, 1);  // to L2
+        if ((k / L) % kLineSteps == 0)
+          for (int a = 0; a < kAcc; ++a) {
+            const char* ahead = reinterpret_cast<const char*>(w + a * q + k) + kStreamAhead;
+            if (ahead < end) __builtin_prefetch(ahead, 0, 1);  // to L2
+          }
       }
       for (int a = 0; a < kAcc; ++a)
-        acc[a] = at::vec::fmadd(Vec::loadu(x + k + a * L), load_w(w + k + a * L), acc[a]);
+        acc[a] = at::vec::fmadd(Vec::loadu(x + a * q + k), load_w(w + a * q + k), acc[a]);
     }
-    for (int a = 1; k < Kv; k += L, a = (a + 1) % kAcc) acc[a] = at::vec::fmadd(Vec::loadu(x + k), load_w(w + k), acc[a]);
-    float s = tree_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    for (; k < K; ++k) s += x[k] * static_cast<float>(w[k]);
+    for (int64_t k = 4 * q; k < Kv; k += L) acc[3] = at::vec::fmadd(Vec::loadu(x + k), load_w(w + k), acc[3]);
+    float s = tail_dot(tree_sum((acc[0] + acc[1]) + (acc[2] + acc[3])), x, w, Kv, K);
     if constexpr (std::is_same_v<W, int8_t>) s *= p.w_scale[n];
     p.out[n] = s;
   }
@@ -321,27 +371,28 @@ constexpr int64_t kF32PanelAhead = kPanelAhead;
 constexpr int kF32PrefetchMinRows = 1;
 #endif
 
+// Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above): about 8
+// FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows: 2, since 4 x 3 -- 12 chains
+// -- ran a third slower than four rows' 8).
 template <int MR>
 constexpr int k_sets() {
   constexpr int chains = MR * kPV;
   return chains >= 8 ? 1 : chains >= 3 ? 2 : 4;
 }
 
-template <int MR, bool PREFETCH>
-inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
-  constexpr int KS = k_sets<MR>();
+// KS segments starting at segment s0, at once, over steps [0, len) of each (plus, for the group holding segment 3,
+// its steps past 3 q alone), into acc[KS][MR * kPV] from zero.
+template <int MR, int KS, bool PREFETCH>
+inline void panel_segments(const RowLinearParams& p, const float* w, const float* xt, int s0, PVec* acc) {
   constexpr int64_t P = kRowLinearPanel;
-  const int64_t K = p.K, Ku = K - K % KS, ld = p.M;
-  const float* w = p.w + panel * K * P;
-  const float* xt = p.xt + m0;  // x^T [K, M]: row m's value at step k is xt[k * M + m]
+  const int64_t K = p.K, q = seg_begin(K, 1), ld = p.M;
   const char* end = reinterpret_cast<const char*>(p.w + p.N * K);
-  PVec acc[KS * MR * kPV];
   for (int a = 0; a < KS * MR * kPV; ++a) acc[a] = pv_zero();
-  int64_t k = 0;
-  for (; k < Ku; k += KS) {
+  for (int64_t k = 0; k < q; ++k) {
     for (int s = 0; s < KS; ++s) {
-      const float* wk = w + (k + s) * P;
-      const float* xk = xt + (k + s) * ld;
+      const int64_t ks = (s0 + s) * q + k;
+      const float* wk = w + ks * P;
+      const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
         const char* ahead = reinterpret_cast<const char*>(wk) + kF32PanelAhead;
         if (ahead < end) __builtin_prefetch(ahead, 0, MR <= 2 ? 1 : 3);
@@ -354,25 +405,39 @@ inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
       }
     }
   }
-  for (; k < K; ++k) {  // K mod KS: the first set
-    PVec wv[kPV];
-    for (int v = 0; v < kPV; ++v) wv[v] = pv_load(w + k * P + v * kPL);
-    for (int i = 0; i < MR; ++i) {
-      const PVec b = pv_set1(xt[k * ld + i]);
-      for (int v = 0; v < kPV; ++v) acc[i * kPV + v] = pv_fmadd(b, wv[v], acc[i * kPV + v]);
+  if (s0 + KS == kSegs) {  // segment 3's steps past 4 q
+    PVec* a3 = acc + (KS - 1) * MR * kPV;
+    for (int64_t k = 4 * q; k < K; ++k) {
+      PVec wv[kPV];
+      for (int v = 0; v < kPV; ++v) wv[v] = pv_load(w + k * P + v * kPL);
+      for (int i = 0; i < MR; ++i) {
+        const PVec b = pv_set1(xt[k * ld + i]);
+        for (int v = 0; v < kPV; ++v) a3[i * kPV + v] = pv_fmadd(b, wv[v], a3[i * kPV + v]);
+      }
+    }
+  }
+}
+
+template <int MR, bool PREFETCH>
+inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
+  constexpr int KS = k_sets<MR>();
+  constexpr int64_t P = kRowLinearPanel;
+  constexpr int NA = MR * kPV;
+  const float* w = p.w + panel * p.K * P;
+  const float* xt = p.xt + m0;  // x^T [K, M]: row m's value at step k is xt[k * M + m]
+  PVec acc[KS * NA];
+  PVec half[2][NA];  // s0 + s1, s2 + s3
+  for (int s0 = 0; s0 < kSegs; s0 += KS) {
+    panel_segments<MR, KS, PREFETCH>(p, w, xt, s0, acc);
+    for (int s = 0; s < KS; ++s) {
+      const int seg = s0 + s;
+      PVec* h = half[seg / 2];
+      for (int a = 0; a < NA; ++a) h[a] = seg % 2 == 0 ? acc[s * NA + a] : pv_add(h[a], acc[s * NA + a]);
     }
   }
   for (int i = 0; i < MR; ++i) {
     float* o = p.out + (m0 + i) * p.out_stride + panel * P;
-    for (int v = 0; v < kPV; ++v) {
-      PVec s = acc[i * kPV + v];
-      if constexpr (KS == 2) s = pv_add(s, acc[(MR + i) * kPV + v]);
-      if constexpr (KS == 4) {
-        const PVec hi = pv_add(acc[(2 * MR + i) * kPV + v], acc[(3 * MR + i) * kPV + v]);
-        s = pv_add(pv_add(s, acc[(MR + i) * kPV + v]), hi);
-      }
-      pv_store(o + v * kPL, s);
-    }
+    for (int v = 0; v < kPV; ++v) pv_store(o + v * kPL, pv_add(half[0][i * kPV + v], half[1][i * kPV + v]));
   }
 }
 
@@ -784,6 +849,8 @@ void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
     tiled_range<Q8Tiles>(p, n0, n1);
   } else if (p.wq != nullptr) {
     range<int8_t>(p, n0, n1);
+  } else if (p.wb != nullptr) {
+    range<c10::BFloat16>(p, n0, n1);
   } else if (p.packed) {
     panel_range<F32Panels>(p, n0, n1);
   } else {

@@ -35,6 +35,9 @@ struct RowLinearParams {
   const int32_t* xq4 = nullptr;
   const float* xdt = nullptr;
   const int32_t* xct = nullptr;
+  // bf16 weight [N, K] (its bits; w_stride its row stride) instead of w / wq, or nullptr: widened to fp32 in registers,
+  // the fp32 path's sums.
+  const uint16_t* wb = nullptr;
 };
 
 // Values of x per quantisation block (llama.cpp's Q8_0 block).

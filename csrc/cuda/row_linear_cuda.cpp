@@ -50,6 +50,8 @@ at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     // path: the panel layout is the CPU kernel's; on a GPU keep the weight unpacked)
     return at::mm(x, weight.transpose(1, 2).reshape({row_linear_out_features(weight), x.size(1)}).t());
   }
+  if (weight.scalar_type() == at::kBFloat16)  // exact products, fp32 sums; bf16 x: the result rounded to bf16 once
+    return at::mm(x.to(at::kFloat), weight.to(at::kFloat).t()).to(x.scalar_type());
   return at::mm(x, weight.t());
 }
 

@@ -112,7 +112,9 @@ BAD = [
     (("gate", lambda t: t[:3]), ValueError, r"gate.size\(0\) must equal x.size\(0\)"),
     (("weight", lambda t: t[:2]), ValueError, "weight must hold the base's"),  # no panel left for A
     (("lora_b", lambda t: t[:, :0]), ValueError, "rank r >= 1"),
-    (("weight", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "must be contiguous"),
+    (("weight", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "weight must be contiguous"),
+    (("lora_b", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "lora_b must be contiguous"),
+    (("gate", lambda t: torch.stack([t, t], 1)[:, 0]), ValueError, "gate must be contiguous"),
     (("x", lambda t: t.t().contiguous().t()), ValueError, "x must be contiguous in its last dimension"),
 ]
 

@@ -80,7 +80,7 @@ def test_empty(device, M, N, K):
     "change, match",
     [
         (lambda x, w: (x.double(), w), "x must have dtype Float"),
-        (lambda x, w: (x, w.bfloat16()), "weight must have dtype Float"),
+        (lambda x, w: (x, w.half()), "weight must have dtype Float"),
         (lambda x, w: (x.long(), w), "x must have dtype Float"),
         (lambda x, w: (x[0], w), "x must be 2-D"),
         (lambda x, w: (x, w.unsqueeze(0)), "weight must be 2-D"),
@@ -228,7 +228,7 @@ def test_int8_strided_rows_and_thread_count(device, M):
         (lambda x, q, s: (x, q, s[:-1]), r"scale.size\(0\) must equal weight.size\(0\) \(N\)"),
         (lambda x, q, s: (x, q, torch.stack([s, s], 1)[:, 0]), "scale must be contiguous"),
         (lambda x, q, s: (x, q, s.to("meta")), "scale is on meta"),
-        (lambda x, q, s: (x, q.to(torch.int16), s), "weight must have dtype Float, Char, Byte"),
+        (lambda x, q, s: (x, q.to(torch.int16), s), "weight must have dtype Float, Char, Byte, BFloat16"),
         (lambda x, q, s: (x, q.to(torch.uint8), s), r"weight must be 4-D \(a packed int8 weight"),
         (lambda x, q, s: (x, q[:, :-1], s), r"weight.size\(1\) must equal x.size\(1\)"),
     ],
@@ -419,7 +419,7 @@ def test_row_linear_layer_uses_the_op_only_where_it_should(monkeypatch):
 
 def test_ensure_row_linear_respects_device_dtype_and_opt_out():
     m = _model()
-    ensure_row_linear(m, torch.device("cpu"), torch.bfloat16)
+    ensure_row_linear(m, torch.device("cpu"), torch.float16)
     assert type(m[0]) is nn.Linear
     ensure_row_linear(m, torch.device("meta"), torch.float32)
     assert type(m[0]) is nn.Linear
@@ -463,3 +463,41 @@ def test_row_linear_layer_takes_any_input_nn_linear_takes(make):
     x = make()
     with torch.no_grad():
         assert_close(fast(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 40])  # 40: past ROW_LIMIT, the kernel on slices
+@pytest.mark.parametrize("N,K", [(48, 37), (192, 576), (5, 3)])
+def test_bf16_weight_matches_reference(cpu_isa, M, N, K):
+    """A bf16 weight [N, K] (a bf16 model's RowLinear): widened exactly, products summed in fp32."""
+    gen = torch.Generator().manual_seed(M * N + K)
+    w = torch.randn(N, K, generator=gen).bfloat16()
+    x = torch.randn(M, K, generator=gen)
+    _check(sbd_ext.row_linear(x, w), x, w)
+
+
+def test_bf16_row_linear_layer_is_f_linear_to_bf16_rounding():
+    """RowLinear in bf16: the op on fp32 x and the bf16 weight, rounded to bf16 once; F.linear in bf16 rounds the
+    same exact products' fp32 sum once, so the two differ by at most one bf16 step (sum order)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40, bias=True).bfloat16()
+    x = torch.randn(2, 7, 96).bfloat16()
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    use_row_linear(layer)
+    with torch.no_grad():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=0.02, rtol=2**-7)
+
+
+def test_bf16_x_with_a_bf16_weight_rounds_once_and_other_weights_refuse_it(cpu_isa):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=gen).bfloat16()
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    out = sbd_ext.row_linear(x, w)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, sbd_ext.row_linear(x.float(), w).bfloat16())  # the fp32 result, rounded once
+    for bad in (w.float(), torch.zeros(40, 96, dtype=torch.int8)):
+        with pytest.raises(TypeError, match="bf16 x goes with a bf16 weight"):
+            sbd_ext.row_linear(x, bad, torch.ones(40) if bad.dtype == torch.int8 else None)
+        with pytest.raises(TypeError, match="bf16 x goes with a bf16 weight"):
+            torch.ops.sbd_ext.row_linear(x, bad, torch.ones(40) if bad.dtype == torch.int8 else None, False)

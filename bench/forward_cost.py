@@ -1,0 +1,79 @@
+"""The forward-cost curve of SmolLM2-135M on this CPU: one eager forward of T = 1 / 4 / 16 new rows over a cache of
+256 rows, per weight scheme (packed fp32, w8a8), 1 thread, median of interleaved rounds. What batch invariance costs
+is this curve on the invariant build against the build before it (issue 61), each run with
+``PYTHONPATH=<checkout> python bench/forward_cost.py --label NAME --out FILE.csv`` and the two files compared (a
+row is appended per (scheme, rows)); the CPU class and ISA go into every row.
+
+    python bench/forward_cost.py --label invariant --out bench/results/invariance/zen3.csv --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import sbd_ext
+from sbd_ext.recipes.smollm2 import checkpoint as smollm2
+
+from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
+
+
+def cpu_class() -> str:
+    flags, name = set(), "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            if line.startswith("model name") and name == "?":
+                name = line.split(":", 1)[1].strip()
+    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{name} ({isa})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--schemes", default="packed,w8a8")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = [int(r) for r in a.rows.split(",")]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = not out.exists()
+    with out.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["label", "cpu", "scheme", "rows", "cache", "median_ms", "min_ms", "rounds", "sbd_ext"])
+        for scheme in a.schemes.split(","):
+            model, _ = smollm2.load_smollm2(dtype=torch.float32, attn_implementation="sbd")
+            sbd_ext.quantize(model, scheme)
+            gen = torch.Generator().manual_seed(0)
+            prefix = torch.randint(0, model.config.vocab_size, (1, 256), generator=gen)
+            cache = prefilled_cache(model, prefix, spare=max(rows) + 1)
+            runs = {t: block_forward(model, cache, torch.randint(0, 1000, (1, t), generator=gen)) for t in rows}
+            times: dict[int, list[float]] = {t: [] for t in rows}
+            for t in rows:
+                runs[t]()  # warm
+            for _ in range(a.rounds):
+                for t in rows:  # interleaved: drift of the machine hits every row count alike
+                    t0 = time.perf_counter()
+                    runs[t]()
+                    times[t].append((time.perf_counter() - t0) * 1e3)
+            for t in rows:
+                med = statistics.median(times[t])
+                w.writerow([a.label, cpu_class(), scheme, t, 256, f"{med:.2f}", f"{min(times[t]):.2f}", a.rounds,
+                            os.path.dirname(sbd_ext.__file__)])
+                print(f"{a.label} {scheme} T={t}: median {med:.2f} ms, min {min(times[t]):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
