@@ -250,11 +250,10 @@ struct WidenTiles {
   }
 };
 
-// One x row (NTP decode, the bandwidth-bound case): each weight row is one sequential stream, summed by kAcc
-// independent accumulators (the FMA latency hidden), its lanes reduced by a tree; the stream is prefetched
+// One x row (NTP decode, the bandwidth-bound case): each weight row is read once, its kSegs segments summed at once
+// by independent accumulators (the FMA latency hidden), their lanes reduced by a tree; the stream is prefetched
 // kStreamAhead bytes ahead into L2 (4 KB measured faster than 1, 2 or 8 KB, and than no software prefetch). Rows in
 // order, so the hardware and software prefetchers see one linear pass.
-constexpr int kAcc = 4;
 constexpr int64_t kStreamAhead = 4096;
 // An fp32 stream on AVX2 goes without the software prefetch: on an AMD EPYC Zen 3 (AVX2 only, 2026-11-27; a
 // standalone copy of this loop, 1 thread, SmolLM2's shapes from memory, best of 6 interleaved passes) the hardware
@@ -269,7 +268,6 @@ constexpr bool kStreamPrefetchF32 = true;
 template <typename W>
 void range_one_row(const RowLinearParams& p, int64_t n0, int64_t n1) {
   constexpr int64_t L = Vec::size();
-  static_assert(kAcc == kSegs, "one x row runs the four segments at once");
   const int64_t K = p.K, C = K / L, Kv = C * L, q = seg_begin(C, 1) * L;  // q: the length of segments 0-2
   // a software prefetch once per cache line of each segment's stream
   constexpr int64_t kLineSteps = std::max<int64_t>(1, 64 / (L * static_cast<int64_t>(sizeof(W))));
@@ -278,20 +276,20 @@ void range_one_row(const RowLinearParams& p, int64_t n0, int64_t n1) {
   const char* end = reinterpret_cast<const char*>(w0 + (p.N - 1) * p.w_stride + K);
   for (int64_t n = n0; n < n1; ++n) {
     const W* w = w0 + n * p.w_stride;
-    Vec acc[kAcc];
-    for (int a = 0; a < kAcc; ++a) acc[a] = Vec(0.f);
+    Vec acc[kSegs];
+    for (int a = 0; a < kSegs; ++a) acc[a] = Vec(0.f);
     for (int64_t k = 0; k < q; k += L) {
       if constexpr (kStreamPrefetchF32 || !std::is_same_v<W, float>) {
         if ((k / L) % kLineSteps == 0)
-          for (int a = 0; a < kAcc; ++a) {
+          for (int a = 0; a < kSegs; ++a) {
             const char* ahead = reinterpret_cast<const char*>(w + a * q + k) + kStreamAhead;
             if (ahead < end) __builtin_prefetch(ahead, 0, 1);  // to L2
           }
       }
-      for (int a = 0; a < kAcc; ++a)
+      for (int a = 0; a < kSegs; ++a)
         acc[a] = at::vec::fmadd(Vec::loadu(x + a * q + k), load_w(w + a * q + k), acc[a]);
     }
-    for (int64_t k = 4 * q; k < Kv; k += L) acc[3] = at::vec::fmadd(Vec::loadu(x + k), load_w(w + k), acc[3]);
+    for (int64_t k = kSegs * q; k < Kv; k += L) acc[3] = at::vec::fmadd(Vec::loadu(x + k), load_w(w + k), acc[3]);
     float s = tail_dot(tree_sum((acc[0] + acc[1]) + (acc[2] + acc[3])), x, w, Kv, K);
     if constexpr (std::is_same_v<W, int8_t>) s *= p.w_scale[n];
     p.out[n] = s;
@@ -311,9 +309,9 @@ void range(const RowLinearParams& p, int64_t n0, int64_t n1) {
 // one weight load, MR broadcasts, MR FMAs, and no lane sums at the end (each accumulator lane is one output), so the
 // loop runs at the FMA rate where the dot-product tiles above pay for their loads of x and their final lane sums.
 // AVX-512 takes up to 16 x rows per tile (16 accumulators + the weight vector + a broadcast; 24-row tiles measured
-// slower: 17-24 rows are two tiles), so a verify forward's 9-16 rows read every panel once; fewer rows split K over KS
-// accumulator sets (even / odd steps ...) so that about 8 FMA chains are in flight (one x row: 4 sets, a
-// bandwidth-bound stream; three rows: 2 sets, since 4 sets of 3 -- 12 chains -- ran a third slower than four rows'
+// slower: 17-24 rows are two tiles), so a verify forward's 9-16 rows read every panel once; fewer rows run KS of the
+// kSegs K segments at once so that about 8 FMA chains are in flight (one x row: all 4, a
+// bandwidth-bound stream; three rows: 2, since 4 sets of 3 -- 12 chains -- ran a third slower than four rows'
 // 8: 99 vs 70 us for SmolLM2's 1536 x 576 in cache, 85 us with 2 sets; verify's forwards after a correction have
 // 3 rows). The first x tile of a panel
 // prefetches kF32PanelAhead bytes ahead in the stream (per ISA, below; the later tiles, with more than 16 rows, find it
@@ -380,8 +378,8 @@ constexpr int k_sets() {
   return chains >= 8 ? 1 : chains >= 3 ? 2 : 4;
 }
 
-// KS segments starting at segment s0, at once, over steps [0, len) of each (plus, for the group holding segment 3,
-// its steps past 3 q alone), into acc[KS][MR * kPV] from zero.
+// KS segments starting at segment s0, at once, over the q = K / kSegs steps of each (plus, for the group holding the
+// last segment, its steps past kSegs q alone), into acc[KS][MR * kPV] from zero.
 template <int MR, int KS, bool PREFETCH>
 inline void panel_segments(const RowLinearParams& p, const float* w, const float* xt, int s0, PVec* acc) {
   constexpr int64_t P = kRowLinearPanel;
@@ -405,9 +403,9 @@ inline void panel_segments(const RowLinearParams& p, const float* w, const float
       }
     }
   }
-  if (s0 + KS == kSegs) {  // segment 3's steps past 4 q
+  if (s0 + KS == kSegs) {  // the last segment's steps past kSegs q
     PVec* a3 = acc + (KS - 1) * MR * kPV;
-    for (int64_t k = 4 * q; k < K; ++k) {
+    for (int64_t k = kSegs * q; k < K; ++k) {
       PVec wv[kPV];
       for (int v = 0; v < kPV; ++v) wv[v] = pv_load(w + k * P + v * kPL);
       for (int i = 0; i < MR; ++i) {

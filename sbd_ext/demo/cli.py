@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -38,6 +37,7 @@ from ..integration import vllm as vllm_integration
 from ..quantization import SCHEMES
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
+from .argtypes import finite_number, int_in
 from .tokenizer import unknown_characters
 
 __all__ = ["main"]
@@ -311,37 +311,6 @@ MAX_THREADS = 4 * (os.cpu_count() or 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def _int_in(lo: int, hi: int | None = None):
-    """argparse type: an integer in [lo, hi]; anything else is a usage error (exit code 2) naming the range."""
-    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
-        return value
-
-    return parse
-
-
-def _finite_at_least(lo: float):
-    """argparse type: a finite number >= lo (no nan / inf)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number >= {lo:g}, got {text!r}") from None
-        if not math.isfinite(value) or value < lo:
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo:g}, got {text}")
-        return value
-
-    return parse
-
-
 def _check_models(parser: argparse.ArgumentParser, args) -> None:
     """Unknown model names / folders are usage errors, found before anything is loaded."""
     for dest in ("model", "sbd_model", "ntp_model"):
@@ -356,8 +325,8 @@ def _check_models(parser: argparse.ArgumentParser, args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
 
-    positive = _int_in(1)
-    nonneg = _finite_at_least(0.0)
+    positive = int_in(1)
+    nonneg = finite_number(0.0)
 
     ap = argparse.ArgumentParser(prog="sbd-ext", description="Set Block Decoding demo on the embedded model.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -372,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold", type=nonneg, default=None, help="gamma (eb/entropy) or tau (confidence); default: gamma_low"
     )
     g.add_argument("--temperature", type=nonneg, default=0.0, help="0: greedy")
-    g.add_argument("--seed", type=_int_in(*_INT64), default=0)
+    g.add_argument("--seed", type=int_in(*_INT64), default=0)
     g.add_argument("--max-new-tokens", type=positive, default=160)
     g.add_argument("--show-steps", action="store_true", help="show which tokens each forward revealed")
     g.add_argument(
@@ -385,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's prompt template")
     g.add_argument(
         "--example",
-        type=_int_in(0, MAX_EXAMPLE),
+        type=int_in(0, MAX_EXAMPLE),
         default=0,
         help=f"which held-out problem (0-{MAX_EXAMPLE}) when no prompt is given",
     )
@@ -396,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight format for the decoding forward (sbd_ext.quantize; CPU, fp32 activations): packed (fp32 in "
         "row_linear's panel layout, the same values), int8, w8a8; default: fp32 as loaded",
     )
-    threads = _int_in(0, MAX_THREADS)
+    threads = int_in(0, MAX_THREADS)
     g.add_argument(
         "--threads",
         type=threads,
@@ -408,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="accuracy and NFE on held-out problems: Markdown table + PNG plot")
     e.add_argument("--sbd-model", default="sbd-arith")
     e.add_argument("--ntp-model", default="ntp-arith", help="the NTP control ('none' to skip)")
-    e.add_argument("--n", type=_int_in(1, MAX_EVAL_N), default=500, help=f"held-out problems (at most {MAX_EVAL_N})")
+    e.add_argument("--n", type=int_in(1, MAX_EVAL_N), default=500, help=f"held-out problems (at most {MAX_EVAL_N})")
     e.add_argument("--gammas", type=nonneg, nargs="+", default=list(evaluate.DEFAULT_GAMMAS))
     e.add_argument("--block-sizes", type=positive, nargs="+", default=list(evaluate.DEFAULT_BLOCK_SIZES))
     e.add_argument("--samplers", nargs="+", default=list(evaluate.DEFAULT_SAMPLERS), choices=NAMES)
@@ -459,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of compiling at start the first time",
     )
     v.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    v.add_argument("--port", type=_int_in(1, 65535), default=8000, help="default: %(default)s")
+    v.add_argument("--port", type=int_in(1, 65535), default=8000, help="default: %(default)s")
     v.set_defaults(func=cmd_serve, vllm_args=[])  # main() takes what follows -- as vllm serve options
     return ap
 

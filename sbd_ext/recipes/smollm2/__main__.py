@@ -19,16 +19,10 @@ from pathlib import Path
 import torch
 
 from ...demo import models as demo_models
+from ...demo.argtypes import int_in
 from ...demo.evaluate import save_results
 from . import checkpoint, evaluate
 from .finetune import OBJECTIVES, FinetuneConfig, run_dir, train, train_with_trainer
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,23 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder; the objective's results go to OUT/<objective>/")
     t.add_argument("--resume", action="store_true", help="continue from OUT/<objective>/checkpoint.pt")
     t.add_argument("--smoke", action="store_true", help="a few steps on 4 fixed problems (the loss falls visibly)")
-    t.add_argument("--steps", type=_positive)
-    t.add_argument("--batch-size", type=_positive)
-    t.add_argument("--max-len", type=_positive)
+    t.add_argument("--steps", type=int_in(1))
+    t.add_argument("--batch-size", type=int_in(1))
+    t.add_argument("--max-len", type=int_in(1))
     t.add_argument("--lr", type=float)
     t.add_argument("--warmup", type=int)
     t.add_argument("--method", choices=("lora", "attn", "full"))
-    t.add_argument("--lora-rank", type=_positive)
+    t.add_argument("--lora-rank", type=int_in(1))
     t.add_argument("--seed", type=int)
-    t.add_argument("--log-every", type=_positive)
-    t.add_argument("--checkpoint-every", type=_positive)
-    t.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
+    t.add_argument("--log-every", type=int_in(1))
+    t.add_argument("--checkpoint-every", type=int_in(1))
+    t.add_argument("--threads", type=int_in(1), help="torch intra-op threads (default: torch's)")
     t.add_argument(
         "--rehearsal",
         type=int,
         help="per step, the next-token loss on this many of the base model's own samples (keeps general text)",
     )
-    t.add_argument("--rehearsal-len", type=_positive, help="tokens per rehearsal sample (default 128)")
+    t.add_argument("--rehearsal-len", type=int_in(1), help="tokens per rehearsal sample (default 128)")
     t.add_argument("--rehearsal-weight", type=float, help="weight of the rehearsal loss (default 1.0)")
     t.add_argument("--device", default="cpu")
     t.add_argument(
@@ -70,35 +64,35 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="Table 1 on held-out problems")
     e.add_argument("--out", required=True, help="the run folder of `train` (OUT/sbd/artifact, OUT/ntp/artifact)")
     e.add_argument("--part", choices=("control", "sbd", "table"), required=True)
-    e.add_argument("--n", type=_positive, default=500)
-    e.add_argument("--batch-size", type=_positive, default=50)
+    e.add_argument("--n", type=int_in(1), default=500)
+    e.add_argument("--batch-size", type=int_in(1), default=50)
     e.add_argument("--results", default="bench/results/smollm2_sbd", help="where `table` writes its files")
     e.add_argument("--tag", default="", help="name of this SBD part (parts run in parallel processes)")
     e.add_argument("--samplers", nargs="*", default=list(evaluate.SAMPLERS))
-    e.add_argument("--block-sizes", nargs="*", type=_positive, default=list(evaluate.BLOCK_SIZES))
+    e.add_argument("--block-sizes", nargs="*", type=int_in(1), default=list(evaluate.BLOCK_SIZES))
     e.add_argument("--gammas", nargs="*", type=float, default=list(evaluate.GAMMAS))
-    e.add_argument("--verify-block-sizes", nargs="*", type=_positive, default=list(evaluate.VERIFY_BLOCK_SIZES))
+    e.add_argument("--verify-block-sizes", nargs="*", type=int_in(1), default=list(evaluate.VERIFY_BLOCK_SIZES))
     e.add_argument("--no-ntp-row", action="store_true", help="skip the SBD model's NTP-decoding row in this part")
-    e.add_argument("--threads", type=_positive)
+    e.add_argument("--threads", type=int_in(1))
     p = sub.add_parser("ppl", help="perplexity on Python standard-library docstrings")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default="bench/results/smollm2_sbd")
-    p.add_argument("--max-tokens", type=_positive, default=16384)
-    p.add_argument("--threads", type=_positive)
+    p.add_argument("--max-tokens", type=int_in(1), default=16384)
+    p.add_argument("--threads", type=int_in(1))
     s = sub.add_parser("ship", help="copy the SBD artifact into the package as the embedded model smollm2-sbd")
     s.add_argument("--out", required=True)
-    s.add_argument("--block-size", type=_positive, required=True)
+    s.add_argument("--block-size", type=int_in(1), required=True)
     s.add_argument("--sampler", default="eb")
     s.add_argument("--threshold", type=float, required=True)
-    s.add_argument("--check-n", type=_positive, default=100)
+    s.add_argument("--check-n", type=int_in(1), default=100)
     s.add_argument("--verify", action="store_true", help="recommend lossless verify mode")
     s.add_argument("--dest", default=str(Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-sbd"))
-    s.add_argument("--threads", type=_positive)
+    s.add_argument("--threads", type=int_in(1))
     c = sub.add_parser("ship-control", help="copy the NTP control's artifact into the package as smollm2-ntp")
     c.add_argument("--out", required=True)
-    c.add_argument("--check-n", type=_positive, default=100)
+    c.add_argument("--check-n", type=int_in(1), default=100)
     c.add_argument("--dest", default=str(checkpoint.CONTROL_ARTIFACT))
-    c.add_argument("--threads", type=_positive)
+    c.add_argument("--threads", type=int_in(1))
     return ap
 
 

@@ -12,47 +12,17 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
-import math
 import os
 import sys
 from pathlib import Path
+
+from ...demo.argtypes import finite_number as number  # noqa: F401  (re-exported: the recipe's parsers)
+from ...demo.argtypes import int_in as count
 
 __all__ = ["TRAIN_INTS", "base_path", "check_args", "check_batches", "count", "guarded", "number", "reported"]
 
 # the files AutoTokenizer builds a tokenizer from (sbd_ext.demo.export checks the same)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-def count(lo: int = 1):
-    """argparse type: an integer >= ``lo``; anything else is a usage error (exit code 2) naming the bound."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
-def number(lo: float = 0.0, hi: float | None = None, above: bool = False):
-    """argparse type: a finite number >= ``lo`` (> ``lo`` with ``above``) and <= ``hi``."""
-    want = f"a finite number {'>' if above else '>='} {lo:g}" + ("" if hi is None else f" and <= {hi:g}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
-        bad = not math.isfinite(value) or value < lo or (above and value == lo) or (hi is not None and value > hi)
-        if bad:
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
-        return value
-
-    return parse
 
 
 # train's integer settings (DrafterConfig's fields)
