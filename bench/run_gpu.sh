@@ -22,6 +22,12 @@
 #             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min;
 #             SBD_BENCH_K: another pytest -k selection of its rows; then bench/profile_drafter.py (kernels per forward
 #             and their time: compiled NTP, verify merged, verify with the LoRA products), ~1.5 min
+#   drafter-train  the gated drafter trained on the GPU (issue 62; needs the GGUF, as smollm2):
+#             python -m sbd_ext.recipes.smollm2.drafter_stage: the base's greedy answers to 20,000 prompts, a rank sweep,
+#             training in bf16, the sampler head, eval on the 56 held-out prompts x 128 (the new drafter and the
+#             shipped one); resumable: a second call on a warm machine continues in /tmp/sbd_drafter_stage, a later
+#             session from the samples brought back (bench/results/gpu-*/drafter-train/drafter-samples.npz, committed).
+#             Returns drafter-samples.npz and drafter-artifact.tar.partNN beside the stage's two files.
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -68,6 +74,16 @@
 #   The fourth run (run4/): call 1 `build; test` with the full tree (no carry, ~60 MB), call 2 `gguf-part` (tree `a`),
 #   call 3 `drafter-cuda` (tree `b`): 626 s of device time for the three; a fresh machine's build took over 61 s once
 #   (53 s before): give a build step at least 120 s of a call's deadline.
+# The drafter's GPU training (issue 62), 15 minutes in all: prepare .carry/ and .whl/ as above, then
+#   1. `bash tools/gpu_carry.sh a`; run(command="bash bench/run_gpu.sh gguf-part", carry=[".carry/a"], timeout_s=120)
+#   2. `bash tools/gpu_carry.sh b`; run(command='export SBD_RUNBOOK_DEADLINE=$(( $(date +%s) + 580 )); bash
+#      bench/run_gpu.sh drafter-train', carry=[".carry/b", ".whl"], timeout_s=600): build, data, the rank sweep
+#   3. at once, while warm, the same command again: it continues (training, head, eval) in /tmp/sbd_drafter_stage
+#   4. `bash tools/gpu_carry.sh restore`; the files into bench/results/gpu-<gpu>/drafter-train/ (commit the samples
+#      npz: a later session imports it instead of regenerating); `cat drafter-artifact.tar.part* | tar x` gives the
+#      new drafter; if its eval row beats the shipped one's (stage.json "eval"), ship it:
+#      `python -m sbd_ext.recipes.smollm2.drafter ship --out <folder holding artifact/> --block-size 2 --threshold 100
+#      --lookup 16` (the ship record is re-measured on this CPU).
 # `bash bench/run_gpu.sh cpu` measures the GPU machine's host CPU (issue 13). After each call, copy the files from
 # files_at into bench/results/gpu-<gpu name>/ and commit them before the next call.
 set -u -o pipefail
@@ -83,7 +99,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda gguf-part cpu"
+STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda drafter-train gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -330,6 +346,19 @@ stage_drafter-cuda() {
     --json "$RES/profile_drafter.json"
 }
 
+stage_drafter-train() {
+  ensure_built
+  assemble_gguf_step
+  local args=(--work "${SBD_DRAFTER_WORK:-/tmp/sbd_drafter_stage}") imp
+  [ "$DRY" = 1 ] && args=(--work "$RES/work" --dry-run --device cpu)
+  imp=$(ls bench/results/gpu-*/drafter-train/drafter-samples.npz 2>/dev/null | tail -n 1)
+  [ -n "$imp" ] && [ "$DRY" != 1 ] && args+=(--import-samples "$imp")
+  [ -n "${SBD_RUNBOOK_DEADLINE:-}" ] && args+=(--deadline $((SBD_RUNBOOK_DEADLINE - 40)))
+  step drafter_train 570 env PYTHONUNBUFFERED=1 "$PY" -m sbd_ext.recipes.smollm2.drafter_stage \
+    --results "$RES" --returns "${OUT:-$RES}" "${args[@]}"
+  rm -rf "$RES/work"  # the dry run's working folder (a GPU call's stays in /tmp for the next call)
+}
+
 stage_cpu() {
   ensure_built
   local py
@@ -376,6 +405,14 @@ if os.path.exists(path):
     for r in csv.DictReader(open(path)):
         lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['gpu_us']} | {r['gb_per_s']} | "
                      f"{r['pct_peak']} | {r['x_roofline']} | {r.get('attn_us', '')} | {r.get('merge_us', '')} |")
+path = os.path.join(res, "stage.json")  # drafter-train: its phases' figures
+if os.path.exists(path):
+    import json
+    st = json.load(open(path))
+    lines += ["", "## drafter-train", ""] + [f"- {k}: {json.dumps(st.get(k))}" for k in
+                                             ("done", "seconds", "data", "sweep", "final", "head", "returned")]
+    for name, rows in st.get("eval", {}).items():
+        lines += [f"- eval {name}: " + "; ".join(json.dumps(r) for r in rows)]
 for log in sorted(glob.glob(os.path.join(res, "ncu_*.log"))):
     text = open(log).read()
     start = text.find('"ID"')

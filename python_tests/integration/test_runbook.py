@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "drafter-cuda", "gguf-part", "cpu"]
+STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "drafter-cuda", "drafter-train"]
+STAGES += ["gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],
     "test": ["test_cuda", "test_rest"],
@@ -25,9 +26,12 @@ STEPS = {  # the steps each stage's summary must list as ok
     "e2e": ["bench_e2e"],
     "e2e-cuda": ["bench_e2e_cuda"],
     "drafter-cuda": ["bench_drafter_cuda", "profile_drafter"],
+    "drafter-train": ["drafter_train"],
     "gguf-part": [],
     "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }
+
+RETURNS = {"drafter-train": ["drafter-artifact.tar.part00", "drafter-samples.npz"]}
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,7 +65,9 @@ def test_runbook_dry_run(stage, dry_runs):
     r, out = dry_runs[stage].result()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == sorted([f"{stage}.tar.gz", f"{stage}-summary.md"]), files
+    returns = RETURNS.get(stage, [])  # the stage's own big files, beside its two
+    assert files == sorted([f"{stage}.tar.gz", f"{stage}-summary.md", *returns]), files
+    assert len(files) <= 8 and all(p.stat().st_size < 16 << 20 for p in out.iterdir())
     summary = (out / f"{stage}-summary.md").read_text()
     for step in STEPS[stage]:
         assert f"| {step} | ok |" in summary, summary

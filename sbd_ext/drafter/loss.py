@@ -138,7 +138,7 @@ def distill_loss(
         if full_block_prob > 0:  # every block of the sequence fully masked: how verify decoding drafts
             full = torch.rand(B, 1, generator=generator, device="cpu") < full_block_prob
             eta = torch.where(full, torch.full_like(eta, 2.0), eta)
-        eta = eta.to(device)
+    eta = eta.to(device)
     noise = torch.rand(B, L, generator=generator, device="cpu").to(device)
     valid = pos < lengths.view(B, 1)
     masked = (noise < eta.view(B, 1)) & valid
@@ -210,12 +210,13 @@ def slot_accuracy(
         raise ValueError(f"slot_accuracy: {len(prompts)} prompts but {len(answers)} answers")
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     hits, counts = [0.0] * k, [0] * k
     rows = [(list(p), list(a)) for p, a in zip(prompts, answers, strict=True) if a]
     try:
         for lo in range(0, len(rows), batch_size):
             chunk = rows[lo : lo + batch_size]
-            ids, att, lm = padded_batch(chunk)
+            ids, att, lm = (t.to(device) for t in padded_batch(chunk))
             eta = torch.full((len(chunk), 1), 2.0)  # every position masked
             with torch.no_grad():
                 _, parts = distill_loss(model, ids, lm, k, attention_mask=att, eta=eta, return_parts=True)

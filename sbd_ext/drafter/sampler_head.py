@@ -128,6 +128,7 @@ def collect_slot1(
     mask_id = drafter.mask_token_id
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     recs: dict[str, list] = {}
     t_start = time.time()
     try:
@@ -136,9 +137,9 @@ def collect_slot1(
             rows = [(p, a) for p, a in rows if len(a) >= 2]
             if not rows:
                 continue
-            ids, att, lm = padded_batch(rows)
+            ids, att, lm = (t.to(device) for t in padded_batch(rows))
             B, L = ids.shape
-            pos = torch.arange(L).view(1, L).expand(B, L)
+            pos = torch.arange(L, device=device).view(1, L).expand(B, L)
             noisy = torch.where(pos < att.sum(1, keepdim=True), torch.full_like(ids, mask_id), ids)  # all masked
             clean, hid, s = clean_and_noisy_forward(model, ids, noisy, lm, k, att)
             bi, ti = (lm & (pos % k == 1) & torch.roll(lm, 1, 1)).nonzero(as_tuple=True)
@@ -158,7 +159,7 @@ def collect_slot1(
                 q0[:, mask_id] = -math.inf
                 got.update(h1=hid[bi, ti - s].half(), hc=clean[bi, ti - 2].half(), g0=q0.argmax(-1).int())
             for n, v in got.items():
-                recs.setdefault(n, []).append(v)
+                recs.setdefault(n, []).append(v.cpu())
             if log is not None:
                 log(f"sampler head features: {lo + B}/{len(samples)} samples, {time.time() - t_start:.0f} s")
     finally:

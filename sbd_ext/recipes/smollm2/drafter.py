@@ -45,7 +45,8 @@ from ... import drafter as drafter_mod
 from ...demo import tasks
 from ...training import add_mask_token
 from . import checkpoint, data
-from .drafter_args import TRAIN_INTS, check_args, check_batches, count, guarded, number
+from . import drafter_args as _args
+from .drafter_args import PRECISIONS, TRAIN_INTS, check_args, check_batches, count, guarded, number
 from .drafter_args import base_path as _base_path
 from .prompts import clean_instruction, eval_prompts, held_out_texts, self_instruct_requests, training_prompts
 
@@ -135,6 +136,8 @@ def make_samples(
     task: str = "general",
     prompts: str = "templates",
     base: str = "",
+    device: str = "cpu",
+    deadline: float | None = None,
 ) -> Path:
     """The base model's greedy answers to ``n`` training prompts of ``task``, appended to ``out/samples.pt`` batch by
     batch (a list of {"prompt", "prompt_ids", "answer_ids", "task", "source"}); returns the file. Resumes where an
@@ -145,7 +148,8 @@ def make_samples(
     counts the samples of that source, so one run folder can hold both (``data --prompts templates`` then
     ``data --prompts self``): training uses every sample in the folder. ``base``: a local HF model folder whose
     answers these are instead of SmolLM2's (recorded in each sample; a folder of another base's samples is
-    refused)."""
+    refused). ``device``: where the base answers (a GPU: large batches); ``deadline`` (``time.time()`` seconds):
+    stop after the batch that reaches it (a later call continues)."""
     if prompts not in PROMPT_SOURCES:
         raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {prompts!r}")
     if prompts == "self" and task != "general":
@@ -162,7 +166,7 @@ def make_samples(
     if have >= n:
         return path
     model, tok, eos = _load_task_base(task, base=base)
-    model.eval()
+    model.to(device).eval()
     if prompts == "self":
         chosen = [(t, _prompt_ids(tok, t)) for t in make_self_prompts(model, tok, eos, out, n, seed, batch_size)]
     else:
@@ -179,6 +183,8 @@ def make_samples(
         )
         torch.save(done, path)
         print(f"drafter data ({prompts}): {lo + len(chunk)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
+        if deadline is not None and time.time() >= deadline:
+            break
     return path
 
 
@@ -275,7 +281,8 @@ def _generate_padded(model, prompts: list[list[int]], pad: int, **kw):
     for i, x in enumerate(prompts):  # left padding
         inp[i, P - len(x) :] = torch.tensor(x)
         att[i, P - len(x) :] = 1
-    res = sbd_ext.generate(model, inp, att, **kw)
+    device = next(model.parameters()).device
+    res = sbd_ext.generate(model, inp.to(device), att.to(device), **kw)
     # row i of sequences: its prompt without padding, then its generated tokens
     return res, [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
 
@@ -301,9 +308,20 @@ def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int
     return batches
 
 
-def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | None = None) -> dict:
+def train(
+    out: Path,
+    cfg: DrafterConfig,
+    resume: bool = False,
+    threads: int | None = None,
+    device: str = "cpu",
+    precision: str = "fp32",
+    deadline: float | None = None,
+) -> dict:
     """Train the drafter on ``out/samples.pt``; checkpoint in ``out/checkpoint.pt``; the record in
-    ``out/train_log.json`` and the artifact in ``out/artifact``."""
+    ``out/train_log.json`` and the artifact in ``out/artifact``. ``device``: where it trains; ``precision``
+    "fp32", "bf16" (the forward under bf16 autocast, the adapter and optimizer in fp32) or "auto" (bf16 on a GPU
+    or a CPU with bf16 matrix instructions: :func:`.drafter_args.auto_precision`); ``deadline`` (``time.time()``
+    seconds): stop at the first step past it, checkpointed (``resume=True`` continues the same schedule)."""
     from ...training import train_loop
     from ...training.common import draw_block_size
 
@@ -336,6 +354,9 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
     check_batches(out / SAMPLES_FILE, len(samples), cfg.batch_size)
     cfg_file.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     torch.manual_seed(cfg.seed)
+    precision = _args.auto_precision(device) if precision == "auto" else precision
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'auto', got {precision!r}")
     model, tok, _ = _load_task_base(cfg.task, attn_implementation="sdpa", base=cfg.base)
     mask_id = int(tok.mask_token_id)  # every base loader adds it with add_mask_token (<|mask|> for SmolLM2)
     if cfg.init_from:
@@ -347,11 +368,12 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
-    model.train()
+    model.to(device).train()
     batches = make_batches(samples, cfg.batch_size, cfg.max_len, tok.pad_token_id or 0, cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def loss_fn(model, b):
+        b = {key: v.to(device) for key, v in b.items()}
         k = draw_block_size(cfg.block_size_range, gen)
         loss, parts = drafter_mod.distill_loss(
             model,
@@ -383,7 +405,7 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
 
     history = train_loop(
         model,
-        batches,
+        batches if deadline is None else _args.until(batches, deadline),
         loss_fn,
         cfg.steps,
         lr=cfg.lr,
@@ -396,7 +418,9 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         checkpoint=ck,
         checkpoint_every=cfg.checkpoint_every,
         rngs=(gen,),
+        autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
     )
+    steps_done = int(torch.load(ck, weights_only=True)["step"]) if ck.is_file() else cfg.steps
     record = {
         "config": asdict(cfg),
         "samples": len(samples),
@@ -404,9 +428,12 @@ def train(out: Path, cfg: DrafterConfig, resume: bool = False, threads: int | No
         "seconds_this_call": round(time.time() - t0, 1),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "device": str(device),
+        "precision": precision,
+        "steps_done": steps_done,
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
-    fields = _sbd_fields(cfg, samples) | {"steps_done": cfg.steps}
+    fields = _sbd_fields(cfg, samples) | {"steps_done": steps_done}
     drafter_mod.save_drafter(model, out / "artifact", fields, cfg.base or _BASE_NAMES[cfg.task])
     return record
 
@@ -453,15 +480,24 @@ def artifact_task(artifact: Path) -> str:
     return next((t for t, (name, *_) in TASKS.items() if name == loader), "general")
 
 
-def slot_accuracy(artifact: Path, prompts: list[list[int]], answers: list[list[int]], block_size: int) -> list[float]:
+def slot_accuracy(
+    artifact: Path, prompts: list[list[int]], answers: list[list[int]], block_size: int, device: str = "cpu"
+) -> list[float]:
     """:func:`sbd_ext.drafter.slot_accuracy` of the drafter in ``artifact`` on its task's frozen base."""
     model, _, _ = _load_task_base(artifact_task(artifact), attn_implementation="sdpa", base=artifact_base(artifact))
     drafter_mod.load_weights(model, artifact)
+    model.to(device)
     return drafter_mod.slot_accuracy(model, prompts, answers, block_size)
 
 
 def evaluate(
-    artifact: Path, n: int, max_new_tokens: int, settings: list[dict], batch_size: int = 8, slots: int = 0
+    artifact: Path,
+    n: int,
+    max_new_tokens: int,
+    settings: list[dict],
+    batch_size: int = 8,
+    slots: int = 0,
+    device: str = "cpu",
 ) -> list[dict]:
     """Tokens per forward of each decoding ``settings`` (dicts of sbd_ext.generate keywords) with the drafter in
     ``artifact`` on the first ``n`` held-out prompts of its task, and whether verify / NTP equal the base's NTP
@@ -471,6 +507,7 @@ def evaluate(
 
     task = artifact_task(artifact)
     model, tok = models.load(artifact)
+    model.to(device)
     if artifact_base(artifact):
         eos = None  # a model of the user's: its generation config's
     else:
@@ -507,7 +544,7 @@ def evaluate(
     ]
     print(json.dumps(rows[-1]), flush=True)
     if slots:
-        acc = slot_accuracy(artifact, prompts, ntp_answers, slots)
+        acc = slot_accuracy(artifact, prompts, ntp_answers, slots, device=device)
         rows.append({"block_size": slots, "slot_accuracy": [round(a, 4) for a in acc]})
         print(json.dumps(rows[-1]), flush=True)
     for kw in settings:
@@ -538,6 +575,7 @@ def train_head(
     hidden: int = 512,
     topk: int = 64,
     seed: int = 0,
+    device: str = "cpu",
 ) -> Path:
     """Train a sampler head (:mod:`sbd_ext.drafter.sampler_head`) for the drafter in ``artifact`` on its slot-1
     candidates over the base's answers in ``samples`` (``samples.pt`` files of ``data``; the first ``limit`` of
@@ -549,6 +587,7 @@ def train_head(
     out.mkdir(parents=True, exist_ok=True)
     cfg = drafter_mod.read_drafter_config(artifact)
     model, _ = models.load(artifact)
+    model.to(device)
     drafter = drafter_mod.get_drafter(model)
     drafter.sampler_head = None  # the features are the drafter's own ranking
     parts = []
@@ -562,7 +601,7 @@ def train_head(
             torch.save(got, cache)
         parts.append(got["feats"])
     feats = {n: torch.cat([p[n] for p in parts]) for n in sh.FEATURES}
-    emb = model.get_input_embeddings().weight.detach()
+    emb = model.get_input_embeddings().weight.detach().cpu()
     torch.manual_seed(seed)
     head = sh.SamplerHead(emb.shape[1], hidden=hidden, topk=topk)
     before = sh.accuracy(None, emb, feats)
@@ -647,6 +686,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
     )
     d.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     d.add_argument("--base", help=BASE_HELP)
+    d.add_argument("--device", default="cpu", help="where the base answers (cuda: larger --batch-size)")
     t = sub.add_parser("train")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true")
@@ -669,6 +709,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
     t.add_argument("--task", choices=sorted(TASKS), help="default: general")
     t.add_argument("--base", help=BASE_HELP)
+    t.add_argument("--device", default="cpu")
+    t.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16: the forward under bf16 autocast; auto: bf16 on a GPU or a CPU with AMX / AVX512-BF16",
+    )
     e = sub.add_parser("eval")
     e.add_argument("--artifact", required=True)
     e.add_argument("--n", type=count(1), default=16)
@@ -695,6 +742,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
     )
     e.add_argument("--threads", type=count(1))
     e.add_argument("--json", help="write the rows here")
+    e.add_argument("--device", default="cpu")
     hd = sub.add_parser("head", help="train a sampler head for a drafter (slot 1 given slot 0's token)")
     hd.add_argument("--out", required=True)
     hd.add_argument(
@@ -724,7 +772,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
         torch.set_num_threads(args.threads)
     out = Path(getattr(args, "out", "") or ".")
     if args.cmd == "data":
-        make_samples(out, args.n, args.max_new_tokens, args.batch_size, args.seed, args.task, args.prompts, args.base)
+        make_samples(
+            out,
+            args.n,
+            args.max_new_tokens,
+            args.batch_size,
+            args.seed,
+            args.task,
+            args.prompts,
+            args.base,
+            device=args.device,
+        )
     elif args.cmd == "eval":
         settings = [
             # lookup 0 / branch 0: off, whatever the artifact recommends
@@ -744,7 +802,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
                 s | {"sampler_head": bool(h)} if s["verify"] else s for s in settings for h in args.sampler_heads
             ]
             settings = list({json.dumps(s, sort_keys=True): s for s in settings}.values())
-        rows = evaluate(Path(args.artifact), args.n, args.max_new_tokens, settings, slots=args.slot_accuracy)
+        rows = evaluate(
+            Path(args.artifact), args.n, args.max_new_tokens, settings, slots=args.slot_accuracy, device=args.device
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     elif args.cmd == "head":
@@ -766,7 +826,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
             over["block_size_range"] = tuple(over["block_size_range"])
         if "base" in over:
             over["base"] = _base_path(over["base"])
-        train(out, DrafterConfig(**over), resume=args.resume, threads=args.threads)
+        train(out, DrafterConfig(**over), args.resume, args.threads, device=args.device, precision=args.precision)
     else:
         gen = (
             {

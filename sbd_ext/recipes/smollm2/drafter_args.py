@@ -19,7 +19,53 @@ from pathlib import Path
 from ...demo.argtypes import finite_number as number  # noqa: F401  (re-exported: the recipe's parsers)
 from ...demo.argtypes import int_in as count
 
-__all__ = ["TRAIN_INTS", "base_path", "check_args", "check_batches", "count", "guarded", "number", "reported"]
+__all__ = [
+    "TRAIN_INTS",
+    "auto_precision",
+    "base_path",
+    "check_args",
+    "check_batches",
+    "count",
+    "guarded",
+    "number",
+    "reported",
+    "until",
+]
+
+PRECISIONS = ("fp32", "bf16", "auto")  # train --precision
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX-BF16 or AVX512-BF16) that the kernel lets a process use:
+    where bf16 autocast makes training cheaper instead of dearer (on AVX2 the bf16 products are emulated)."""
+    try:
+        import torch
+
+        return bool(torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")) and any(
+            f in open("/proc/cpuinfo").read() for f in (" amx_bf16", " avx512_bf16")
+        )
+    except OSError:
+        return False
+
+
+def auto_precision(device) -> str:
+    """ "bf16" on a GPU or a CPU with bf16 matrix instructions (:func:`cpu_has_bf16_matmul`), else "fp32"."""
+    return "bf16" if str(device).startswith("cuda") or cpu_has_bf16_matmul() else "fp32"
+
+
+def until(batches, deadline: float):
+    """``batches`` over and over (a one-shot iterator) until ``time.time()`` passes ``deadline`` (the first batch
+    always: a call makes progress): train_loop then stops at that step and checkpoints it."""
+    import time
+
+    first = True
+    while True:
+        for b in batches:
+            if not first and time.time() >= deadline:
+                return
+            first = False
+            yield b
+
 
 # the files AutoTokenizer builds a tokenizer from (sbd_ext.demo.export checks the same)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -62,6 +108,18 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(str(e))
         if (getattr(args, "task", None) or "general") != "general":
             ap.error(f"--base drafts for a model of your own: --task general, not {args.task!r}")
+    device = getattr(args, "device", None)
+    if device is not None:
+        import torch
+
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            ap.error(f"--device {device!r}: {e}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            ap.error(f"--device {device}: no CUDA GPU here (torch {torch.__version__})")
+        if dev.type not in ("cpu", "cuda"):
+            ap.error(f"--device {device}: cpu or cuda")
     bounds = getattr(args, "block_size_range", None)
     if bounds is not None and bounds[0] > bounds[1]:
         ap.error(f"--block-size-range MIN MAX: MIN {bounds[0]} is above MAX {bounds[1]}")
