@@ -28,6 +28,9 @@
 #             shipped one); resumable: a second call on a warm machine continues in /tmp/sbd_drafter_stage, a later
 #             session from the samples brought back (bench/results/gpu-*/drafter-train/drafter-samples.npz, committed).
 #             Returns drafter-samples.npz and drafter-artifact.tar.partNN beside the stage's two files.
+#   roofline  bench/roofline.py (issue 64): a Llama-3.1-8B-shaped model, random bf16 weights, forwards of T = 1..64
+#             rows over caches of 1k-32k tokens as CUDA graphs, each against T = 1, and the SBD cycle's ops at those
+#             shapes -> roofline.json and a table in the summary, ~1-2 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -99,7 +102,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda drafter-train gguf-part cpu"
+STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda drafter-train roofline gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -359,6 +362,13 @@ stage_drafter-train() {
   rm -rf "$RES/work"  # the dry run's working folder (a GPU call's stays in /tmp for the next call)
 }
 
+stage_roofline() {
+  ensure_built
+  local args=(--json "$RES/roofline.json")
+  [ "$DRY" = 1 ] && args+=(--tiny --device cpu)
+  step roofline 540 env PYTHONUNBUFFERED=1 "$PY" bench/roofline.py "${args[@]}"
+}
+
 stage_cpu() {
   ensure_built
   local py
@@ -405,6 +415,14 @@ if os.path.exists(path):
     for r in csv.DictReader(open(path)):
         lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['gpu_us']} | {r['gb_per_s']} | "
                      f"{r['pct_peak']} | {r['x_roofline']} | {r.get('attn_us', '')} | {r.get('merge_us', '')} |")
+path = os.path.join(res, "roofline.json")
+if os.path.exists(path):
+    import json
+    rows = json.load(open(path))["rows"]
+    lines += ["", "## roofline: forward of T rows over a cache of C tokens", "",
+              "| cache | rows | forward ms | x T=1 | cycle ms | GB/s | graph |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cache']} | {r['rows']} | {r['forward_ms']} | {r['x_t1']} | {r['cycle_ms']} | {r['gb_per_s']} | "
+              f"{r['graph']} |" for r in rows]
 path = os.path.join(res, "stage.json")  # drafter-train: its phases' figures
 if os.path.exists(path):
     import json

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "drafter-cuda", "drafter-train"]
-STAGES += ["gguf-part", "cpu"]
+STAGES += ["roofline", "gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],
     "test": ["test_cuda", "test_rest"],
@@ -27,6 +27,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "e2e-cuda": ["bench_e2e_cuda"],
     "drafter-cuda": ["bench_drafter_cuda", "profile_drafter"],
     "drafter-train": ["drafter_train"],
+    "roofline": ["roofline"],
     "gguf-part": [],
     "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }

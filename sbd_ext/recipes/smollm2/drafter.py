@@ -36,7 +36,7 @@ import json
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -108,6 +108,7 @@ class DrafterConfig:
     seed: int = 0
     log_every: int = 5
     checkpoint_every: int = 10
+    bucket: bool = True  # batches of samples of about one length (make_batches); False: the earlier random batches
     init_from: str = ""  # a drafter folder of the same rank: continue that drafter (fresh optimizer and schedule)
     task: str = "general"  # "general" (the unmodified base) or "arith" (the NTP control): see TASKS
     base: str = ""  # a local HF model folder to draft for instead of SmolLM2 (absolute path; task "general")
@@ -287,11 +288,20 @@ def _generate_padded(model, prompts: list[list[int]], pad: int, **kw):
     return res, [res.sequences[i, len(x) : len(x) + int(res.num_generated[i])].tolist() for i, x in enumerate(prompts)]
 
 
-def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int, seed: int) -> list[dict]:
+def make_batches(
+    samples: list[dict], batch_size: int, max_len: int, pad_id: int, seed: int, bucket: bool = False
+) -> list[dict]:
     """Right-padded batches of prompt + answer (truncated to ``max_len``); ``loss_mask`` marks the answer tokens.
-    Shuffled once (``seed``)."""
+    Shuffled once (``seed``). ``bucket``: each window of :data:`BUCKET_WINDOW` batches' samples (in the shuffled
+    order) sorted by length before it is cut into batches, and the batches shuffled again: each batch holds samples
+    of about one length, so little of a batch is padding (every row of a batch costs the longest row's forward)."""
     order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
+    rng = random.Random(seed)
+    rng.shuffle(order)
+    if bucket:
+        span = BUCKET_WINDOW * batch_size
+        key = [min(len(s["prompt_ids"]) + len(s["answer_ids"]), max_len) for s in samples]
+        order = [i for lo in range(0, len(order), span) for i in sorted(order[lo : lo + span], key=key.__getitem__)]
     batches = []
     for lo in range(0, len(order) - batch_size + 1, batch_size):
         items = [samples[i] for i in order[lo : lo + batch_size]]
@@ -305,7 +315,18 @@ def make_batches(samples: list[dict], batch_size: int, max_len: int, pad_id: int
             att[i, : len(s)] = 1
             lm[i, len(it["prompt_ids"]) : len(s)] = True
         batches.append({"input_ids": ids, "attention_mask": att, "loss_mask": lm})
+    if bucket:
+        rng.shuffle(batches)
     return batches
+
+
+BUCKET_WINDOW = 32  # batches per length-sorted window of make_batches(bucket=True)
+
+
+def padding_fraction(batches: list[dict]) -> float:
+    """The share of a batch list's positions that are padding (what a forward computes for nothing)."""
+    total = sum(b["attention_mask"].numel() for b in batches)
+    return 1.0 - sum(int(b["attention_mask"].sum()) for b in batches) / max(total, 1)
 
 
 def train(
@@ -338,9 +359,10 @@ def train(
     if resume:
         if not ck.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ck}")
-        saved = {"task": "general", "first_slot_loss": True, "divergence": "kl", "base": ""} | json.loads(
-            cfg_file.read_text()
-        )
+        on_file = json.loads(cfg_file.read_text())
+        if "bucket" not in on_file:  # a run from before length buckets: it continues with its random batches
+            cfg = replace(cfg, bucket=False)
+        saved = {"task": "general", "first_slot_loss": True, "divergence": "kl", "base": "", "bucket": False} | on_file
         saved["block_size_range"] = tuple(saved["block_size_range"])
         if saved != asdict(cfg) | {"block_size_range": tuple(cfg.block_size_range)}:
             raise ValueError(f"--resume with other settings than {cfg_file}: {saved} vs {asdict(cfg)}")
@@ -369,10 +391,13 @@ def train(
     else:
         params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
     model.to(device).train()
-    batches = make_batches(samples, cfg.batch_size, cfg.max_len, tok.pad_token_id or 0, cfg.seed)
+    batches = make_batches(samples, cfg.batch_size, cfg.max_len, tok.pad_token_id or 0, cfg.seed, cfg.bucket)
     gen = torch.Generator().manual_seed(cfg.seed)
 
+    seen = {"answer_tokens": 0}  # this call's, for its throughput
+
     def loss_fn(model, b):
+        seen["answer_tokens"] += int(b["loss_mask"].sum())
         b = {key: v.to(device) for key, v in b.items()}
         k = draw_block_size(cfg.block_size_range, gen)
         loss, parts = drafter_mod.distill_loss(
@@ -421,11 +446,15 @@ def train(
         autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
     )
     steps_done = int(torch.load(ck, weights_only=True)["step"]) if ck.is_file() else cfg.steps
+    seconds = time.time() - t0
     record = {
         "config": asdict(cfg),
         "samples": len(samples),
         "history": history,
-        "seconds_this_call": round(time.time() - t0, 1),
+        "seconds_this_call": round(seconds, 1),
+        "answer_tokens_this_call": seen["answer_tokens"],
+        "answer_tokens_per_s": round(seen["answer_tokens"] / max(seconds, 1e-9), 1),
+        "padding_fraction": round(padding_fraction(batches), 4),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "device": str(device),
@@ -707,6 +736,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.s
         "--divergence", choices=list(drafter_mod.DIVERGENCES), help="distill_loss's per-position term (default: kl)"
     )
     t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
+    t.add_argument(
+        "--no-bucket",
+        dest="bucket",
+        action="store_false",
+        default=None,
+        help="random batches instead of batches of samples of about one length (more padding)",
+    )
     t.add_argument("--task", choices=sorted(TASKS), help="default: general")
     t.add_argument("--base", help=BASE_HELP)
     t.add_argument("--device", default="cpu")
