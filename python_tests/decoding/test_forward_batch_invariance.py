@@ -9,12 +9,12 @@ layers (plain: RowLinear; quantized: sbd_ext.quantize), HF's RMSNorm, RoPE and S
 
 import pytest
 import torch
+from sbd_models import tiny_llama
 
 import sbd_ext
 from sbd_ext.cache import SBDCache
 from sbd_ext.decoding.compiled import _compiled_forward
 from sbd_ext.linear import use_row_linear
-from sbd_models import tiny_llama
 
 PROMPT, ROWS = 11, 24
 CASES = [("plain", torch.float32), ("packed", torch.float32), ("int8", torch.float32), ("w8a8", torch.float32),
@@ -77,8 +77,14 @@ def test_eager_forward_row_equals_the_row_alone(scheme, dtype, threads):
         torch.set_num_threads(old)
 
 
+# Compiled: the schemes whose compiled graphs differ in kind (packed fp32 panels, the int8 x int8 path, bf16 conversions
+# inside row_linear); plain fp32 runs the packed-panel op's unpacked form and int8 its dequantising form, both
+# checked eagerly above (each compiled case costs ~25 s of CI's time).
+COMPILED_CASES = [("packed", torch.float32), ("w8a8", torch.float32), ("plain", torch.bfloat16)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda c: str(c).replace("torch.", ""))
+@pytest.mark.parametrize("scheme,dtype", COMPILED_CASES, ids=lambda c: str(c).replace("torch.", ""))
 def test_compiled_forward_row_equals_the_row_alone(scheme, dtype):
     """The compiled forward, one graph per row count as the compiled step makes them (NTP's 1 row, verify's few,
     a long forward): each row as the compiled NTP step computes it."""

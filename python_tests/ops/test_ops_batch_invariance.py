@@ -21,13 +21,13 @@ def _forms(w: torch.Tensor):
     q, s = quantize_weight(w)
     forms = [
         ("plain", lambda x: sbd_ext.row_linear(x, w)),
-        ("packed", lambda x, p=pack_row_linear_weight(w, pad=True): sbd_ext.row_linear(x, p)[:, : w.shape[0]]),
+        ("packed", lambda x, p=pack_row_linear_weight(w, pad=True): sbd_ext.row_linear(x, p)[:, : w.shape[0]]),  # noqa: B008
         ("int8", lambda x: sbd_ext.row_linear(x, q, s)),
         ("w8a8", lambda x: sbd_ext.row_linear(x, q, s, quantize_x=True)),
-        ("bf16", lambda x, b=w.bfloat16(): sbd_ext.row_linear(x, b)),
+        ("bf16", lambda x, b=w.bfloat16(): sbd_ext.row_linear(x, b)),  # noqa: B008
     ]
     if w.shape[0] % 16 == 0:
-        forms.append(("w8a8-packed", lambda x, p=pack_row_linear_int8(q): sbd_ext.row_linear(x, p, s, quantize_x=True)))
+        forms.append(("w8a8-packed", lambda x, p=pack_row_linear_int8(q): sbd_ext.row_linear(x, p, s, quantize_x=True)))  # noqa: B008
     return forms
 
 

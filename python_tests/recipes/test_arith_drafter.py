@@ -35,9 +35,10 @@ def test_control_is_listed_recommends_ntp_and_reproduces_its_record():
     assert CONTROL in models.available() and check["mode"] == "ntp"
     model, _ = models.load(CONTROL)
     assert model.generation_config.sbd_mode == "ntp"
-    got = evaluate.check_record_ntp(CONTROL, check["n"])
-    assert abs(got["accuracy"] - check["accuracy"]) <= 0.03, (got, check)
-    assert got["mean_nfe"] == pytest.approx(check["mean_nfe"], rel=0.05), (got, check)
+    sub = check.get("subset", check)  # CI's time: the record's first problems, measured the same way
+    got = evaluate.check_record_ntp(CONTROL, sub["n"])
+    assert abs(got["accuracy"] - sub["accuracy"]) <= 0.03, (got, sub)
+    assert got["mean_nfe"] == pytest.approx(sub["mean_nfe"], rel=0.05), (got, sub)
 
 
 @pytest.mark.parametrize("name, how", [(CONTROL, "[NTP (1 token/forward)]"), ("smollm2-arith-drafter", "verified")])
@@ -95,9 +96,10 @@ def test_shipped_arith_drafter_keeps_the_controls_answers_and_its_record():
     check = json.loads((folder / "ship_check.json").read_text())
     assert DRAFTER in models.available() and drafter.is_drafter(folder) and check["task"] == "arith"
     assert sum(f.stat().st_size for f in folder.iterdir()) <= 12e6
+    sub = check.get("subset", check)  # CI's time: the record's first problems, measured the same way
     ntp, row = recipe.evaluate(
         folder,
-        check["n"],
+        sub["n"],
         check["max_new_tokens"],
         [
             dict(
@@ -108,5 +110,5 @@ def test_shipped_arith_drafter_keeps_the_controls_answers_and_its_record():
             )
         ],
     )
-    assert row["equal_to_ntp"] == f"{check['n']}/{check['n']}" and row["accuracy"] == ntp["accuracy"]
-    assert row["nfe"] == pytest.approx(check["verify_nfe"], rel=0.05), (row, check)
+    assert row["equal_to_ntp"] == f"{sub['n']}/{sub['n']}" and row["accuracy"] == ntp["accuracy"]
+    assert row["nfe"] == pytest.approx(sub["verify_nfe"], rel=0.05), (row, sub)

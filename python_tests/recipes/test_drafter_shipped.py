@@ -139,7 +139,8 @@ def test_verify_equals_ntp_under_every_weight_scheme(scheme):
     on that prompt and two held-out ones."""
     model, tok = models.load(NAME, quantize=scheme)
     chat = [{"role": "user", "content": "Say hello twice."}]
-    first = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+    first = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    first = first["input_ids"]
     for ids in (first, _prompt(tok, 5), _prompt(tok, 40)):
         ntp = sbd_ext.generate(model, ids, mode="ntp", verify=False, max_new_tokens=24)
         for settings in ({}, {"branch": True}):
