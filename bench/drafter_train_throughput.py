@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 import torch
+from forward_cost import cpu_class  # bench/
 
+import sbd_ext
 from sbd_ext.recipes.smollm2 import drafter as recipe
-from sbd_ext.recipes.smollm2.drafter_args import auto_precision, cpu_has_bf16_matmul
+from sbd_ext.recipes.smollm2.drafter_args import auto_precision
 
 
 def synthetic(n: int, seed: int = 0) -> list[dict]:
@@ -41,13 +43,6 @@ def synthetic(n: int, seed: int = 0) -> list[dict]:
             }
         )
     return rows
-
-
-def cpu_class() -> str:
-    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
-    if " amx_tile" in flags:
-        return "amx"
-    return "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else "other")
 
 
 def one(samples: list[dict], steps: int, batch: int, bucket: bool, precision: str, threads: int) -> dict:
@@ -109,7 +104,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "cpu_class": cpu_class(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_matmul": cpu_has_bf16_matmul(),
+        "bf16_matmul": sbd_ext.build_info()["cpu_bf16_matmul_units"],
         "auto_precision": auto_precision("cpu"),
         "samples": a.samples or f"synthetic ({a.n})",
         "rows": rows,

@@ -654,6 +654,19 @@ def train_head(
     return dest
 
 
+def verify_settings(generation: dict) -> dict:
+    """``sbd_ext.generate`` keywords of verify decoding at a drafter's recommended ``generation`` settings (its
+    config's ``sbd.generation``)."""
+    return dict(
+        block_size=generation["sbd_block_size"],
+        sampler=generation["sbd_sampler"],
+        threshold=generation["sbd_threshold"],
+        verify=True,
+        lookup=generation.get("sbd_lookup", 0),
+        branch=generation.get("sbd_branch", False),
+    )
+
+
 def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_tokens: int = 64) -> Path:
     """Copy ``out/artifact`` to ``dest`` with the recommended ``generation`` settings, then measure its record
     (``ship_check.json``: tokens per forward of verify at those settings on the first ``check_n`` held-out prompts,
@@ -666,15 +679,7 @@ def ship(out: Path, dest: Path, generation: dict, check_n: int = 8, max_new_toke
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / drafter_mod.WEIGHTS_FILE, dest / drafter_mod.WEIGHTS_FILE)
     (dest / drafter_mod.CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
-    kw = dict(
-        block_size=generation["sbd_block_size"],
-        sampler=generation["sbd_sampler"],
-        threshold=generation["sbd_threshold"],
-        verify=True,
-        lookup=generation.get("sbd_lookup", 0),
-        branch=generation.get("sbd_branch", False),
-    )
-    ntp, row = evaluate(dest, check_n, max_new_tokens, [kw])
+    ntp, row = evaluate(dest, check_n, max_new_tokens, [verify_settings(generation)])
     record = {
         "task": artifact_task(dest),
         "n": check_n,

@@ -35,22 +35,13 @@ __all__ = [
 PRECISIONS = ("fp32", "bf16", "auto")  # train --precision
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AMX-BF16 or AVX512-BF16) that the kernel lets a process use:
-    where bf16 autocast makes training cheaper instead of dearer (on AVX2 the bf16 products are emulated)."""
-    try:
-        import torch
-
-        return bool(torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")) and any(
-            f in open("/proc/cpuinfo").read() for f in (" amx_bf16", " avx512_bf16")
-        )
-    except OSError:
-        return False
-
-
 def auto_precision(device) -> str:
-    """ "bf16" on a GPU or a CPU with bf16 matrix instructions (:func:`cpu_has_bf16_matmul`), else "fp32"."""
-    return "bf16" if str(device).startswith("cuda") or cpu_has_bf16_matmul() else "fp32"
+    """ "bf16" on a GPU or on a CPU with bf16 matrix units that the OS lets a process use (AMX-BF16, AVX512-BF16:
+    the extension's own check, ``build_info()["cpu_bf16_matmul_units"]``, which picks its bf16 attention GEMM by
+    it), else "fp32": on AVX2 bf16 products are emulated, slower than fp32."""
+    from ... import build_info
+
+    return "bf16" if str(device).startswith("cuda") or build_info()["cpu_bf16_matmul_units"] else "fp32"
 
 
 def until(batches, deadline: float):

@@ -157,9 +157,7 @@ def _train(work: Path, name: str, cfg: dict, a, rank: int, steps: int, init_from
         base=a.base,
     )
     resume = (out / recipe.CHECKPOINT_FILE).is_file()
-    recipe.train(
-        out, dc, resume=resume, device=a.device, precision="bf16" if a.device != "cpu" else "fp32", deadline=deadline
-    )
+    recipe.train(out, dc, resume=resume, device=a.device, precision="auto", deadline=deadline)
     return out
 
 
@@ -219,15 +217,8 @@ def phase_head(work: Path, cfg: dict, a, st: dict, log) -> None:
 
 
 def phase_eval(work: Path, cfg: dict, a, st: dict, log) -> None:
-    gen = drafter_mod.read_drafter_config(SHIPPED)["sbd"]["generation"]
-    kw = dict(
-        block_size=gen["sbd_block_size"],
-        sampler=gen["sbd_sampler"],
-        threshold=gen["sbd_threshold"],
-        verify=True,
-        lookup=gen.get("sbd_lookup", 0),
-    )
-    settings = [kw, kw | {"branch": True}]
+    kw = recipe.verify_settings(drafter_mod.read_drafter_config(SHIPPED)["sbd"]["generation"])
+    settings = [kw | {"branch": False}, kw | {"branch": True}]
     cands = {"new": work / "head" / "artifact"} | ({} if a.base else {"shipped": SHIPPED})
     ev = st.setdefault("eval", {})
     for name, art in cands.items():
