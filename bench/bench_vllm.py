@@ -7,7 +7,7 @@ Reproduce, in vLLM's venv (``bash tools/vllm_env.sh``; nothing else running):
 Every row is a real ``vllm serve`` (:class:`sbd_ext.integration.server.VLLMServer`: 127.0.0.1, fp32, eager,
 ``max_num_seqs`` 4) and the workload goes through its OpenAI ``/v1/completions`` endpoint as token ids, greedy:
 
-- ``general``: the held-out general prompts (``sbd_ext/recipes/smollm2/general_prompts.json``, SmolLM2's chat
+- ``general``: the held-out general prompts (``sbd_ext/recipes/drafter/general_prompts.json``, SmolLM2's chat
   template), ``sbd-ext export --model smollm2-drafter``: the unmodified base, its gated drafter beside it; k = 4.
 - ``arith``: held-out problems of the arithmetic task (its own prompt format), ``sbd-ext export --model smollm2-sbd``:
   the task-tuned SBD model, served as a plain Llama; it drafts with its own weights; k = 8 (its shipped block size).
@@ -47,8 +47,8 @@ pytest.importorskip("vllm", reason="vLLM runs in its own venv: bash tools/vllm_e
 from sbd_ext.demo import export  # noqa: E402
 from sbd_ext.integration.server import VLLMServer  # noqa: E402
 from sbd_ext.integration.vllm import COMPILE_ENV, DRAFT_ENV, QUANTIZE_ENV, STATS_ENV, speculative_config  # noqa: E402
+from sbd_ext.recipes.drafter.prompts import eval_prompts  # noqa: E402
 from sbd_ext.recipes.smollm2 import checkpoint, data  # noqa: E402
-from sbd_ext.recipes.smollm2.prompts import eval_prompts  # noqa: E402
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
 MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))

@@ -24,8 +24,8 @@ import torch
 from forward_cost import cpu_class  # bench/
 
 import sbd_ext
+from sbd_ext.recipes.drafter.args import auto_precision
 from sbd_ext.recipes.smollm2 import drafter as recipe
-from sbd_ext.recipes.smollm2.drafter_args import auto_precision
 
 
 def synthetic(n: int, seed: int = 0) -> list[dict]:

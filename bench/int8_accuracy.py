@@ -24,8 +24,8 @@ import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import decode, format_prompt
 from sbd_ext.drafter import read_drafter_config
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint, evaluate
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 SCHEMES = ("fp32", "int8", "w8a8")
 DRAFTER, CONTROL = "smollm2-arith-drafter", "smollm2-ntp"

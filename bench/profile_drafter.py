@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 import sbd_ext
 from sbd_ext.demo import models
 from sbd_ext.recipes import smollm2
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 ROWS = {
     "ntp": dict(mode="ntp", verify=False, merge=None),

@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import torch
+from forward_cost import cpu_class  # bench/
 
 import sbd_ext
 from sbd_ext.demo import models
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import chat_prompt
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
-
-from forward_cost import cpu_class  # bench/
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ of 32 values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel
 (``row_linear(..., quantize_x=True)``). On this project's AVX2 machine (Zen 3, no VNNI) a linear layer runs 1.1-1.7x
 faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows; on an AVX512-VNNI CPU (Zen 4, ``vpdpbusd``) SmolLM2's
 16-row linears take 0.91x the ``"int8"`` time. Both at a further small accuracy cost; whole forwards, decoding and
-accuracy: docs/benchmarks.md.
+accuracy: docs/notes/benchmarks-log.md.
 
 ``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`,
 ``weight_packed`` [N / 16, K, 16]: :func:`sbd_ext.packing.pack_row_linear_weight`), where the CPU kernel runs a few rows

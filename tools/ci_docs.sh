@@ -13,4 +13,6 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-
 PY
 pip install -q -r build-docs/requirements.txt
 python bench/plots.py
+python bench/render_results.py --check   # the README's and the benchmarks page's tables are what bench/results/report/ gives
+python bench/render_results.py           # (and its plot, redrawn)
 mkdocs build --strict

@@ -5,7 +5,7 @@ from sbd_ext.demo import cli
 
 def test_generate_streams_the_completion(monkeypatch, capsys):
     puts = []
-    make = cli._stream_printer
+    make = cli.stream_printer
 
     def counting(tok, prompt, colour):
         printer = make(tok, prompt, colour)
@@ -13,7 +13,7 @@ def test_generate_streams_the_completion(monkeypatch, capsys):
         printer.put = lambda ids: (puts.append(ids.tolist()), put(ids))
         return printer
 
-    monkeypatch.setattr(cli, "_stream_printer", counting)
+    monkeypatch.setattr(cli, "stream_printer", counting)
     argv = ["generate", "--max-new-tokens", "48", "--block-size", "8", "--color", "never"]
     assert cli.main(argv) == 0
     streamed = capsys.readouterr().out

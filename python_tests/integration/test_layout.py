@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sbd_ext
 
 PKG = Path(sbd_ext.__file__).resolve().parent
@@ -75,6 +77,26 @@ MAX_LINES = 420  # a room a newcomer can hold; the kernels (csrc/) are not Pytho
 def test_core_modules_are_small():
     big = {str(p.relative_to(PKG)): n for p in _core_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"core modules over {MAX_LINES} lines: {big}"
+
+
+MAX_ROOM = 450  # every module of the package, the demo and the recipes included
+
+
+def test_every_room_is_small():
+    big = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_ROOM}
+    assert not big, f"modules over {MAX_ROOM} lines (split them, or move data into data files): {big}"
+
+
+def test_results_hold_results_and_studies_sit_apart():
+    """bench/results/ holds measurements (no scripts); one-off studies live in bench/studies/, not beside the benches
+    a user runs."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    if not bench.is_dir():
+        pytest.skip("not a source checkout")
+    code = [str(p.relative_to(bench)) for p in (bench / "results").rglob("*") if p.suffix in (".py", ".sh")]
+    assert not code, f"scripts under bench/results/: {code}"
+    assert not list(bench.glob("study_*.py")), "studies belong in bench/studies/"
+    assert (bench / "studies").is_dir()
 
 
 def _module_graph(files: list[Path]) -> dict[str, set[str]]:

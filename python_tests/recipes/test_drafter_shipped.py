@@ -15,8 +15,8 @@ from sbd_ext import drafter
 from sbd_ext.demo import cli, models
 from sbd_ext.drafter.gate import GatedLoRALinear
 from sbd_ext.quantization import Int8Linear
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("record_threads")]
 

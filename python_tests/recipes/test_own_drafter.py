@@ -17,8 +17,9 @@ from sbd_ext import drafter
 from sbd_ext.artifact_checks import ArtifactError
 from sbd_ext.demo import export, models
 from sbd_ext.recipes import drafter as own
+from sbd_ext.recipes.drafter.bases import prompt_ids
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import drafter as recipe
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -83,7 +84,7 @@ def test_verify_with_the_drafter_returns_the_unmodified_models_answers(run, temp
     assert drafter.get_drafter(model).sampler_head is not None
     assert drafter.get_drafter(plain) is None
     for p in eval_prompts()[:3]:
-        ids = torch.tensor([recipe._prompt_ids(tok, p["text"])])
+        ids = torch.tensor([prompt_ids(tok, p["text"])])
         kw = dict(max_new_tokens=24, temperature=temperature, seed=3)
         got = sbd_ext.generate(model, ids, verify=True, **kw)  # the shipped settings: k=2, verify
         ref = sbd_ext.generate(plain, ids, mode="ntp", **kw)

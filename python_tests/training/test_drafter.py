@@ -250,7 +250,7 @@ def test_no_second_drafter_and_no_ungated_peft_load(tmp_path):
 
 
 def test_training_prompts_are_disjoint_from_the_held_out_prompts():
-    from sbd_ext.recipes.smollm2 import prompts
+    from sbd_ext.recipes.drafter import prompts
 
     held = prompts.eval_prompts()
     assert len(held) >= 50 and len({p["kind"] for p in held}) >= 8
@@ -277,7 +277,7 @@ def test_training_prompts_are_disjoint_from_the_held_out_prompts():
     ],
 )
 def test_clean_instruction(reply, want):
-    from sbd_ext.recipes.smollm2.prompts import clean_instruction
+    from sbd_ext.recipes.drafter.prompts import clean_instruction
 
     assert clean_instruction(reply) == want
 
@@ -286,8 +286,8 @@ def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_
     """make_self_prompts keeps the cleaned, new replies in order, never a held-out prompt or a repeat, seeds each
     batch by its position, writes the published list as it goes, continues an interrupted list exactly, and refuses
     a folder made with other settings or a model that writes too few usable instructions."""
-    from sbd_ext.recipes.smollm2 import drafter as rd
-    from sbd_ext.recipes.smollm2.prompts import eval_prompts, self_instruct_requests
+    from sbd_ext.recipes.drafter import data as rd
+    from sbd_ext.recipes.drafter.prompts import eval_prompts, self_instruct_requests
 
     held = eval_prompts()[0]["text"]
     calls = []
@@ -307,7 +307,7 @@ def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_
         ]
 
     monkeypatch.setattr(rd, "greedy_answers", fake_answers)
-    monkeypatch.setattr(rd, "_prompt_ids", lambda tok, text: [1, 2, 3])
+    monkeypatch.setattr(rd, "prompt_ids", lambda tok, text: [1, 2, 3])
     got = rd.make_self_prompts(None, Tok(), 9, tmp_path, 5, seed=2, batch_size=4)
     assert got == ["Same question?"] + [f"Q {2 * 1_000_003 + lo} 3?" for lo in (0, 4, 8, 12)]
     assert held not in got
@@ -328,7 +328,7 @@ def test_self_written_prompts_are_distinct_held_out_free_resumable_and_settings_
 
 
 def test_training_line_says_where_the_prompts_came_from():
-    from sbd_ext.recipes.smollm2.drafter import _sources
+    from sbd_ext.recipes.drafter.bases import sources as _sources
 
     tmpl, own = {"task": "general"}, {"task": "general", "source": "self"}
     assert _sources([tmpl] * 3) == "3 self-distilled answers"  # samples made before sources were recorded

@@ -16,8 +16,8 @@ import sbd_ext
 from sbd_ext.demo import export
 from sbd_ext.integration.server import VLLMServer
 from sbd_ext.integration.vllm import STATS_ENV, load_drafting_model
+from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint as smollm2
-from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """argparse types shared by the command lines (``sbd-ext``: :mod:`sbd_ext.demo.cli`; the drafter recipe:
-:mod:`sbd_ext.recipes.smollm2.drafter_args`; ``python -m sbd_ext.recipes.smollm2``): a value out of range is a usage
+:mod:`sbd_ext.recipes.drafter.args`; ``python -m sbd_ext.recipes.smollm2``): a value out of range is a usage
 error (exit code 2) that names the range."""
 
 from __future__ import annotations

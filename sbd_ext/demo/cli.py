@@ -38,59 +38,10 @@ from ..quantization import SCHEMES
 from ..samplers import DEFAULT_THRESHOLDS, NAMES, get_sampler
 from . import evaluate, export, models, tasks
 from .argtypes import finite_number, int_in
+from .render import paint, render_steps, stream_printer
 from .tokenizer import unknown_characters
 
 __all__ = ["main"]
-
-_COLOURS = [31, 32, 33, 34, 35, 36, 91, 92, 93, 94, 95, 96]  # ANSI foreground colours, cycled per forward
-
-
-def _paint(text: str, colour: int | None, bold: bool = False, enabled: bool = True) -> str:
-    if not enabled or colour is None:
-        return text
-    return f"\033[{'1;' if bold else ''}{colour}m{text}\033[0m"
-
-
-def _visible(s: str) -> str:
-    return s.replace("\n", "↵")
-
-
-def render_steps(
-    tok, token_ids: list[int], trace: list, prompt_len: int, colour: bool, corrections: list[int] = ()
-) -> str:
-    """One line per forward: the completion so far, masked / future positions as ``·``, the newly revealed tokens
-    highlighted (colour in a terminal, ``^`` markers underneath otherwise; ``!`` for a token verify mode corrected,
-    ``corrections`` being indices into ``token_ids``); then the completion with every token coloured by the forward
-    that revealed it, corrected tokens underlined."""
-    corrected = set(corrections)
-    pieces = [_visible(tok.decode([t])) for t in token_ids]
-    when = [None] * len(pieces)
-    lines = []
-    for step, (f, positions, _tokens) in enumerate(trace):
-        rel = [p - prompt_len for p in positions if 0 <= p - prompt_len < len(pieces)]
-        for j in rel:
-            when[j] = step
-        upto = max((j for j in range(len(pieces)) if when[j] is not None), default=-1)
-        text, marks = [], []
-        for j in range(upto + 1):
-            piece = pieces[j] if when[j] is not None else "·"
-            new = j in rel
-            text.append(_paint(piece, _COLOURS[step % len(_COLOURS)], bold=True, enabled=colour and new))
-            marks.append(("!" if new and j in corrected else "^" if new else " ") * len(piece))
-        lines.append(f"forward {f + 1:3d} +{len(rel):2d} | " + "".join(text))
-        if not colour:
-            lines.append(" " * 17 + "| " + "".join(marks).rstrip())
-    if colour:
-        coloured = "".join(
-            _paint(p, _COLOURS[w % len(_COLOURS)] if w is not None else None, enabled=True)
-            if j not in corrected
-            else f"\033[4;{_COLOURS[w % len(_COLOURS)]}m{p}\033[0m"
-            for j, (p, w) in enumerate(zip(pieces, when, strict=True))
-        )
-        lines.append("by forward:           " + coloured)
-        if corrected:
-            lines.append("(underlined: corrected by verification)")
-    return "\n".join(lines)
 
 
 def cmd_generate(args) -> int:
@@ -138,7 +89,7 @@ def cmd_generate(args) -> int:
             threshold = DEFAULT_THRESHOLDS[sampler]
     block_size = args.block_size if args.block_size is not None else info.get("block_size", 16)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
-    stream = None if args.show_steps else _stream_printer(tok, prompt, colour)  # the completion as it becomes final
+    stream = None if args.show_steps else stream_printer(tok, prompt, colour)  # the completion as it becomes final
     # The model's recommendation (its settings, then sbd_demo.json) picks the mode (an NTP model such as the control
     # smollm2-ntp has no trained mask token: SBD on it would be noise) and turns verify mode on for SBD decoding.
     mode = args.mode or info.get("mode", "sbd")
@@ -162,8 +113,8 @@ def cmd_generate(args) -> int:
     completion = res["completions"][0]
     nfe, ntok, secs = res["nfe"][0], res["num_generated"][0], res["seconds"]
     if stream is None:
-        print(_paint(prompt, 2, enabled=colour), end="")
-        print(_paint(completion, 1, enabled=colour))
+        print(paint(prompt, 2, enabled=colour), end="")
+        print(paint(completion, 1, enabled=colour))
     else:
         stream.end()
     print()
@@ -186,7 +137,7 @@ def cmd_generate(args) -> int:
         ok = got == expected
         print(
             f"answer {got} — expected {expected}: "
-            + _paint("correct" if ok else "WRONG", 32 if ok else 31, True, colour)
+            + paint("correct" if ok else "WRONG", 32 if ok else 31, True, colour)
         )
     return 0
 
@@ -223,19 +174,6 @@ def _chat_prompt(tok, question: str) -> str:
             )
         tok.split_special_tokens = False  # the template's markup is control tokens; the question has none
     return text
-
-
-def _stream_printer(tok, prompt: str, colour: bool):
-    """Print the prompt now, and return a streamer that prints the completion's text as its tokens become final."""
-    from transformers import TextStreamer
-
-    print(_paint(prompt, 2, enabled=colour) + ("\033[1m" if colour else ""), end="", flush=True)
-
-    class _Printer(TextStreamer):
-        def on_finalized_text(self, text: str, stream_end: bool = False):
-            print(text + ("\033[0m" if stream_end and colour else ""), end="\n" if stream_end else "", flush=True)
-
-    return _Printer(tok, skip_special_tokens=True)
 
 
 def cmd_eval(args) -> int:

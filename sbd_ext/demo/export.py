@@ -87,7 +87,9 @@ def _check_tokenizer_json(folder: Path) -> None:
             json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, OSError) as e:
             link = f" (a link to {path.resolve()})" if path.is_symlink() else ""
-            raise ValueError(f"{path}{link} is not a JSON file ({e}): copy the model's tokenizer files into {folder}")
+            raise ValueError(
+                f"{path}{link} is not a JSON file ({e}): copy the model's tokenizer files into {folder}"
+            ) from e
 
 
 def _check_source(name_or_path, info: dict, plain: bool) -> None:

@@ -37,8 +37,9 @@ import torch
 
 from ... import drafter as drafter_mod
 from ...demo import models
-from . import drafter as recipe
-from .prompts import eval_prompts
+from .. import drafter as recipe
+from ..drafter.bases import load_task_base, prompt_ids
+from ..drafter.prompts import eval_prompts
 
 PART = 15 << 20  # bytes per returned part (a device call returns files of at most 16 MiB)
 SHIPPED = Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter"
@@ -128,9 +129,9 @@ def _heldout(work: Path, cfg: dict, a) -> tuple[list, list]:
     if f.is_file():
         d = json.loads(f.read_text())
         return d["prompts"], d["answers"]
-    model, tok, eos = recipe._load_task_base("general", base=a.base)
+    model, tok, eos = load_task_base("general", base=a.base)
     model.to(a.device).eval()
-    prompts = [recipe._prompt_ids(tok, p["text"]) for p in eval_prompts()[: cfg["eval_n"]]]
+    prompts = [prompt_ids(tok, p["text"]) for p in eval_prompts()[: cfg["eval_n"]]]
     answers = recipe.greedy_answers(model, prompts, cfg["eval_max_new"], eos, tok.pad_token_id or 0)
     f.write_text(json.dumps({"prompts": prompts, "answers": answers}))
     return prompts, answers

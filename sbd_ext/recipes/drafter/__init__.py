@@ -1,6 +1,6 @@
-"""A gated drafter for a model of your own: the SmolLM2 drafter recipe (:mod:`sbd_ext.recipes.smollm2.drafter`)
-over any local HF model folder (a Llama-family causal LM with its tokenizer), offline. The model stays as it is:
-verify decoding with the drafter returns exactly its own answers, in fewer forwards.
+"""The gated-drafter recipe: a drafter for a model of your own, over any local HF model folder (a Llama-family
+causal LM with its tokenizer), offline. The model stays as it is: verify decoding with the drafter returns exactly
+its own answers, in fewer forwards.
 
     python -m sbd_ext.recipes.drafter data  --base DIR --out RUN [--n 1024 --max-new-tokens 128 --batch-size 16]
     python -m sbd_ext.recipes.drafter data  --base DIR --out RUN --prompts self [--n 1024]
@@ -21,13 +21,47 @@ verify decoding with the drafter returns exactly its own answers, in fewer forwa
 Load it with ``sbd_ext.demo.models.load(DRAFTER)`` (the base is the folder the drafter names in
 ``base_model_name_or_path``; ``sbd_ext.drafter.load_drafter(DRAFTER, base=DIR)`` points elsewhere) or
 ``sbd-ext generate --model DRAFTER "a question"``.
+
+The recipe's modules, one per stage: :mod:`.prompts` (the training prompt generator and the held-out prompts, data
+files beside it), :mod:`.bases` (what a drafter drafts for; :class:`DrafterConfig`), :mod:`.data`, :mod:`.train`,
+:mod:`.head`, :mod:`.evaluate`, :mod:`.ship`, :mod:`.cli` (the command line; :mod:`.args` its checks). SmolLM2 is one
+configuration of it (:mod:`sbd_ext.recipes.smollm2.drafter`: the embedded base and its arithmetic control, no
+``--base``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from .smollm2.drafter import main as _recipe_main
+from .bases import CHECKPOINT_FILE, SAMPLES_FILE, TASKS, DrafterConfig, artifact_base, artifact_task
+from .cli import main as _cli_main
+from .data import greedy_answers, make_samples, make_self_prompts
+from .evaluate import evaluate, slot_accuracy, verify_settings
+from .head import train_head
+from .ship import ship
+from .train import BUCKET_WINDOW, make_batches, padding_fraction, train
+
+__all__ = [
+    "BUCKET_WINDOW",
+    "CHECKPOINT_FILE",
+    "SAMPLES_FILE",
+    "TASKS",
+    "DrafterConfig",
+    "artifact_base",
+    "artifact_task",
+    "evaluate",
+    "greedy_answers",
+    "main",
+    "make_batches",
+    "make_samples",
+    "make_self_prompts",
+    "padding_fraction",
+    "ship",
+    "slot_accuracy",
+    "train",
+    "train_head",
+    "verify_settings",
+]
 
 PROG = "python -m sbd_ext.recipes.drafter"
 # verify's drafting settings (docs/drafter.md): where train is not told otherwise
@@ -49,8 +83,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cmd == "train":  # the same on --resume (which checks the run's settings)
         argv = argv + [a for flag, vals in TRAIN_DEFAULTS.items() if not _given(argv, flag) for a in (flag, *vals)]
-    return _recipe_main(argv, prog=PROG)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return _cli_main(argv, prog=PROG, description=__doc__.split("\n\n")[0])

@@ -6,8 +6,8 @@ its rescored logits), so slot 2's draft is conditioned on slot 1's. This script 
 x 128 new tokens with the shipped drafter, verify + branch (+ lookup 16), k = 2, 3, 4, with the head chained this way
 (``chain``) or as shipped (``slot1``), and prints the recipe's eval rows (tokens per forward, equality with NTP):
 
-    python bench/study_head_chain.py --mode chain --threads 1 [--json OUT.json]
-    python bench/study_head_chain.py --mode slot1 --threads 1
+    python bench/studies/head_chain.py --mode chain --threads 1 [--json OUT.json]
+    python bench/studies/head_chain.py --mode slot1 --threads 1
 
 Result (2026-11-27, bench/results/drafter/head_chain_16x128.json): k=3 1.569 -> 1.633 tokens per forward chained, k=4
 1.581 chained, both at or below k=2's 1.636 (the head on slot 1 alone, a forward of fewer rows): not kept.
@@ -25,7 +25,7 @@ from sbd_ext.decoding import step
 from sbd_ext.decoding.sampling import ban_mask
 from sbd_ext.recipes.smollm2 import drafter as recipe
 
-DRAFTER = Path(__file__).resolve().parents[1] / "sbd_ext" / "demo" / "models" / "smollm2-drafter"
+DRAFTER = Path(__file__).resolve().parents[2] / "sbd_ext" / "demo" / "models" / "smollm2-drafter"
 
 
 def chained(job, x, block):

@@ -1,13 +1,13 @@
 """Training prompts for the self-distilled drafter: templates x subjects, made here, nothing downloaded.
 
 The drafter (:mod:`sbd_ext.drafter`) learns to predict what the *base* model says, so its training data are the base
-model's own answers (:func:`sbd_ext.recipes.smollm2.drafter.make_samples`) to these prompts. They cover the kinds of
+model's own answers (:func:`sbd_ext.recipes.drafter.make_samples`) to these prompts. They cover the kinds of
 request a chat model gets -- explanations, how-to, lists, short creative writing, code, rewriting, advice, facts,
 arithmetic and small talk -- from templates filled with subjects, so the set is large, varied and reproducible
 (:func:`training_prompts` is deterministic for a seed). For more variety than templates give, the base model also
 writes its own instructions (:func:`self_instruct_requests`: requests such as "Write one question a curious person
 might ask about tides.", sampled; :func:`clean_instruction` keeps one clean line), which it then answers like the
-template prompts (``python -m sbd_ext.recipes.smollm2.drafter data --prompts self``).
+template prompts (``python -m sbd_ext.recipes.drafter data --prompts self``).
 
 The held-out evaluation prompts (``general_prompts.json`` beside this module, package data) were written by hand apart
 from this generator; :func:`training_prompts` never returns one of them (checked by the tests, and filtered here).
@@ -32,277 +32,21 @@ __all__ = [
 
 # Package data (installed with the wheel), so the held-out check and the benchmark work from any install.
 EVAL_PROMPTS_FILE = Path(__file__).resolve().parent / "general_prompts.json"
+# The generator's subjects, tasks and sentences (data, not code; their order is part of a seed's prompts).
+VOCAB_FILE = Path(__file__).resolve().parent / "prompt_vocab.json"
 
-_SCIENCE = [
-    "gravity",
-    "magnetism",
-    "electricity",
-    "volcanoes",
-    "earthquakes",
-    "tides",
-    "clouds",
-    "thunder",
-    "snowflakes",
-    "the water cycle",
-    "black holes",
-    "the Moon's phases",
-    "static electricity",
-    "sound waves",
-    "light",
-    "friction",
-    "evaporation",
-    "glaciers",
-    "photosynthesis in algae",
-    "the human heart",
-    "the lungs",
-    "digestion",
-    "sleep",
-    "dreams",
-    "memory",
-    "muscles",
-    "bones",
-    "the immune system",
-    "bacteria",
-    "viruses",
-    "DNA",
-    "evolution",
-    "fossils",
-    "dinosaurs",
-    "bees",
-    "ants",
-    "bird migration",
-    "whales",
-    "octopuses",
-    "coral reefs",
-    "rainforests",
-    "deserts",
-    "the ozone layer",
-    "climate change",
-    "solar panels",
-    "wind turbines",
-    "batteries",
-    "magnets",
-    "microwaves",
-    "airplanes",
-    "rockets",
-    "satellites",
-    "the internet",
-    "computers",
-    "smartphones",
-    "GPS",
-    "3D printers",
-    "electric cars",
-    "engines",
-    "bridges",
-    "skyscrapers",
-    "money",
-    "banks",
-    "interest rates",
-    "supply and demand",
-    "taxes",
-    "democracy",
-    "elections",
-    "the Roman Empire",
-    "the printing press",
-    "the pyramids",
-    "the Silk Road",
-]
-_TASKS = [
-    "bake bread",
-    "make pancakes",
-    "brew tea",
-    "cook rice",
-    "make a salad",
-    "knit a scarf",
-    "paint a room",
-    "fix a leaky faucet",
-    "wash a wool sweater",
-    "start a compost pile",
-    "grow basil indoors",
-    "care for a cactus",
-    "train a puppy to sit",
-    "teach a child to ride a bike",
-    "write a resume",
-    "give a short speech",
-    "organize a closet",
-    "plan a birthday party",
-    "learn a new language",
-    "study for an exam",
-    "take better photos",
-    "back up my computer",
-    "create a strong password",
-    "set up a budget",
-    "start a journal",
-    "meditate",
-    "stretch after running",
-    "tie a tie",
-    "fold a fitted sheet",
-    "sharpen a kitchen knife",
-    "hang a picture",
-    "remove a coffee stain",
-    "pack a suitcase",
-    "jump start a car",
-    "make a smoothie",
-    "write a thank you note",
-]
-_THINGS = [
-    "vegetables",
-    "board games",
-    "birds",
-    "rivers",
-    "countries in Europe",
-    "musical instruments",
-    "hobbies",
-    "kitchen tools",
-    "programming languages",
-    "types of clouds",
-    "sports",
-    "desserts",
-    "flowers",
-    "books for children",
-    "ways to exercise at home",
-    "renewable energy sources",
-    "mammals that live in the ocean",
-    "breakfast ideas",
-    "things to do on a rainy day",
-    "tips for public speaking",
-    "uses for baking soda",
-    "healthy snacks",
-    "spices",
-    "famous scientists",
-    "ancient civilizations",
-    "types of rock",
-    "weather instruments",
-    "winter clothes",
-    "ways to reduce waste",
-    "questions to ask a doctor",
-    "indoor plants",
-    "car maintenance tasks",
-    "fruits",
-]
-_CREATIVE_SUBJECTS = [
-    "the moon",
-    "a lost key",
-    "a rainy city",
-    "a lighthouse",
-    "friendship",
-    "a cup of coffee",
-    "a old library",
-    "a dragon who is afraid of fire",
-    "the first day of spring",
-    "a cat on a windowsill",
-    "a train journey",
-    "the desert at night",
-    "a snowman",
-    "a forgotten toy",
-    "the ocean waves",
-    "a busy market",
-    "a mountain lake",
-    "a clock that runs backwards",
-    "a garden",
-    "a storm",
-    "a star",
-    "a small boat",
-    "a bakery at dawn",
-    "the wind",
-]
-_CODE_TASKS = [
-    "adds two numbers",
-    "checks if a string is a palindrome",
-    "counts the vowels in a string",
-    "returns the sum of a list",
-    "finds the smallest element of a list",
-    "sorts a list of numbers",
-    "converts Celsius to Fahrenheit",
-    "returns the nth Fibonacci number",
-    "removes duplicates from a list",
-    "checks whether a year is a leap year",
-    "counts words in a sentence",
-    "returns the average of a list",
-    "merges two dictionaries",
-    "capitalizes every word in a sentence",
-    "computes the greatest common divisor",
-    "checks if a number is even",
-    "flattens a nested list",
-    "returns the length of the longest word",
-]
-_LANGS = ["Python", "JavaScript", "C", "Java", "Rust", "Go"]
-_SENTENCES = [
-    "I goes to the store yesterday.",
-    "The cat sat on the mat and it was happy.",
-    "We need to finish this quickly.",
-    "Please send me the file.",
-    "The weather is bad today.",
-    "He runs every morning before work.",
-    "The results of the experiment were not what we expected.",
-    "Can you help me?",
-    "This movie was really boring.",
-    "They has finished their homework.",
-    "Our team won the game last night.",
-    "I am very tired after the trip.",
-    "The new phone is expensive but it is fast.",
-    "She reads a book every week.",
-    "The train was late again.",
-]
-_SITUATIONS = [
-    "I feel nervous before exams",
-    "I procrastinate a lot",
-    "I want to eat healthier",
-    "my plants keep dying",
-    "I have trouble focusing",
-    "I want to learn to cook",
-    "I spend too much time on my phone",
-    "I feel lonely",
-    "I want to get better at math",
-    "my room is always messy",
-    "I want to start a small business",
-    "I have an argument with a friend",
-    "I want to read more books",
-    "I am moving to a new country",
-]
-_FACT_QUESTIONS = [
-    "What is the capital of {c}?",
-    "What language is spoken in {c}?",
-    "What is {c} famous for?",
-    "What currency does {c} use?",
-]
-_COUNTRIES = [
-    "France",
-    "Japan",
-    "Brazil",
-    "Canada",
-    "Egypt",
-    "India",
-    "Italy",
-    "Kenya",
-    "Mexico",
-    "Norway",
-    "Spain",
-    "Germany",
-    "Peru",
-    "Vietnam",
-    "Greece",
-    "Turkey",
-    "Chile",
-    "Sweden",
-    "Thailand",
-    "Argentina",
-]
-_CHAT = [
-    "Hi! How are you today?",
-    "Tell me a joke.",
-    "What is your favorite color and why?",
-    "Good morning!",
-    "Can you tell me something interesting?",
-    "What should I have for dinner tonight?",
-    "Tell me a fun fact.",
-    "I just finished a marathon!",
-    "What do you like to talk about?",
-    "Recommend a good book.",
-    "What is a good name for a goldfish?",
-    "Say something encouraging.",
-    "What is the meaning of life?",
-]
+_VOCAB = json.loads(VOCAB_FILE.read_text())
+_SCIENCE = _VOCAB["science"]
+_TASKS = _VOCAB["tasks"]
+_THINGS = _VOCAB["things"]
+_CREATIVE_SUBJECTS = _VOCAB["creative_subjects"]
+_CODE_TASKS = _VOCAB["code_tasks"]
+_LANGS = _VOCAB["langs"]
+_SENTENCES = _VOCAB["sentences"]
+_SITUATIONS = _VOCAB["situations"]
+_FACT_QUESTIONS = _VOCAB["fact_questions"]
+_COUNTRIES = _VOCAB["countries"]
+_CHAT = _VOCAB["chat"]
 
 KINDS = ("explanation", "how-to", "list", "creative", "code", "rewriting", "advice", "fact", "arithmetic", "chat")
 
@@ -394,7 +138,7 @@ def _kind_prompts(kind: str, rng: random.Random) -> str:
 
 
 def eval_prompts(path: str | Path = EVAL_PROMPTS_FILE) -> list[dict]:
-    """The held-out prompts ``[{"kind", "text"}, ...]`` of ``sbd_ext/recipes/smollm2/general_prompts.json``."""
+    """The held-out prompts ``[{"kind", "text"}, ...]`` of ``sbd_ext/recipes/drafter/general_prompts.json``."""
     return json.loads(Path(path).read_text())["prompts"]
 
 
@@ -426,20 +170,36 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
 # held-out list; the subjects are the template generator's, the wording of the resulting prompt is the model's.
 _SELF_REQUESTS = (
     ("explanation", "Write one question that a curious person might ask about {s}. Write only the question.", _SCIENCE),
-    ("how-to", "Write one question someone might ask a helpful assistant about how to {s}. Write only the question.",
-     _TASKS),
+    (
+        "how-to",
+        "Write one question someone might ask a helpful assistant about how to {s}. Write only the question.",
+        _TASKS,
+    ),
     ("list", "Write one request asking an assistant to list some {s}. Write only the request.", _THINGS),
-    ("creative", "Write one request asking an assistant to write a poem, story or description about {s}. Write only "
-     "the request.", _CREATIVE_SUBJECTS),
+    (
+        "creative",
+        "Write one request asking an assistant to write a poem, story or description about {s}. Write only "
+        "the request.",
+        _CREATIVE_SUBJECTS,
+    ),
     ("code", "Write one programming question about {s}. Write only the question.", _LANGS),
-    ("rewriting", "Write one request asking an assistant to rewrite, summarize or correct this sentence: {s} Write "
-     "only the request, including the sentence.", _SENTENCES),
-    ("advice", "Someone says: \"{s}.\" Write the question they might ask an assistant. Write only the question.",
-     _SITUATIONS),
-    ("fact", "Write one question about the history, geography or culture of {s}. Write only the question.",
-     _COUNTRIES),
-    ("chat", "Write one friendly message a person might send to a chatbot about {s}. Write only the message.",
-     _CREATIVE_SUBJECTS),
+    (
+        "rewriting",
+        "Write one request asking an assistant to rewrite, summarize or correct this sentence: {s} Write "
+        "only the request, including the sentence.",
+        _SENTENCES,
+    ),
+    (
+        "advice",
+        'Someone says: "{s}." Write the question they might ask an assistant. Write only the question.',
+        _SITUATIONS,
+    ),
+    ("fact", "Write one question about the history, geography or culture of {s}. Write only the question.", _COUNTRIES),
+    (
+        "chat",
+        "Write one friendly message a person might send to a chatbot about {s}. Write only the message.",
+        _CREATIVE_SUBJECTS,
+    ),
 )
 
 

@@ -14,9 +14,9 @@ This script measures the head's ceiling before any decoding code is written:
 2. ``fit``: trains rescoring heads ``score(c) = a * logq(c) + u(features) . E[c]`` over the 64 candidates (E the tied
    embedding/head matrix, u an MLP) on one feature file set and reports slot-1 accuracy on another (held-out prompts).
 
-    python bench/study_sampler_head.py heldout --out HELDOUT_ANSWERS.pt
-    python bench/study_sampler_head.py collect --samples RUN/samples.pt --out F.pt [--limit N] [--threads 2]
-    python bench/study_sampler_head.py fit --train F1.pt,F2.pt --val HELDOUT.pt [--json OUT.json]
+    python bench/studies/sampler_head.py heldout --out HELDOUT_ANSWERS.pt
+    python bench/studies/sampler_head.py collect --samples RUN/samples.pt --out F.pt [--limit N] [--threads 2]
+    python bench/studies/sampler_head.py fit --train F1.pt,F2.pt --val HELDOUT.pt [--json OUT.json]
 
 Results and the decision: docs/drafter.md, "A sampler head on slot 1 (a study)".
 """
@@ -36,9 +36,9 @@ TOPK = 64
 def heldout(out: str, threads: int, max_new_tokens: int = 128) -> None:
     """The base's greedy answers (sbd_ext's NTP decoding) to the 56 held-out prompts, in ``samples.pt``'s format."""
     from sbd_ext.demo import models
+    from sbd_ext.recipes.drafter.prompts import eval_prompts
     from sbd_ext.recipes.smollm2 import checkpoint
     from sbd_ext.recipes.smollm2 import drafter as recipe
-    from sbd_ext.recipes.smollm2.prompts import eval_prompts
 
     torch.set_num_threads(threads)
     model, tok = models.load("smollm2")

