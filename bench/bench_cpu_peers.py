@@ -69,8 +69,9 @@ if importlib.util.find_spec("llama_cpp") is None:
 if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
-import llama_cpp  # noqa: E402
+import llama_peer  # noqa: E402  (bench/)
 from gguf_weights import gguf_like  # noqa: E402  (bench/)
+from llama_peer import GGUF_DIR  # noqa: E402
 from sbd_forward import block_forward, compiled_block_forward, decode_settings, prefilled_cache  # noqa: E402  (bench/)
 
 N = int(os.environ.get("SBD_BENCH_N", "8"))
@@ -78,8 +79,6 @@ MAX_NEW = int(os.environ.get("SBD_BENCH_MAX_NEW", "64"))
 THREADS = int(os.environ.get("SBD_BENCH_THREADS", "1"))
 CACHE = 256
 ROWS = [1, 2, 4, 8, 16, 32]
-GGUF_DIR = Path(os.environ.get("SBD_GGUF_DIR", Path.home() / ".cache" / "sbd_ext" / "gguf"))
-FTYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 _results: dict[str, dict] = {}
 # One process compiles many graphs of the same function on purpose (the forward rows' 1 / 8 / 16 rows, fp32 and
 # int8, the NTP rows, the verify rows): past dynamo's default bound of 8 the later compiled rows would decode eagerly.
@@ -99,18 +98,6 @@ if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
 
-def _requantize(src: Path, out: Path, kind: str) -> None:
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[kind]
-    params.allow_requantize = True
-    params.nthread = THREADS
-    tmp = out.with_suffix(".tmp")
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize to {kind} failed ({rc})")
-    tmp.rename(out)
-
-
 def gguf_of(name: str, kind: str) -> Path:
     """The embedded model ``name``'s merged weights as a GGUF of ``kind`` (cached): F32 by
     :func:`gguf_weights.gguf_like`, after checking that the helper reproduces llama.cpp's own F32 file from the base;
@@ -121,37 +108,16 @@ def gguf_of(name: str, kind: str) -> Path:
     f32 = GGUF_DIR / f"{name}.f32.gguf"
     if not f32.exists():
         base, _ = checkpoint.load_smollm2(attn_implementation="sdpa")
-        check = gguf_like(gguf("f32"), base, GGUF_DIR / "base-rewritten.f32.gguf")
-        same = filecmp.cmp(check, gguf("f32"), shallow=False)
+        check = gguf_like(llama_peer.gguf("f32", THREADS), base, GGUF_DIR / "base-rewritten.f32.gguf")
+        same = filecmp.cmp(check, llama_peer.gguf("f32", THREADS), shallow=False)
         check.unlink()
         if not same:
             raise RuntimeError("gguf_weights does not reproduce llama.cpp's F32 file of the base; not using it")
         model, _ = models.load(name, attn_implementation="sdpa")
-        gguf_like(gguf("f32"), model, f32)
+        gguf_like(llama_peer.gguf("f32", THREADS), model, f32)
     if kind != "f32":
-        _requantize(f32, out, kind)
+        llama_peer.requantize(f32, out, kind, THREADS)
     return out
-
-
-def gguf(kind: str) -> Path:
-    """The shipped GGUF requantized by llama.cpp to ``kind`` (cached)."""
-    out = GGUF_DIR / f"SmolLM2-135M-Instruct.{kind}.gguf"
-    if not out.exists():
-        GGUF_DIR.mkdir(parents=True, exist_ok=True)
-        _requantize(checkpoint.gguf_path(), out, kind)
-    return out
-
-
-def _llama(kind: str, logits_all: bool, path: Path | None = None):
-    return llama_cpp.Llama(
-        model_path=str(path or gguf(kind)),
-        n_ctx=1024,
-        n_batch=512,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        logits_all=logits_all,
-        verbose=False,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +178,7 @@ def test_forward(benchmark, setup, int8_models, impl, rows):
     benchmark.group = f"forward: {rows} new rows over a {CACHE}-token cache, logits for every row, fp32 weights"
 
     if impl.startswith("llama"):
-        llm = _llama(impl.removeprefix("llama_"), logits_all=True)
+        llm = llama_peer.llama(impl.removeprefix("llama_"), THREADS, logits_all=True)
         llm.eval(prefix)
 
         def run():
@@ -255,17 +221,6 @@ def test_forward(benchmark, setup, int8_models, impl, rows):
 # ---------------------------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------------------------
-def _llama_greedy(llm, prompt: list[int], eos: int, max_new: int) -> list[int]:
-    """llama.cpp's greedy completion of token ids (top_k 1, no penalties), up to and including EOS or ``max_new``."""
-    llm.reset()
-    out = []
-    for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        out.append(int(t))
-        if t == eos or len(out) == max_new:
-            break
-    return out
-
-
 def _cut(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
@@ -293,10 +248,10 @@ def test_generate(benchmark, setup, int8_models, impl):
         one = _vllm_one(server, eos)
         one(prompts[0][:8])  # warm-up
     elif impl.startswith("llama"):
-        llm = _llama(impl.removeprefix("llama_"), logits_all=False)
+        llm = llama_peer.llama(impl.removeprefix("llama_"), THREADS)
 
         def one(p):
-            return _llama_greedy(llm, p, eos, MAX_NEW)
+            return llama_peer.greedy(llm, p, eos, MAX_NEW)
 
     elif impl == "hf_generate":
         base.set_attn_implementation("sdpa")
@@ -366,11 +321,11 @@ def test_arith(benchmark, arith, impl):
     nfe: list[int] = []
     if impl.startswith("llama"):
         kind = impl.removeprefix("llama_")
-        llm = _llama(kind, logits_all=False, path=gguf_of(ARITH_BASE, kind))
+        llm = llama_peer.llama(kind, THREADS, path=gguf_of(ARITH_BASE, kind))
         ids = [tok(t).input_ids for t in texts]
 
         def run():
-            return [_llama_greedy(llm, p, eos, ARITH_MAX_NEW) for p in ids]
+            return [llama_peer.greedy(llm, p, eos, ARITH_MAX_NEW) for p in ids]
 
         first = None
     else:

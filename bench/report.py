@@ -4,6 +4,7 @@ name): what the README's table, the benchmarks page and the plot are drawn from 
     python bench/report.py                     # the full set, 1 thread (~25 min on a 2-core AMD EPYC Zen 3)
     python bench/report.py --suites chat       # one suite, merged into this class's newest file
     python bench/report.py --quick --out DIR   # a tiny eager run of every suite (CI's dry run; numbers meaningless)
+    python bench/report.py --device cuda       # a GPU's class file (bash bench/run_gpu.sh report)
 
 Suites, every decoder on the same prompts, greedy, batch 1, interleaved prompt by prompt (each prompt decoded by every
 decoder in turn, the order rotating) so that a drift of the machine's speed falls on every decoder alike:
@@ -15,7 +16,9 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
 - ``smollm2_sbd``: the same rows on ``smollm2-sbd`` (SmolLM2-135M converted to SBD by the recipe's fine-tune).
 - ``chat``: the unmodified SmolLM2-135M-Instruct with its gated drafter (``smollm2-drafter``) on the held-out chat
   prompts: HF ``generate`` (the peer), compiled NTP, verify and verify + branch (compiled; packed fp32 weights on a
-  CPU); answers compared with HF ``generate``'s.
+  CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is installed (the ``peers`` extra), also
+  llama.cpp F32 and Q8_0 on the same weights (``bench/llama_peer.py``) and sbd_ext's compiled NTP in w8a8 (Q8_0's
+  precision class).
 - ``arith_drafter``: the SmolLM2 NTP control (``smollm2-ntp``) with its arithmetic drafter: HF ``generate``, compiled
   NTP, compiled verify; accuracy on held-out problems.
 
@@ -33,9 +36,11 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import llama_peer  # bench/ (run from the repository root)
 import torch
 from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
 
@@ -254,6 +259,15 @@ def suite_chat(device: torch.device, n: int, max_new: int) -> dict:
         "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=COMPILE[0]),
         "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=COMPILE[0]),
     }
+    roles = {"HF generate": "peer"}
+    if device.type == "cpu" and llama_peer.available():  # the peers extra: llama.cpp on the same weights
+        # sbd_ext at llama.cpp Q8_0's precision class: int8 weights and inputs (NTP runs the base alone)
+        w8a8, _ = models.load("smollm2-drafter", device=device, quantize="w8a8")
+        decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0])
+        for kind, label in (("f32", "llama.cpp F32"), ("q8_0", "llama.cpp Q8_0")):
+            llm = llama_peer.llama(kind, torch.get_num_threads())
+            decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
+            roles[label] = "peer"
     runs = paired(decoders, prompts)
     ref = runs["HF generate"]["answers"]
 
@@ -263,7 +277,7 @@ def suite_chat(device: torch.device, n: int, max_new: int) -> dict:
     return {
         "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
         f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
-        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", roles, judge),
     }
 
 
@@ -306,7 +320,7 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    ap.add_argument("--suites", nargs="+", choices=SUITES, help="default: every suite (on a GPU all but forward)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run: the numbers mean nothing)")
@@ -327,9 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick]),
         "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick]),
     }
-    for name in a.suites:
+    suites = a.suites or [s for s in SUITES if not (device.type == "cuda" and s == "forward")]
+    if device.type == "cuda" and "forward" in suites:
+        ap.error("--suites forward: the CPU's forward-cost curve; on a GPU the roofline stage measures it")
+    failed = []
+    for name in suites:
         t0 = time.time()
-        res = runners[name]()
+        try:
+            res = runners[name]()
+        except Exception as e:  # one suite's failure (a model not installed) leaves the others' results
+            failed.append(name)
+            print(f"report: suite {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
         res["seconds"] = round(time.time() - t0, 1)
         res |= {"date": datetime.date.today().isoformat(), "commit": commit()}
         rec["suites"][name] = res
@@ -346,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=1) + "\n")
-    print(f"wrote {path}")
-    return 0
+    print(f"wrote {path}" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

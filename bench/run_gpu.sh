@@ -31,6 +31,8 @@
 #   roofline  bench/roofline.py (issue 64): a Llama-3.1-8B-shaped model, random bf16 weights, forwards of T = 1..64
 #             rows over caches of 1k-32k tokens as CUDA graphs, each against T = 1, and the SBD cycle's ops at those
 #             shapes -> roofline.json and a table in the summary, ~1-2 min
+#   report    bench/report.py --device cuda: the standard decoding set (issue 65; the SmolLM2 suites need the GGUF,
+#             as smollm2) -> report/gpu-<name>.json, committed as bench/results/report/gpu-<name>.json, ~5-8 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -102,7 +104,7 @@ for arg in "$@"; do
     *) echo "run_gpu: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
-STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda drafter-train roofline gguf-part cpu"
+STAGES="build test bench ncu sanitize smollm2 e2e e2e-cuda drafter-cuda drafter-train roofline report gguf-part cpu"
 case " $STAGES " in
   *" $STAGE "*) ;;
   *) echo "usage: bash bench/run_gpu.sh {${STAGES// /|}} [--dry-run]" >&2; exit 2 ;;
@@ -367,6 +369,13 @@ stage_roofline() {
   local args=(--json "$RES/roofline.json")
   [ "$DRY" = 1 ] && args+=(--tiny --device cpu)
   step roofline 540 env PYTHONUNBUFFERED=1 "$PY" bench/roofline.py "${args[@]}"
+}
+
+stage_report() {
+  ensure_built
+  local args=(--device cuda)
+  [ "$DRY" = 1 ] && args=(--device cpu --quick --suites forward)  # (CI: test_results_pages.py dry-runs the others)
+  step report 560 env PYTHONUNBUFFERED=1 "$PY" bench/report.py --out "$RES/report" "${args[@]}"
 }
 
 stage_cpu() {

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STAGES = ["build", "test", "bench", "ncu", "sanitize", "smollm2", "e2e", "e2e-cuda", "drafter-cuda", "drafter-train"]
-STAGES += ["roofline", "gguf-part", "cpu"]
+STAGES += ["roofline", "report", "gguf-part", "cpu"]
 STEPS = {  # the steps each stage's summary must list as ok
     "build": ["build"],
     "test": ["test_cuda", "test_rest"],
@@ -28,6 +28,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "drafter-cuda": ["bench_drafter_cuda", "profile_drafter"],
     "drafter-train": ["drafter_train"],
     "roofline": ["roofline"],
+    "report": ["report"],
     "gguf-part": [],
     "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
 }
