@@ -40,15 +40,17 @@ import sys
 import time
 from pathlib import Path
 
-import llama_peer  # bench/ (run from the repository root)
 import torch
-from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
 
 import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s helpers, also under PYTHONSAFEPATH (the runbook)
+import llama_peer  # noqa: E402
+from sbd_forward import block_forward, prefilled_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "report"
