@@ -17,14 +17,16 @@ import time
 from pathlib import Path
 
 import torch
+from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
 
 import sbd_ext
 from sbd_ext.recipes.smollm2 import checkpoint as smollm2
 
-from sbd_forward import block_forward, prefilled_cache  # bench/ (run from the repository root)
+ISA_NAMES = {"amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}
 
 
-def cpu_class() -> str:
+def cpu_model_and_isa() -> tuple[str, str]:
+    """This CPU's model name and its widest ISA class: "amx", "avx512", "avx2" or "?" (from /proc/cpuinfo)."""
     flags, name = set(), "?"
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -32,8 +34,13 @@ def cpu_class() -> str:
                 flags = set(line.split(":", 1)[1].split())
             if line.startswith("model name") and name == "?":
                 name = line.split(":", 1)[1].strip()
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{name} ({isa})"
+    isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "?"
+    return name, isa
+
+
+def cpu_class() -> str:
+    name, isa = cpu_model_and_isa()
+    return f"{name} ({ISA_NAMES.get(isa, isa)})"
 
 
 def main() -> None:

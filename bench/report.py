@@ -30,7 +30,6 @@ over sbd_ext's own compiled NTP on the same weights (``vs_own_ntp``, what SBD / 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import platform
@@ -50,6 +49,7 @@ from sbd_ext.recipes.smollm2 import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s helpers, also under PYTHONSAFEPATH (the runbook)
 import llama_peer  # noqa: E402
+from forward_cost import ISA_NAMES, cpu_model_and_isa  # noqa: E402
 from sbd_forward import block_forward, prefilled_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,6 @@ SIZES = {
     "arith_drafter": ((8, 96), (2, 8)),
 }
 torch._dynamo.config.recompile_limit = 64
-COMPILE = [True]  # --quick: eager (the rows keep their names; a dry run checks the pipeline, not the speed)
 
 
 def machine(device: torch.device) -> dict:
@@ -71,27 +70,9 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return {"class": "gpu-" + name.split()[-1].lower(), "name": name, "isa": "CUDA"}
-    flags, name, family, model = set(), "?", -1, -1
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, val = line.partition(":")
-            key, val = key.strip(), val.strip()
-            if key == "flags" and not flags:
-                flags = set(val.split())
-            elif key == "model name" and name == "?":
-                name = val
-            elif key == "cpu family" and family < 0:
-                family = int(val)
-            elif key == "model" and model < 0:
-                model = int(val)
-    isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-    label = name
-    if "AMD" in name and family == 25:  # the core generation a user compares with (Zen 3: models 0x00-0x0f)
-        label = f"{name} (Zen {3 if model < 0x10 else 4})"
-    elif "AMD" in name and family == 26:
-        label = f"{name} (Zen 5)"
-    isa_name = {"amx": "AMX, AVX-512", "avx512": "AVX-512", "avx2": "AVX2"}.get(isa, "no AVX2")
-    return {"class": f"cpu-{isa}", "name": label, "isa": isa_name}
+    name, isa = cpu_model_and_isa()
+    isa = isa if isa in ISA_NAMES else "other"
+    return {"class": f"cpu-{isa}", "name": name, "isa": {"amx": "AMX, AVX-512"}.get(isa, ISA_NAMES.get(isa, "no AVX2"))}
 
 
 def paired(decoders: dict, prompts: list, passes: int = 1) -> dict:
@@ -162,6 +143,16 @@ def rows_of(runs: dict, peer: str, own_ntp: str, roles: dict, judge) -> list[dic
     return out
 
 
+def accuracy_judge(tok, probs: list):
+    """``judge`` of :func:`rows_of` for arithmetic: the answers' accuracy on ``probs``."""
+
+    def judge(answers):
+        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
+        return {"accuracy": round(tasks.accuracy(texts, probs), 4)}
+
+    return judge
+
+
 def suite_forward(device: torch.device, quick: bool) -> dict:
     rows_t = (1, 4) if quick else (1, 4, 16)
     rounds = 2 if quick else 15
@@ -203,7 +194,9 @@ def suite_forward(device: torch.device, quick: bool) -> dict:
     return {"what": f"SmolLM2-135M, one eager forward over a 256-token cache, median of {rounds} rounds", "rows": out}
 
 
-def suite_arith(device: torch.device, n: int, max_new: int, name: str = models.DEFAULT_MODEL) -> dict:
+def suite_arith(
+    device: torch.device, n: int, max_new: int, compiled: bool = True, name: str = models.DEFAULT_MODEL
+) -> dict:
     model, tok = models.load(name, device=device)
     hf, _ = models.load(name, device=device, attn_implementation="sdpa")
     info = models.demo_info(name)
@@ -218,19 +211,15 @@ def suite_arith(device: torch.device, n: int, max_new: int, name: str = models.D
     eos, sbd_kw = tok.eos_token_id, dict(block_size=info["block_size"], sampler=info["sampler"])
     decoders = {
         "HF generate": hf_decoder(hf, max_new, eos, tok.pad_token_id),
-        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=compiled),
         "SBD, compiled": sbd_decoder(
-            model, max_new, eos, threshold=info["gamma_low"], verify=False, compile=COMPILE[0], **sbd_kw
+            model, max_new, eos, threshold=info["gamma_low"], verify=False, compile=compiled, **sbd_kw
         ),
         "verify, compiled": sbd_decoder(
-            model, max_new, eos, threshold=info["gamma_low"], verify=True, compile=COMPILE[0], **sbd_kw
+            model, max_new, eos, threshold=info["gamma_low"], verify=True, compile=compiled, **sbd_kw
         ),
     }
     runs = paired(decoders, prompts)
-
-    def judge(answers):
-        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
-        return {"accuracy": round(tasks.accuracy(texts, probs), 4)}
 
     about = {
         models.DEFAULT_MODEL: "embedded sbd-arith (0.8 M parameters)",
@@ -239,7 +228,7 @@ def suite_arith(device: torch.device, n: int, max_new: int, name: str = models.D
     return {
         "what": f"{about}, {n} held-out arithmetic problems, up to {max_new} new tokens, {weights} weights; SBD "
         f"k={info['block_size']}, entropy bound {info['gamma_low']}",
-        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, accuracy_judge(tok, probs)),
     }
 
 
@@ -247,25 +236,24 @@ def _chat_prompts(tok, n: int, device) -> list[torch.Tensor]:
     return [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=device) for p in eval_prompts()[:n]]
 
 
-def suite_chat(device: torch.device, n: int, max_new: int) -> dict:
+def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
     base, tok = checkpoint.load_smollm2(attn_implementation="sdpa", device=device)
-    model, _ = models.load("smollm2-drafter", device=device)
-    weights = "fp32"
-    if device.type == "cpu":
-        model, weights = sbd_ext.quantize(copy.deepcopy(model), "packed"), "packed fp32"
+    packed = device.type == "cpu"  # the CPU's fastest fp32 layout
+    model, _ = models.load("smollm2-drafter", device=device, quantize="packed" if packed else None)
+    weights = "packed fp32" if packed else "fp32"
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompts = _chat_prompts(tok, n, device)
     decoders = {
         "HF generate": hf_decoder(base, max_new, eos, tok.pad_token_id),
-        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
-        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=COMPILE[0]),
-        "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=COMPILE[0]),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=compiled),
+        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=compiled),
+        "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=compiled),
     }
     roles = {"HF generate": "peer"}
     if device.type == "cpu" and llama_peer.available():  # the peers extra: llama.cpp on the same weights
         # sbd_ext at llama.cpp Q8_0's precision class: int8 weights and inputs (NTP runs the base alone)
         w8a8, _ = models.load("smollm2-drafter", device=device, quantize="w8a8")
-        decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0])
+        decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=compiled)
         for kind, label in (("f32", "llama.cpp F32"), ("q8_0", "llama.cpp Q8_0")):
             llm = llama_peer.llama(kind, torch.get_num_threads())
             decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
@@ -283,29 +271,25 @@ def suite_chat(device: torch.device, n: int, max_new: int) -> dict:
     }
 
 
-def suite_arith_drafter(device: torch.device, n: int, max_new: int) -> dict:
-    model, tok = models.load("smollm2-arith-drafter", device=device)
+def suite_arith_drafter(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
+    model, tok = models.load(
+        "smollm2-arith-drafter", device=device, quantize="packed" if device.type == "cpu" else None
+    )
     hf, _ = models.load("smollm2-ntp", device=device, attn_implementation="sdpa")
-    if device.type == "cpu":
-        model = sbd_ext.quantize(copy.deepcopy(model), "packed")
     probs = list(tasks.problems("test", n))
     prompts = [torch.tensor([tok(p.prompt, add_special_tokens=False)["input_ids"]], device=device) for p in probs]
     eos = tok.eos_token_id
     decoders = {
         "HF generate": hf_decoder(hf, max_new, eos, tok.pad_token_id),
-        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=COMPILE[0]),
-        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=COMPILE[0]),
+        "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=compiled),
+        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=compiled),
     }
     runs = paired(decoders, prompts)
-
-    def judge(answers):
-        texts = [tok.decode(a, skip_special_tokens=True) for a in answers]
-        return {"accuracy": round(tasks.accuracy(texts, probs), 4)}
 
     return {
         "what": f"SmolLM2-135M NTP control on arithmetic (smollm2-ntp) + its drafter (smollm2-arith-drafter, k=8), "
         f"{n} held-out problems, up to {max_new} new tokens",
-        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, judge),
+        "rows": rows_of(runs, "HF generate", "NTP, compiled", {"HF generate": "peer"}, accuracy_judge(tok, probs)),
     }
 
 
@@ -329,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT), help="the folder of the per-class results files")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    COMPILE[0] = not a.quick
     device = torch.device(a.device)
     mach = machine(device)
     path = Path(a.out) / f"{mach['class']}.json"
@@ -338,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"suites": {}}  # a dry run never mixes with a real one
     runners = {
         "forward": lambda: suite_forward(device, a.quick),
-        "arith": lambda: suite_arith(device, *SIZES["arith"][a.quick]),
-        "smollm2_sbd": lambda: suite_arith(device, *SIZES["smollm2_sbd"][a.quick], name="smollm2-sbd"),
-        "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick]),
-        "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick]),
+        # --quick decodes eagerly (the rows keep their names: a dry run checks the pipeline, not the speed)
+        "arith": lambda: suite_arith(device, *SIZES["arith"][a.quick], not a.quick),
+        "smollm2_sbd": lambda: suite_arith(device, *SIZES["smollm2_sbd"][a.quick], not a.quick, name="smollm2-sbd"),
+        "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick], not a.quick),
+        "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick], not a.quick),
     }
     suites = a.suites or [s for s in SUITES if not (device.type == "cuda" and s == "forward")]
     if device.type == "cuda" and "forward" in suites:
