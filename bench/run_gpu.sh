@@ -15,9 +15,12 @@
 #   sanitize  compute-sanitizer memcheck, then racecheck, on small cases of every kernel
 #   smollm2   SmolLM2-135M tests + bench_smollm2 (needs the GGUF: see "SmolLM2" below)
 #   e2e       bench/bench_e2e.py (HF generate vs sbd_ext NTP vs SBD on the embedded models), on the host CPU
-#   e2e-cuda  the same rows with the models on the GPU (SBD_BENCH_DEVICE=cuda; SBD_BENCH_N problems, default 20):
-#             end-to-end wall-clock of SBD decoding on a GPU, CUDA graphs for the compiled rows, ~5-8 min
-#   drafter-cuda  bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
+#   e2e-cuda  first bench/bench_device_cycle.py --suites arith (the device-resident cycle vs the host cycle, both
+#             compiled: NTP, SBD, verify on the embedded model, ~2-3 min), then the e2e rows with the models on the
+#             GPU (SBD_BENCH_DEVICE=cuda; SBD_BENCH_N problems, default 20): end-to-end wall-clock of SBD decoding on a
+#             GPU, CUDA graphs for the compiled rows, ~5-8 min
+#   drafter-cuda  bench/bench_device_cycle.py --suites chat (device vs host cycle: NTP, verify k=2; ~3 min), then
+#             bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
 #             vs HF generate / prompt lookup / sbd_ext NTP, eager and compiled, and the two-forward ablation, on
 #             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min;
 #             SBD_BENCH_K: another pytest -k selection of its rows; then bench/profile_drafter.py (kernels per forward
@@ -325,6 +328,11 @@ stage_e2e-cuda() {
   local py
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=300}  # a compiled row's first generation records its CUDA graphs
+  # The device-resident cycle against the host cycle, both compiled (issue 64), on the embedded arithmetic model.
+  local dc=(--device cuda)
+  [ "$DRY" = 1 ] && dc=(--device cpu --quick)
+  step device_cycle_arith 240 env PYTHONUNBUFFERED=1 "$PY" bench/bench_device_cycle.py --suites arith \
+    --out "$RES/device_cycle" "${dc[@]}"
   # shellcheck disable=SC2086
   step bench_e2e_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_N="${SBD_BENCH_N:-20}" \
     $py bench/bench_e2e.py \
@@ -337,6 +345,11 @@ stage_drafter-cuda() {
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=400}  # a compiled row's first generation records its CUDA graphs
   assemble_gguf_step
+  # The device-resident cycle against the host cycle on SmolLM2 + its drafter (NTP, verify k=2), both compiled.
+  local dc=(--device cuda)
+  [ "$DRY" = 1 ] && dc=(--device cpu --quick)
+  step device_cycle_chat 240 env PYTHONUNBUFFERED=1 "$PY" bench/bench_device_cycle.py --suites chat \
+    --out "$RES/device_cycle" "${dc[@]}"
   # Rows print as they finish ([row] lines, unbuffered), so a run cut at the deadline keeps what it measured.
   # shellcheck disable=SC2086
   step bench_drafter_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_THREADS_LIST=1 \

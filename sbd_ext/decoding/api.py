@@ -14,6 +14,7 @@ from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, CUDA_HEAD_DIMS, kernel_available
 from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
+from .device_cycle import decode_device
 from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, finish
@@ -70,6 +71,9 @@ def generate(
             - ``compile``: the forwards after the prefill run with static shapes under
               ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA); same tokens as eager decoding. Compiled
               generations run one at a time in a process (eager ones stay concurrent).
+            - ``cycle``: "host" or "device" (the whole decoding cycle as tensor operations on the model's device:
+              one graph per cycle with ``compile``; greedy, no lookup / branch, no trace;
+              :mod:`sbd_ext.decoding.device_cycle`).
         The mask token (``config.mask_token_id``) is never generated, in any mode: its logit is excluded at every
         position.
         return_trace: fill ``trace``. return_cache: also return the SBDCache (as ``past_key_values``).
@@ -86,6 +90,10 @@ def generate(
     device, dtype = _check_runnable(model)
     if job.branch_rows and issubclass(step_cls, TwoForwardStep):
         raise ValueError("branch=True drafts the branch in the fused forward; the two-forward ablation has no branch")
+    on_device = job.settings.cycle == "device"
+    if on_device and step_cls is not EagerStep:
+        raise ValueError("cycle='device' runs its own forwards; step_cls applies to cycle='host'")
+    return_trace = return_trace and not on_device  # the device cycle records no trace
     _use_sbd_attention(model)
     ensure_row_linear(model, device, dtype)  # fp32 CPU: the few-row linear kernel (sbd_ext.linear)
     if on_final_tokens is None:
@@ -95,13 +103,19 @@ def generate(
     rows = max(map(len, job.prompts)) + job.max_new_tokens
     if not job.settings.compile:
         cache = SBDCache(model.config, len(seqs), rows, dtype, device)
-        decode(seqs, job, step_cls(model, cache, device))
+        if on_device:
+            decode_device(model, cache, seqs, job, device, compiled=False)
+        else:
+            decode(seqs, job, step_cls(model, cache, device))
     else:
         pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
         pool = pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext()
         with COMPILED_RUN_LOCK, pool as cache:
             cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
-            decode_compiled(model, cache, seqs, job, device)
+            if on_device:
+                decode_device(model, cache, seqs, job, device, compiled=True)
+            else:
+                decode_compiled(model, cache, seqs, job, device)
     return finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
 
 

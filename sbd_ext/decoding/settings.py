@@ -104,6 +104,7 @@ class GenerationSettings:
     compile: bool = False
     lookup: int = 0
     branch: bool = False
+    cycle: str = "host"
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen: normalise in place once)
@@ -148,6 +149,18 @@ class GenerationSettings:
                 f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}"
             )
         set_("lookup", int(self.lookup))
+        if self.cycle not in ("host", "device"):
+            raise ValueError(f"cycle must be 'host' or 'device', got {self.cycle!r}")
+        if self.cycle == "device" and self.temperature != 0.0:
+            raise ValueError(
+                "cycle='device' decodes greedily (temperature=0); sampled decoding keys its noise by position on the "
+                "host: use cycle='host'"
+            )
+        if self.cycle == "device" and self.verify and (self.lookup or self.branch):
+            raise ValueError(
+                "cycle='device' verifies the drafter's blocks without lookup or branch (their proposals are made on "
+                "the host): pass lookup=0 and branch=False, or use cycle='host'"
+            )
         if self.first_from_ntp and self.mode != "sbd":
             raise ValueError("first_from_ntp=True changes how SBD reveals a block; it needs mode='sbd'")
         if self.verify and self.mode != "sbd":
