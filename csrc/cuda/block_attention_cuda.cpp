@@ -90,7 +90,7 @@ at::Tensor block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const 
   p.n_valid_i64 = valid.scalar_type() == at::kLong;
   p.status = sbd_cuda::block_attention_status();
   p.force_simt = env_flag("SBD_EXT_ATTN_SIMT");  // read per call, so tests can A/B the two kernels
-  sbd_cuda::block_attention_plan(p, sbd_cuda::sm_count());
+  sbd_cuda::block_attention_plan(p, sbd_cuda::sm_count(), sbd_cuda::smem_per_sm());
   // Tuning hook (benchmarks): a fixed number of cache splits instead of the heuristic's.
   if (const char* e = std::getenv("SBD_EXT_ATTN_SPLITS")) {
     const int forced = std::atoi(e);

@@ -186,3 +186,25 @@ def test_block_attention_features_emulated(so, case, dtype, kernel):
         so, B, Hkv, g, T, D, S, lens, commit, valid, dtype, num_sms=132, simt=kernel == "simt", seed=T,
         len_dtype=torch.int32, strided_q=True, softcap=softcap, window_left=window_left,
     )  # fmt: skip
+
+
+TILES = [  # (B, Hkv, g, T, D, S, lens, commit, valid): two m-tiles in one 8-warp block, and three (a block of two
+    # and a block of one whose second 4 warps hold no rows), over cache splits and the new rows, at both D = 128
+    # pipelines and D = 64
+    (1, 2, 4, 32, 128, 700, [650], [16], [32]),
+    (1, 1, 4, 40, 128, 8448, [700], [8], [40]),
+    (2, 1, 8, 24, 64, 300, [290, 5], [0, 24], [24, 10]),
+]
+
+
+@pytest.mark.parametrize("smem", [228 * 1024, 164 * 1024, 0], ids=["h100-3-stages", "a100-2-stages", "unknown"])
+@pytest.mark.parametrize("case", TILES, ids=lambda c: f"g{c[2]}-T{c[3]}-D{c[4]}-S{c[5]}")
+def test_block_attention_tiles_and_stages_emulated(so, case, smem, monkeypatch):
+    """The tensor-core kernel's shapes from block_attention_plan: m-tiles per block (1 or 2) and K/V stages (2 or
+    3, by the shared memory per SM the harness reports: SBD_EMU_SMEM_PER_SM)."""
+    monkeypatch.setenv("SBD_EMU_SMEM_PER_SM", str(smem))
+    B, Hkv, g, T, D, S, lens, commit, valid = case
+    emu.check_block_attention(
+        so, B, Hkv, g, T, D, S, lens, commit, valid, torch.bfloat16, num_sms=132, simt=False, seed=T,
+        len_dtype=torch.int64, strided_q=True,
+    )  # fmt: skip

@@ -177,7 +177,9 @@ int emu_block_attention(void** ptrs, const int64_t* ints, double scale, double s
   p.softcap = static_cast<float>(softcap);
   p.window_left = window_left;
   p.force_simt = force_simt != 0;
-  sbd_cuda::block_attention_plan(p, num_sms);
+  // The shared memory per SM the plan sizes the pipeline by (SBD_EMU_SMEM_PER_SM, bytes; default an H100's 228 KiB).
+  const char* smem = std::getenv("SBD_EMU_SMEM_PER_SM");
+  sbd_cuda::block_attention_plan(p, num_sms, smem != nullptr ? std::atoi(smem) : 228 * 1024);
   *splits_out = p.splits;
   Guarded ws(sbd_cuda::block_attention_workspace_bytes(p), /*poison=*/true);
   p.workspace = ws.data();

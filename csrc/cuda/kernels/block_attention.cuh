@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(128) check_lengths_kernel(const BlockAttention
 // What one thread block works on.
 struct Work {
   int b, h, mt, split;
+  int cnt;         // m-tiles of this block: mt .. mt + cnt - 1 (the tensor-core kernel may take two)
   int L, c, nv;    // cache length, committed rows and valid rows: validated, or all 0 for an invalid sequence
   bool is_new;     // the split of the T new rows (split == splits)
   int n;           // keys in this block's range: cache rows [key0, key0 + n) or new rows [0, n)
@@ -115,9 +116,10 @@ struct Work {
   int64_t part;    // index of this block's partial state
 };
 
-__device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
+__device__ __forceinline__ Work block_work(const BlockAttentionParams& p, int tiles = 1) {
   Work w;
-  w.mt = blockIdx.x;
+  w.mt = static_cast<int>(blockIdx.x) * tiles;
+  w.cnt = min(tiles, p.m_tiles - w.mt);
   w.split = blockIdx.y;
   w.b = static_cast<int>(blockIdx.z) / p.Hkv;
   w.h = static_cast<int>(blockIdx.z) % p.Hkv;
@@ -138,7 +140,7 @@ __device__ __forceinline__ Work block_work(const BlockAttentionParams& p) {
   w.part = ((static_cast<int64_t>(w.b) * p.Hkv + w.h) * p.m_tiles + w.mt) * (p.splits + 1) + w.split;
   const int M = p.group * p.T;
   const int r_lo = w.mt * kBM;
-  const int r_hi = min(M, r_lo + kBM);  // exclusive; > r_lo since mt < m_tiles
+  const int r_hi = min(M, r_lo + w.cnt * kBM);  // exclusive; > r_lo since mt < m_tiles
   const int i_lo = r_lo / p.group, i_hi = (r_hi - 1) / p.group;  // new-row indices of this tile's rows
   if (i_lo >= w.nv) {  // every row of the tile is padding: the merge writes zeros for them
     w.n = 0;
@@ -202,10 +204,11 @@ __device__ __forceinline__ float2* part_ml(const BlockAttentionParams& p) {
   return reinterpret_cast<float2*>(part_o(p) + parts * kBM * p.D);
 }
 
-// A block with no keys (empty range, or only padding rows): m = -inf, l = 0 for all rows; the merge skips it
-// without reading its output rows.
-__device__ __forceinline__ void write_empty_partial(const BlockAttentionParams& p, int64_t part) {
-  for (int r = threadIdx.x; r < kBM; r += blockDim.x) part_ml(p)[part * kBM + r] = make_float2(-INFINITY, 0.f);
+// A block with no keys (empty range, or only padding rows): m = -inf, l = 0 for all rows of its `cnt` m-tiles
+// (partials part, part + splits + 1, ...); the merge skips them without reading their output rows.
+__device__ __forceinline__ void write_empty_partial(const BlockAttentionParams& p, int64_t part, int cnt = 1) {
+  for (int r = threadIdx.x; r < cnt * kBM; r += blockDim.x)
+    part_ml(p)[(part + static_cast<int64_t>(r / kBM) * (p.splits + 1)) * kBM + r % kBM] = make_float2(-INFINITY, 0.f);
 }
 
 // Online-softmax step of one row, the shared rule in base 2 (sbd/softmax_state.h): new running max from the
@@ -230,36 +233,40 @@ __device__ __forceinline__ int swz(int r, int ch) {
     return r * D + ((ch ^ (r & 7)) << 3);
 }
 
-template <typename T, int D>
+// MT m-tiles per block (MT x 4 warps, one 16-row slice of the MT x 64 packed rows each: the K/V tiles are read
+// once for all of them), ST stages of K/V tiles in flight (cp.async).
+template <typename T, int D, int MT, int ST>
 struct MmaSmem {
-  static constexpr int kTile = kMmaBN * D;                          // elements of one K or V tile
-  static constexpr size_t kBytes = (kBM * D + 2 * 2 * kTile) * sizeof(T);  // Q + 2 stages x (K, V)
+  static constexpr int kTile = kMmaBN * D;                                  // elements of one K or V tile
+  static constexpr size_t kBytes = (MT * kBM * D + ST * 2 * kTile) * sizeof(T);  // Q + ST stages x (K, V)
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams p) {
+template <typename T, int D, int MT, int ST>
+__global__ void __launch_bounds__(kThreads * MT) attn_mma_kernel(BlockAttentionParams p) {
   static_assert(sizeof(T) == 2, "tensor-core path is bf16 / fp16");
   static_assert(D % 16 == 0, "head dim must be a multiple of 16");
+  static_assert(MT >= 1 && ST >= 2, "at least one m-tile and two stages");
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  constexpr int kTile = MmaSmem<T, D>::kTile;
+  constexpr int kTile = MmaSmem<T, D, MT, ST>::kTile;
+  constexpr int kBlockThreads = kThreads * MT;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [64][D]
-  T* sK = sQ + kBM * D;                    // [2][64][D]
-  T* sV = sK + 2 * kTile;                  // [2][64][D]
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [MT x 64][D]
+  T* sK = sQ + MT * kBM * D;               // [ST][64][D]
+  T* sV = sK + ST * kTile;                 // [ST][64][D]
 
-  const Work w = block_work(p);
+  const Work w = block_work(p, MT);
   if (w.is_new && w.mt == 0) append_committed<T, D>(p, w);
   if (w.n <= 0) {
-    write_empty_partial(p, w.part);
+    write_empty_partial(p, w.part, w.cnt);
     return;
   }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = p.group, M = g * p.T;
 
-  // Q tile: packed rows mt * 64 .. + 63; rows >= M are zero-filled.
+  // Q tiles: packed rows mt * 64 .. + MT * 64 - 1; rows >= M are zero-filled.
   {
     const T* qb = static_cast<const T*>(p.q) + w.b * p.q_sb;
-    for (int idx = tid; idx < kBM * kChunks; idx += kThreads) {
+    for (int idx = tid; idx < MT * kBM * kChunks; idx += kBlockThreads) {
       const int r = idx / kChunks, ch = idx % kChunks;
       const int pr = w.mt * kBM + r;
       const bool ok = pr < M;
@@ -284,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
     vstride = p.vc_st;
   }
   auto load_kv = [&](int t, int st) {
-    for (int idx = tid; idx < kMmaBN * kChunks; idx += kThreads) {
+    for (int idx = tid; idx < kMmaBN * kChunks; idx += kBlockThreads) {
       const int r = idx / kChunks, ch = idx % kChunks;
       const int key = t * kMmaBN + r;
       const bool ok = key < w.n;
@@ -294,7 +301,8 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
     }
   };
 
-  // This thread's rows of the C fragments: tile rows r0 = 16 warp + lane / 4 and r0 + 8, their new-row index.
+  // This thread's rows of the C fragments: block rows r0 = 16 warp + lane / 4 and r0 + 8 (m-tile mt + warp / 4),
+  // their new-row index.
   const int r0 = warp * 16 + lane / 4;
   const int i_row[2] = {(w.mt * kBM + r0) / g, (w.mt * kBM + r0 + 8) / g};  // >= T for rows past M
   const int tq = lane % 4;
@@ -309,13 +317,17 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
   const int ntiles = ceil_div(w.n, kMmaBN);
-  load_kv(0, 0);
-  cp_async_commit();  // group 0: Q and tile 0
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {  // groups 0 .. ST - 2: Q and tile 0, then tiles 1 .. ST - 2 (possibly empty)
+    if (s < ntiles) load_kv(s, s);
+    cp_async_commit();
+  }
   for (int t = 0; t < ntiles; ++t) {
-    const int st = t & 1;
-    if (t + 1 < ntiles) load_kv(t + 1, st ^ 1);  // stage st ^ 1 was released by the barrier ending t - 1
-    cp_async_commit();                          // (possibly empty) group t + 1
-    cp_async_wait<1>();                         // groups <= t complete: tile t (and Q) landed
+    const int st = t % ST;
+    // Tile t + ST - 1 into the stage of tile t - 1, released by the barrier that ended iteration t - 1.
+    if (t + ST - 1 < ntiles) load_kv(t + ST - 1, (t + ST - 1) % ST);
+    cp_async_commit();       // (possibly empty) group t + ST - 1
+    cp_async_wait<ST - 1>();  // groups <= t complete: tile t (and Q) landed
     __syncthreads();
     if (t == 0) {
 #pragma unroll
@@ -393,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
         mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
       }
     }
-    __syncthreads();  // all warps are done with stage st before iteration t + 1 refills it with tile t + 2
+    __syncthreads();  // all warps are done with stage st before iteration t + 1 refills it with tile t + ST
   }
 
   // Partial state of rows r0, r0 + 8: unnormalised O (fp32), m and l.
@@ -402,7 +414,11 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
     l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 1);
     l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 2);
   }
-  float* po = part_o(p) + (w.part * kBM + r0) * D;
+  const int sub = warp / kWarps;  // this warp's m-tile in the block; the last block may hold fewer than MT
+  if (sub >= w.cnt) return;
+  const int64_t part = w.part + static_cast<int64_t>(sub) * (p.splits + 1);
+  const int rt = r0 - sub * kBM;  // the row in its m-tile
+  float* po = part_o(p) + (part * kBM + rt) * D;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     const int col = dt * 8 + 2 * tq;
@@ -410,7 +426,7 @@ __global__ void __launch_bounds__(kThreads) attn_mma_kernel(BlockAttentionParams
     *reinterpret_cast<float2*>(po + 8 * D + col) = make_float2(o[dt][2], o[dt][3]);
   }
   if (tq == 0) {
-    float2* ml = part_ml(p) + w.part * kBM + r0;
+    float2* ml = part_ml(p) + part * kBM + rt;
     ml[0] = make_float2(m_run[0], l_run[0]);
     ml[8] = make_float2(m_run[1], l_run[1]);
   }
@@ -674,6 +690,31 @@ __global__ void __launch_bounds__(kMergeRowsPerBlock * 32) attn_merge_kernel(Blo
   store_out<T, kPer>(static_cast<T*>(p.out) + orow * D + lane * kPer, acc);
 }
 
+// The tensor-core kernel with MT m-tiles per block and ST stages (block_attention_plan chose them).
+template <typename T, int D, int MT, int ST>
+cudaError_t run_mma(const BlockAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.m_tiles, MT)), static_cast<unsigned>(p.splits + 1),
+                  static_cast<unsigned>(p.B * p.Hkv));
+  // 80-128 KiB (D = 128) of shared memory: above the 48 KiB default, so opt in (every launch: the setting is per
+  // device, and the call is cheap next to a launch).
+  constexpr size_t smem = MmaSmem<T, D, MT, ST>::kBytes;
+  const cudaError_t err = cudaFuncSetAttribute(attn_mma_kernel<T, D, MT, ST>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  attn_mma_kernel<T, D, MT, ST><<<grid, kThreads * MT, smem, stream>>>(p);
+  return cudaSuccess;
+}
+
+// Stage counts instantiated per head dim: three stages where two blocks per SM fit them on every supported GPU (D
+// <= 64: 56 KiB at most), and at D = 128 two or three, as the device's shared memory allows (block_attention_plan).
+template <typename T, int D, int MT>
+cudaError_t run_mma_stages(const BlockAttentionParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    if (p.stages == 2) return run_mma<T, D, MT, 2>(p, stream);
+  }
+  return run_mma<T, D, MT, 3>(p, stream);
+}
+
 template <typename T, int D>
 cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.m_tiles), static_cast<unsigned>(p.splits + 1),
@@ -682,13 +723,8 @@ cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
   bool done = false;
   if constexpr (sizeof(T) == 2) {
     if (!p.force_simt) {
-      // 80 KiB (D = 128) of shared memory: above the 48 KiB default, so opt in (every launch: the setting is
-      // per device, and the call is cheap next to a launch).
-      constexpr size_t smem = MmaSmem<T, D>::kBytes;
-      err = cudaFuncSetAttribute(attn_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
+      err = p.tiles_per_block == 2 ? run_mma_stages<T, D, 2>(p, stream) : run_mma_stages<T, D, 1>(p, stream);
       if (err != cudaSuccess) return err;
-      attn_mma_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
       done = true;
     }
   }
@@ -711,16 +747,26 @@ cudaError_t run(const BlockAttentionParams& p, cudaStream_t stream) {
 
 bool block_attention_supports_head_dim(int64_t D) { return sbd::cuda_block_attention_supports_head_dim(D); }
 
-void block_attention_plan(BlockAttentionParams& p, int num_sms) {
+void block_attention_plan(BlockAttentionParams& p, int num_sms, int smem_per_sm) {
   p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
   const int64_t M = static_cast<int64_t>(p.group) * p.T;
   p.m_tiles = static_cast<int>(M > 0 ? ceil_div<int64_t>(M, ba::kBM) : 1);
-  // Aim for two blocks per SM (the tensor-core kernel's 80 KiB of shared memory allows two per SM on A100 and
-  // H100), counting only cache splits; the lengths are on the device, so the split count comes from the cache
-  // capacity S and each block sizes its range from its own sequence's length.
-  const int64_t units = static_cast<int64_t>(p.B) * p.Hkv * p.m_tiles;
-  const int64_t target = 2 * static_cast<int64_t>(num_sms > 0 ? num_sms : 1);
-  int64_t splits = units >= target ? 1 : ceil_div<int64_t>(target, units > 0 ? units : 1);
+  // The tensor-core kernel: two m-tiles per block where there are two or more (8 warps share each K/V tile, so
+  // the cache is read half as often: T = 32 rows of a Llama-3.1-8B step are two m-tiles), else one (4 warps). At
+  // ~235 registers per thread an SM holds two 4-warp blocks or one 8-warp block. Three stages of K/V tiles in
+  // flight where the SM's shared memory holds that many blocks with them (D = 128: 112 KiB a block with one m-tile;
+  // an A100's 164 KiB per SM holds one, so two stages there), else two.
+  p.tiles_per_block = p.m_tiles >= 2 ? 2 : 1;
+  const int per_sm = p.tiles_per_block == 2 ? 1 : 2;
+  const int64_t q_bytes = static_cast<int64_t>(p.tiles_per_block) * ba::kBM * p.D * 2;
+  const int64_t kv3 = int64_t{3} * 2 * ba::kMmaBN * p.D * 2;
+  p.stages = (p.D < 128 || static_cast<int64_t>(smem_per_sm) >= per_sm * (q_bytes + kv3 + 1024)) ? 3 : 2;
+  // Aim for one full wave of blocks, the new-rows split included (34 blocks per unit on 272 slots made a second
+  // wave of 8); the lengths are on the device, so the split count comes from the cache capacity S and each block
+  // sizes its range from its own sequence's length.
+  const int64_t units = static_cast<int64_t>(p.B) * p.Hkv * ceil_div<int64_t>(p.m_tiles, p.tiles_per_block);
+  const int64_t target = per_sm * static_cast<int64_t>(num_sms > 0 ? num_sms : 1);
+  int64_t splits = 2 * units >= target ? 1 : target / (units > 0 ? units : 1) - 1;
   const int64_t by_len = p.S / ba::kMinSplitKeys > 1 ? p.S / ba::kMinSplitKeys : 1;
   if (splits > by_len) splits = by_len;
   if (splits > ba::kMaxSplits) splits = ba::kMaxSplits;

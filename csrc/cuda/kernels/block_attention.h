@@ -25,6 +25,9 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   int group;
   int m_tiles;
   int splits;
+  // The tensor-core kernel's shape: m-tiles per block (1 or 2) and stages of K/V tiles in flight (2 or 3).
+  int tiles_per_block;
+  int stages;
   void* workspace;  // block_attention_workspace_bytes(*this) bytes, 16-byte aligned
   // Use the CUDA-core kernel for bf16/fp16 too (fp32 always uses it). For debugging and A/B tests.
   bool force_simt;
@@ -34,8 +37,9 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
 };
 
 bool block_attention_supports_head_dim(int64_t D);  // sbd::kCudaBlockAttentionHeadDims: 32, 64 and 128
-// Fills group, m_tiles, splits for a GPU with `num_sms` SMs.
-void block_attention_plan(BlockAttentionParams& p, int num_sms);
+// Fills group, m_tiles, splits, tiles_per_block and stages for a GPU with `num_sms` SMs of `smem_per_sm` bytes
+// of shared memory each (0: unknown, two stages at D = 128).
+void block_attention_plan(BlockAttentionParams& p, int num_sms, int smem_per_sm = 0);
 size_t block_attention_workspace_bytes(const BlockAttentionParams& p);
 
 // The process's status record for invalid lengths: mapped, pinned host memory (written by kernels on any device,
