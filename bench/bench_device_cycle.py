@@ -13,7 +13,8 @@ compiled, paired prompt by prompt on the same weights (greedy, batch 1):
 
 Each row: tokens/s, tokens per forward, the device cycle's speed against the host cycle of the same mode
 (``vs_host_cycle``) and every row against the host cycle's compiled NTP (``vs_own_ntp``); answers equal between
-the cycles. Writes ``bench/results/device_cycle/<class>.json``.
+the cycles. Writes ``bench/results/device_cycle/<class>.json`` and its table ``<class>.md`` (included on the
+benchmarks page); ``--render FILE.json`` rewrites the table from a results file.
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def suite_chat(device, n: int, max_new: int, compiled: bool) -> dict:
     }
 
 
+def markdown(res: dict) -> str:
+    """The results as a Markdown table (what docs/benchmarks.md includes)."""
+    m = res["machine"]
+    lines = [
+        f"{m['name']} ({m['isa']}), {m['threads']} thread(s), torch {m['torch']}, commit {m['commit']}, {m['date']}; "
+        "greedy, batch 1, compiled, paired prompt by prompt",
+        "",
+        "| workload, decoder | tok/s | tokens per forward | × host cycle | × own compiled NTP | answers = host cycle |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, suite in res["suites"].items():
+        for r in suite["rows"]:
+            host = f"{r['vs_host_cycle']:.2f}×" if "vs_host_cycle" in r else "—"
+            same = {True: "yes", False: "**no**"}.get(r.get("answers_equal_host_cycle"), "—")
+            lines.append(
+                f"| {name}: {r['decoder']} | {r['tokens_per_s']:.1f} | {r['tokens_per_forward']:.2f} | {host} | "
+                f"{r['vs_own_ntp']:.2f}× | {same} |"
+            )
+    lines += [""] + [f"- {name}: {suite['what']}" for name, suite in res["suites"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -112,7 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny and eager: a dry run (numbers meaningless)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--render", type=Path, help="rewrite the Markdown table of this results file, run nothing")
     args = ap.parse_args(argv)
+    if args.render:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        return 0
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64
@@ -133,7 +160,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{meta['class']}{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
-    print("wrote", path)
+    path.with_suffix(".md").write_text(markdown(res))
+    print("wrote", path, "and its table")
     return 0
 
 

@@ -14,7 +14,8 @@ Rooms (each imports only those above it)
 ``settings`` (GenerationSettings, the Job of one call, prompt checks) -> ``state`` (the per-sequence state
 machine, the output) -> ``sampling`` (entropy_sample + mask_replace over a block) -> ``step`` (one forward: plan,
 run, reveal; the DecodeStep interface, the eager step, the loop) -> ``compiled`` (the static step, its cache pool,
-the locks) -> ``api`` (:func:`generate`); ``nocache`` (:func:`generate_reference`) beside them.
+the locks) -> ``device_cycle`` (the whole cycle as tensor operations: ``cycle="device"``) -> ``device_loop`` (its
+host side) -> ``api`` (:func:`generate`); ``nocache`` (:func:`generate_reference`) beside them.
 
 SBD metadata
 ------------

@@ -14,7 +14,7 @@ from ..cache import SBDCache
 from ..hf import ATTN_IMPLEMENTATION, CUDA_HEAD_DIMS, kernel_available
 from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
-from .device_cycle import decode_device
+from .device_loop import decode_device
 from .gen_config import resolve_settings
 from .settings import GenerationSettings, make_job, model_device_dtype
 from .state import SBDGenerateOutput, SequenceState, finish

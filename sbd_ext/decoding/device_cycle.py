@@ -20,22 +20,10 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..cache import SBDCache
-from .compiled import (
-    _COMPILE_LOCK,
-    CPU_COMPILE_OPTIONS,
-    _compiled_variant_ok,
-    _static_forward,
-    _variant_key,
-    _with_cache_tag,
-)
+from .compiled import _static_forward
 from .sampling import ban_mask, sample_block
-from .settings import Job
-from .state import SequenceState
-from .step import EagerStep, decode
-from .streaming import StreamingState
 
-__all__ = ["CycleState", "cycle", "decode_device", "state_from_host", "state_to_host", "ERRORS"]
+__all__ = ["cycle", "ERRORS", "FIELDS", "SYNC_EVERY"]
 
 # Cycles run between two reads of the status on the host: each read is a device-to-host copy (a synchronisation on
 # CUDA, free on the CPU); cycles after every sequence finished are no-ops (at most SYNC_EVERY - 1 of them).
@@ -70,86 +58,6 @@ FIELDS = (
     "corr",  # [B, L] bool: output positions holding a correction
     "err",  # 0, or a key of ERRORS (the first error of the sequence)
 )
-
-
-class CycleState:
-    """The decoding state of a batch on the device (see FIELDS), built from the host's after the prefill."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.__dict__.update(tensors)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f) for f in FIELDS)
-
-
-def state_from_host(seqs: list[SequenceState], job: Job, clen: list[int], device: torch.device) -> CycleState:
-    """The device state equal to the host's ``seqs`` (after the prefill) and the cache lengths ``clen``."""
-    B, K = len(seqs), job.block_size
-    L = max(len(s.prompt) for s in seqs) + job.max_new_tokens + 2 * K  # room for a cycle's appends past the budget
-    out = torch.zeros(B, L, dtype=torch.int64)
-    pend = torch.zeros(B, K, dtype=torch.int64)
-    block = torch.full((B, K), job.filler, dtype=torch.int64)
-    corr = torch.zeros(B, L, dtype=torch.bool)
-    ints = {f: [] for f in ("n_gen", "p_len", "n_pend", "n_draft", "k", "bver", "nfe", "ncorr")}
-    for b, s in enumerate(seqs):
-        row = s.prompt + s.gen
-        out[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        if len(s.pending) > K or len(s.block) > K:
-            raise RuntimeError("internal: the host state holds more than k pending or block tokens")
-        pend[b, : len(s.pending)] = torch.tensor(s.pending, dtype=torch.int64)
-        if s.block and not s.done:
-            block[b, : len(s.block)] = torch.tensor(s.block, dtype=torch.int64)
-        for p in s.corrections:
-            corr[b, p] = True
-        for f, v in (
-            ("n_gen", len(s.gen)),
-            ("p_len", len(s.prompt)),
-            ("n_pend", len(s.pending)),
-            ("n_draft", s.n_draft),
-            ("k", 0 if s.done else len(s.block)),
-            ("bver", s.block_verified),
-            ("nfe", s.nfe),
-            ("ncorr", s.corrected),
-        ):
-            ints[f].append(v)
-    t = {f: torch.tensor(v, dtype=torch.int64) for f, v in ints.items()}
-    t.update(out=out, pend=pend, block=block, corr=corr, clen=torch.tensor(clen, dtype=torch.int64))
-    t.update(done=torch.tensor([s.done for s in seqs]), err=torch.zeros(B, dtype=torch.int64))
-    return CycleState({f: v.to(device) for f, v in t.items()})
-
-
-def raise_errors(err: list[int]) -> None:
-    for b, e in enumerate(err):
-        if e:
-            raise RuntimeError(ERRORS[e].format(b=b))
-
-
-def state_to_host(st: CycleState, seqs: list[SequenceState]) -> list[int]:
-    """Write the finished state back to ``seqs`` (their output and counts); returns the cache lengths."""
-    out, n_gen, p_len, corr = st.out.cpu(), st.n_gen.tolist(), st.p_len.tolist(), st.corr.cpu()
-    nfe, ncorr = st.nfe.tolist(), st.ncorr.tolist()
-    for b, s in enumerate(seqs):
-        s.gen = out[b, p_len[b] : p_len[b] + n_gen[b]].tolist()
-        s.nfe, s.corrected = nfe[b], ncorr[b]
-        s.corrections = corr[b].nonzero().flatten().tolist()
-        s.pending, s.n_draft, s.block, s.done = [], 0, [], True
-    return st.clen.tolist()
-
-
-def final_tokens(st: CycleState, job: Job) -> list[list[int]]:
-    """Each sequence's generated tokens that are final now (as :class:`~sbd_ext.decoding.streaming.StreamingState`
-    says): the output, and in plain SBD the block's revealed prefix up to its first masked position."""
-    out, n_gen, p_len = st.out.cpu(), st.n_gen.tolist(), st.p_len.tolist()
-    block, k, done = st.block.cpu(), st.k.tolist(), st.done.tolist()
-    res = []
-    for b in range(out.shape[0]):
-        gen = out[b, p_len[b] : p_len[b] + n_gen[b]].tolist()
-        if job.sbd and not job.verify and not done[b] and k[b]:
-            blk = block[b, : k[b]].tolist()
-            n = next((j for j, t in enumerate(blk) if t == job.mask_id), len(blk))
-            gen += blk[:n]
-        res.append(gen)
-    return res
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -335,89 +243,3 @@ def cycle(
     new = (out, n_gen, p_len, pend, n_pend2, n_draft2, block, k, bver, clen, nfe, ncorr, done, corr, err)
     for t, v in zip(st, new, strict=True):
         t.copy_(v)
-
-
-# --------------------------------------------------------------------------------------------------------
-# the host's loop
-# --------------------------------------------------------------------------------------------------------
-_CYCLE_FN: dict[str, object] = {}
-
-
-def _compiled_cycle(device: torch.device):
-    """torch.compile of :func:`cycle` (fullgraph), one per device type: CUDA graphs on CUDA, the C++ wrapper on
-    the CPU (as the compiled step's forward, :func:`sbd_ext.decoding.compiled._compiled_forward`)."""
-    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": dict(CPU_COMPILE_OPTIONS)}
-    with _COMPILE_LOCK:
-        if device.type not in _CYCLE_FN:
-            _CYCLE_FN[device.type] = _with_cache_tag(torch.compile(cycle, fullgraph=True, dynamic=False, **kw))
-        return _CYCLE_FN[device.type]
-
-
-def decode_device(
-    model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device, compiled: bool
-) -> None:
-    """Decode ``seqs`` to the end: the prefill on the host (one eager forward), then :func:`cycle` on the device
-    (compiled: one graph per cycle; past dynamo's bound on compiled variants, eagerly), reading the status once
-    every ``SYNC_EVERY`` cycles. The finished state is written back to ``seqs`` and the cache's lengths."""
-    prefill = EagerStep(model, cache, device)
-    prefill.max_drafts = job.block_size  # a cycle commits at most k rows
-    decode(seqs, job, prefill, max_forwards=1)
-    if all(s.done for s in seqs):
-        return
-    B = len(seqs)
-    st = state_from_host(seqs, job, cache.seq_lens, device)
-    stop = torch.tensor(sorted(job.stop_ids) or [-1], dtype=torch.int64, device=device)
-    max_new = torch.full((B,), job.max_new_tokens, dtype=torch.int64, device=device)
-    spec = (job.block_size, job.sbd, job.verify, job.first_from_ntp, job.sampler, job.threshold, job.mask_id)
-    spec += (job.filler, job.seed)
-    head, emb = job.sampler_head or (None, None)
-    fn, cuda = cycle, device.type == "cuda"
-    if compiled and _compiled_variant_ok(
-        ("device-cycle",) + _variant_key(model, job, device, cache.layers[0].keys.dtype)
-    ):
-        drafter = getattr(model, "sbd_drafter", None)
-        if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
-            drafter.refresh(model, device)
-        fn = _compiled_cycle(device)
-        for t in (st.out, st.corr):  # prompt lengths and budgets share one graph
-            torch._dynamo.mark_dynamic(t, 1)
-        if cuda:
-            for t in st.tensors():
-                torch._dynamo.mark_static_address(t)
-    tensors, every = st.tensors(), SYNC_EVERY.get(device.type, 4)
-    # On the CPU a forward's cost grows with its rows (compute-bound: the host cycle's compiled step sizes each forward
-    # to its rows too), and the state is host memory, free to read: each forward gets the rows its longest sequence
-    # needs (at least k, and 2: a size-1 dim would be specialised), one graph for all (a dynamic size).
-    sized = job.sbd and not cuda
-    streams = [s for s in seqs if isinstance(s, StreamingState)]
-    # Every live cycle yields a token or reveals one (else err 3): a bound that only a bug can reach.
-    cycles, bound = 0, job.max_new_tokens + 2
-    with cache.static_forwards():
-        while True:
-            for _ in range(every):
-                if cuda:
-                    torch.compiler.cudagraph_mark_step_begin()
-                rows = None
-                if sized:
-                    need = int(torch.where(st.done, 0, st.n_pend + st.k).max())
-                    rows = torch.arange(max(need, job.block_size, 2))
-                    if fn is not cycle:
-                        torch._dynamo.mark_dynamic(rows, 0)
-                fn(model, cache, tensors, stop, max_new, spec, head, emb, rows)
-            cycles += every
-            both = torch.stack([st.done.long(), st.err]).cpu()  # the one device-to-host read
-            raise_errors(both[1].tolist())
-            if streams:
-                for s, final in zip(seqs, final_tokens(st, job), strict=True):
-                    if len(final) > s.streamed:
-                        s.on_final_tokens(s.index, final[s.streamed :])
-                        s.streamed = len(final)
-            if bool(both[0].all()):
-                break
-            if cycles > bound:
-                raise RuntimeError("internal: the device cycle made no progress")
-    cache.seq_lens = state_to_host(st, seqs)
-    for s in streams:
-        s._emit()
-    if cuda:
-        ops.check_cuda_errors()
