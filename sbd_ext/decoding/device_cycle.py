@@ -45,7 +45,7 @@ FIELDS = (
     "out",  # [B, L] the prompt then the generated (in verify mode: verified) tokens
     "n_gen",  # generated tokens in ``out``
     "p_len",  # prompt length
-    "pend",  # [B, k] tokens committed by the next forward (a finished block, its drafts, a correction)
+    "pend",  # [B, W >= k] tokens committed by the next forward (the prompt, a finished block, drafts, a correction)
     "n_pend",
     "n_draft",  # verify: trailing pending tokens still to check
     "block",  # [B, k] the current block (mask ids where masked; the job's filler past its length)
@@ -122,8 +122,9 @@ def cycle(
         torch._check(T >= K)
         j = rows.unsqueeze(0)
     if sbd:
+        W = pend.shape[1]  # k, or on the CPU the longest prompt (its prefill is a cycle)
         src = torch.cat([pend, block], 1)
-        ids = src.gather(1, torch.where(j < c.unsqueeze(1), j, j - c.unsqueeze(1) + K).clamp(0, 2 * K - 1))
+        ids = src.gather(1, torch.where(j < c.unsqueeze(1), j, j - c.unsqueeze(1) + W).clamp(0, W + K - 1))
     else:
         ids = pend[:, :1]
     valid = j < (c + kk).unsqueeze(1)
@@ -148,10 +149,13 @@ def cycle(
     blk = torch.where(live.unsqueeze(1) & (jK < kk.unsqueeze(1)), block, filler)
     if ffn:  # the next-token choice after each committed row; the last one reveals the block's first position
         V = logits.shape[-1]
-        # rows 0..k-1 gathered (a new [B, k, V] tensor: a slice of the T rows would make the graph guard on T != k)
-        head_rows = logits.gather(1, jK.expand(B, K).unsqueeze(-1).expand(B, K, V))
+        # The last k committed rows, lo .. c - 1 (all of them but in a prefill), gathered: a new [B, k, V] tensor (a
+        # slice of the T rows would make the graph guard on T != k); ntp[:, r - lo] is row r's choice.
+        lo = (c - K).clamp(min=0)
+        nrows = (lo.unsqueeze(1) + jK).clamp(max=T - 1)
+        head_rows = logits.gather(1, nrows.unsqueeze(-1).expand(B, K, V))
         ntp = ops.entropy_sample(ban_mask(head_rows, mask_id).view(B * K, V), 0.0, seed, 0)[2].view(B, K)
-        first_tok = ntp.gather(1, (c - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        first_tok = ntp.gather(1, (c - 1 - lo).clamp(min=0).unsqueeze(1)).squeeze(1)
         can = live & (c > 0) & (kk > 0) & (first_tok >= 0) & (blk[:, 0] == mask_id)
         blk[:, 0] = torch.where(can, first_tok, blk[:, 0])
         brows = (c.unsqueeze(1) + jK).clamp(max=T - 1)
@@ -172,8 +176,8 @@ def cycle(
         hasd = live & (n_draft > 0)
         base = n_pend - n_draft
         row = base.unsqueeze(1) + jK - 1  # the committed row that predicts draft t
-        dtok = pend.gather(1, (base.unsqueeze(1) + jK).clamp(max=K - 1))
-        pred = ntp.gather(1, row.clamp(0, K - 1))
+        dtok = pend.gather(1, (base.unsqueeze(1) + jK).clamp(max=pend.shape[1] - 1))
+        pred = ntp.gather(1, (row - lo.unsqueeze(1)).clamp(0, K - 1))  # drafts follow no prompt: lo = 0 here
         chk = hasd.unsqueeze(1) & (jK < n_draft.unsqueeze(1)) & (row >= 0)
         bad, mism = chk & (pred < 0), chk & (dtok != pred)
         ts = _first(bad | mism)
@@ -192,7 +196,8 @@ def cycle(
         corr = corr.scatter(1, (at + ts).clamp(max=corr.shape[1] - 1).unsqueeze(1), rej.unsqueeze(1)) | corr
         n_gen = n_gen + cnt
         ncorr = ncorr + rej.long()
-        pend = torch.where(rej.unsqueeze(1), ctok.unsqueeze(1).expand(B, K), pend)
+        col0 = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        pend = pend.scatter(1, col0, torch.where(rej, ctok, pend[:, 0]).unsqueeze(1))
         n_pend2 = torch.where(rej, 1, n_pend2)
         n_draft2 = torch.where(hasd, 0, n_draft)
         keep_rows = torch.where(rej, base + ts, c)
@@ -223,7 +228,8 @@ def cycle(
     direct = fb & ~to_draft
     out = _append(out, p_len + n_gen, blk, torch.where(direct, keepv, 0))
     n_gen = n_gen + torch.where(direct, keepv, 0)
-    pend = torch.where(fb.unsqueeze(1), blk, pend)
+    cols = jK.expand(B, K)  # the finished block into pend's first k columns
+    pend = pend.scatter(1, cols, torch.where(fb.unsqueeze(1), blk, pend.gather(1, cols)))
     n_pend2 = torch.where(fb, keepv, n_pend2)
     n_draft2 = torch.where(to_draft, keepv, n_draft2)
     fin2 = fb & _finished(out, p_len, n_gen, n_draft2, max_new, stop)

@@ -29,20 +29,24 @@ class CycleState:
         return tuple(getattr(self, f) for f in FIELDS)
 
 
-def state_from_host(seqs: list[SequenceState], job: Job, clen: list[int], device: torch.device) -> CycleState:
-    """The device state equal to the host's ``seqs`` (after the prefill) and the cache lengths ``clen``."""
+def state_from_host(
+    seqs: list[SequenceState], job: Job, clen: list[int], device: torch.device, width: int | None = None
+) -> CycleState:
+    """The device state equal to the host's ``seqs`` and the cache lengths ``clen``; ``width``: the pending
+    tokens' buffer (default k: after the prefill)."""
     B, K = len(seqs), job.block_size
+    W = K if width is None else width
     L = max(len(s.prompt) for s in seqs) + job.max_new_tokens + 2 * K  # room for a cycle's appends past the budget
     out = torch.zeros(B, L, dtype=torch.int64)
-    pend = torch.zeros(B, K, dtype=torch.int64)
+    pend = torch.zeros(B, W, dtype=torch.int64)
     block = torch.full((B, K), job.filler, dtype=torch.int64)
     corr = torch.zeros(B, L, dtype=torch.bool)
     ints = {f: [] for f in ("n_gen", "p_len", "n_pend", "n_draft", "k", "bver", "nfe", "ncorr")}
     for b, s in enumerate(seqs):
         row = s.prompt + s.gen
         out[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        if len(s.pending) > K or len(s.block) > K:
-            raise RuntimeError("internal: the host state holds more than k pending or block tokens")
+        if len(s.pending) > W or len(s.block) > K:
+            raise RuntimeError("internal: the host state holds more pending or block tokens than the buffers")
         pend[b, : len(s.pending)] = torch.tensor(s.pending, dtype=torch.int64)
         if s.block and not s.done:
             block[b, : len(s.block)] = torch.tensor(s.block, dtype=torch.int64)
@@ -118,22 +122,33 @@ def _compiled_cycle(device: torch.device):
 def decode_device(
     model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device, compiled: bool
 ) -> None:
-    """Decode ``seqs`` to the end: the prefill on the host (one eager forward), then :func:`cycle` on the device
-    (compiled: one graph per cycle; past dynamo's bound on compiled variants, eagerly), reading the status once
-    every ``SYNC_EVERY`` cycles. The finished state is written back to ``seqs`` and the cache's lengths."""
-    prefill = EagerStep(model, cache, device)
-    prefill.max_drafts = job.block_size  # a cycle commits at most k rows
-    decode(seqs, job, prefill, max_forwards=1)
-    if all(s.done for s in seqs):
-        return
+    """Decode ``seqs`` (fresh) to the end with the cycle on the device (compiled: one graph per cycle; past
+    dynamo's bound on compiled variants, eagerly), reading the status once every ``SYNC_EVERY`` cycles. The
+    prefill -- the prompt's forward -- is a cycle too where forwards are sized to their rows (SBD on the CPU), else
+    one eager forward on the host first (a CUDA graph has fixed shapes). The finished state is written back to
+    ``seqs`` and the cache's lengths."""
+    cuda = device.type == "cuda"
+    # On the CPU a forward's cost grows with its rows (compute-bound: the host cycle's compiled step sizes each forward
+    # to its rows too), and the state is host memory, free to read: each forward gets the rows its longest sequence
+    # needs (at least k, and 2: a size-1 dim would be specialised), one graph for all (a dynamic size).
+    sized = job.sbd and not cuda
+    width = None
+    if sized:  # the pending buffer holds the prompts (+1: never k, so the graph never guards on width == k)
+        width = max(job.block_size, max(len(s.pending) for s in seqs)) + 1
+    else:
+        prefill = EagerStep(model, cache, device)
+        prefill.max_drafts = job.block_size  # a cycle commits at most k rows
+        decode(seqs, job, prefill, max_forwards=1)
+        if all(s.done for s in seqs):
+            return
     B = len(seqs)
-    st = state_from_host(seqs, job, cache.seq_lens, device)
+    st = state_from_host(seqs, job, cache.seq_lens, device, width)
     stop = torch.tensor(sorted(job.stop_ids) or [-1], dtype=torch.int64, device=device)
     max_new = torch.full((B,), job.max_new_tokens, dtype=torch.int64, device=device)
     spec = (job.block_size, job.sbd, job.verify, job.first_from_ntp, job.sampler, job.threshold, job.mask_id)
     spec += (job.filler, job.seed)
     head, emb = job.sampler_head or (None, None)
-    fn, cuda = dcyc.cycle, device.type == "cuda"
+    fn = dcyc.cycle
     if compiled and _compiled_variant_ok(
         ("device-cycle",) + _variant_key(model, job, device, cache.layers[0].keys.dtype)
     ):
@@ -141,19 +156,15 @@ def decode_device(
         if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
             drafter.refresh(model, device)
         fn = _compiled_cycle(device)
-        for t in (st.out, st.corr):  # prompt lengths and budgets share one graph
+        for t in (st.out, st.corr) + ((st.pend,) if sized else ()):  # prompt lengths and budgets: one graph
             torch._dynamo.mark_dynamic(t, 1)
         if cuda:
             for t in st.tensors():
                 torch._dynamo.mark_static_address(t)
     tensors, every = st.tensors(), SYNC_EVERY.get(device.type, 4)
-    # On the CPU a forward's cost grows with its rows (compute-bound: the host cycle's compiled step sizes each forward
-    # to its rows too), and the state is host memory, free to read: each forward gets the rows its longest sequence
-    # needs (at least k, and 2: a size-1 dim would be specialised), one graph for all (a dynamic size).
-    sized = job.sbd and not cuda
     streams = [s for s in seqs if isinstance(s, StreamingState)]
     # Every live cycle yields a token or reveals one (else err 3): a bound that only a bug can reach.
-    cycles, bound = 0, job.max_new_tokens + 2
+    cycles, bound = 0, job.max_new_tokens + 3
     with cache.static_forwards():
         while True:
             for _ in range(every):
