@@ -17,6 +17,9 @@ import sbd_ext.hf
 from sbd_ext import drafter
 from sbd_ext.decoding import GenerationSettings, generate
 from sbd_ext.decoding import device_cycle as dc
+from sbd_ext.decoding import device_loop as dl
+from sbd_ext.decoding.settings import make_job
+from sbd_ext.decoding.state import SequenceState
 from sbd_ext.decoding.step import TwoForwardStep
 from sbd_ext.drafter import sampler_head as sh
 
@@ -186,6 +189,25 @@ def test_compiled_device_cycle_is_one_graph_and_equals_the_host(which):
         _same(host, dev)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_pooled_state_is_reused_and_refilled():
+    """CUDA graphs read the state at fixed addresses: a generation with the same shapes gets the pooled buffers back,
+    refilled with its own values; other shapes get their own."""
+    m = tiny_llama(seed=4)
+
+    def state(seed, n):
+        ids = torch.randint(0, MASK_ID, (2, n), generator=torch.Generator().manual_seed(seed))
+        job = make_job(m, ids, None, GenerationSettings(block_size=4, max_new_tokens=8))
+        return dl.state_from_host([SequenceState(p, job) for p in job.prompts], job, [0, 0], torch.device("cpu"), 9)
+
+    a = dl._pooled(m, state(0, 5))
+    b_new = state(1, 5)
+    b = dl._pooled(m, b_new)
+    assert b is a and all(torch.equal(x, y) for x, y in zip(b.tensors(), b_new.tensors(), strict=True))
+    assert not torch.equal(a.pend, state(0, 5).pend)  # refilled: the first state's prompts are gone
+    c = dl._pooled(m, state(2, 7))  # longer prompts: other shapes
+    assert c is not a and len(dl._STATE_POOL[m]) == 2
 
 
 @pytest.mark.skipif(

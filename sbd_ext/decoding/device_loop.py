@@ -4,6 +4,8 @@ reads the status every ``SYNC_EVERY`` cycles, streaming, and the errors the stat
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import ops
@@ -30,13 +32,20 @@ class CycleState:
 
 
 def state_from_host(
-    seqs: list[SequenceState], job: Job, clen: list[int], device: torch.device, width: int | None = None
+    seqs: list[SequenceState],
+    job: Job,
+    clen: list[int],
+    device: torch.device,
+    width: int | None = None,
+    length: int | None = None,
 ) -> CycleState:
     """The device state equal to the host's ``seqs`` and the cache lengths ``clen``; ``width``: the pending
-    tokens' buffer (default k: after the prefill)."""
+    tokens' buffer (default k: after the prefill); ``length``: the output buffer's (default: the longest prompt +
+    the budget + 2k)."""
     B, K = len(seqs), job.block_size
     W = K if width is None else width
     L = max(len(s.prompt) for s in seqs) + job.max_new_tokens + 2 * K  # room for a cycle's appends past the budget
+    L = L if length is None else max(L, length)
     out = torch.zeros(B, L, dtype=torch.int64)
     pend = torch.zeros(B, W, dtype=torch.int64)
     block = torch.full((B, K), job.filler, dtype=torch.int64)
@@ -119,6 +128,28 @@ def _compiled_cycle(device: torch.device):
         return _CYCLE_FN[device.type]
 
 
+_STATE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shapes: CycleState}
+
+
+def _pooled(model, st: CycleState) -> CycleState:
+    """The state of an earlier generation of ``model`` with the same shapes, refilled with ``st``'s values (else
+    ``st``, pooled). CUDA graphs read and write the state in place at fixed addresses (marked static): a new
+    buffer each generation would make CUDA-graph trees record the cycle again (and give up after 128 records).
+    Compiled generations run one at a time (COMPILED_RUN_LOCK), so a pooled state has one user."""
+    key = tuple((tuple(t.shape), t.dtype) for t in st.tensors()) + (str(st.out.device),)
+    with _COMPILE_LOCK:
+        pool = _STATE_POOL.setdefault(model, {})
+        old = pool.get(key)
+        if old is None:
+            pool[key] = st
+            for t in st.tensors():
+                torch._dynamo.mark_static_address(t)
+            return st
+    for t, v in zip(old.tensors(), st.tensors(), strict=True):
+        t.copy_(v)
+    return old
+
+
 def decode_device(
     model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device, compiled: bool
 ) -> None:
@@ -142,7 +173,10 @@ def decode_device(
         if all(s.done for s in seqs):
             return
     B = len(seqs)
-    st = state_from_host(seqs, job, cache.seq_lens, device, width)
+    # CUDA: the output buffers sized by the cache's capacity (pooled, a power of two), so that generations of other
+    # lengths reuse one pooled state (_pooled) and its recorded graphs.
+    length = cache.max_cache_len + 2 * job.block_size if cuda else None
+    st = state_from_host(seqs, job, cache.seq_lens, device, width, length)
     stop = torch.tensor(sorted(job.stop_ids) or [-1], dtype=torch.int64, device=device)
     max_new = torch.full((B,), job.max_new_tokens, dtype=torch.int64, device=device)
     spec = (job.block_size, job.sbd, job.verify, job.first_from_ntp, job.sampler, job.threshold, job.mask_id)
@@ -158,9 +192,7 @@ def decode_device(
         fn = _compiled_cycle(device)
         for t in (st.out, st.corr) + ((st.pend,) if sized else ()):  # prompt lengths and budgets: one graph
             torch._dynamo.mark_dynamic(t, 1)
-        if cuda:
-            for t in st.tensors():
-                torch._dynamo.mark_static_address(t)
+        st = _pooled(model, st)  # (on the CPU too: the same path, and a repeated shape reuses its buffers)
     tensors, every = st.tensors(), SYNC_EVERY.get(device.type, 4)
     streams = [s for s in seqs if isinstance(s, StreamingState)]
     # Every live cycle yields a token or reveals one (else err 3): a bound that only a bug can reach.
