@@ -19,6 +19,8 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
   CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is installed (the ``peers`` extra), also
   llama.cpp F32 and Q8_0 on the same weights (``bench/llama_peer.py``) and sbd_ext's compiled NTP in w8a8 (Q8_0's
   precision class).
+- On a GPU (or with ``--device-cycle``) ``arith`` and ``chat`` also run their compiled modes with the decoding
+  cycle on the device (``cycle="device"``; chat's verify then without lookup): rows "..., device cycle".
 - ``arith_drafter``: the SmolLM2 NTP control (``smollm2-ntp``) with its arithmetic drafter: HF ``generate``, compiled
   NTP, compiled verify; accuracy on held-out problems.
 
@@ -122,8 +124,21 @@ def sbd_decoder(model, max_new: int, eos: int, **kw):
     return run
 
 
+def device_cycle_rows(decoders: dict, model, max_new: int, eos: int, compiled: bool, modes: dict) -> None:
+    """On a GPU, each of ``modes`` (label -> settings) also with the decoding cycle on the device
+    (``cycle="device"``, issue 64): rows "LABEL, compiled, device cycle"."""
+    for label, kw in modes.items():
+        decoders[f"{label}, compiled, device cycle"] = sbd_decoder(
+            model, max_new, eos, compile=compiled, cycle="device", **kw
+        )
+
+
 def rows_of(runs: dict, peer: str, own_ntp: str, roles: dict, judge) -> list[dict]:
-    """One row per decoder: tokens/s, tokens per forward, both speed-ups, and ``judge(answers)`` (a dict)."""
+    """One row per decoder: tokens/s, tokens per forward, both speed-ups, and ``judge(answers)`` (a dict). The own
+    NTP is the fastest of ``own_ntp`` and its device-cycle row where there is one (sbd_ext's best NTP)."""
+    best = f"{own_ntp}, device cycle"
+    if best in runs and runs[best]["seconds"] < runs[own_ntp]["seconds"]:
+        own_ntp = best
     out = []
     for name, r in runs.items():
         toks = sum(len(a) for a in r["answers"])
@@ -195,7 +210,12 @@ def suite_forward(device: torch.device, quick: bool) -> dict:
 
 
 def suite_arith(
-    device: torch.device, n: int, max_new: int, compiled: bool = True, name: str = models.DEFAULT_MODEL
+    device: torch.device,
+    n: int,
+    max_new: int,
+    compiled: bool = True,
+    name: str = models.DEFAULT_MODEL,
+    device_cycle: bool = False,
 ) -> dict:
     model, tok = models.load(name, device=device)
     hf, _ = models.load(name, device=device, attn_implementation="sdpa")
@@ -219,6 +239,11 @@ def suite_arith(
             model, max_new, eos, threshold=info["gamma_low"], verify=True, compile=compiled, **sbd_kw
         ),
     }
+    if device_cycle:
+        modes = {"NTP": dict(mode="ntp", verify=False)}
+        modes["SBD"] = dict(threshold=info["gamma_low"], verify=False, **sbd_kw)
+        modes["verify"] = dict(threshold=info["gamma_low"], verify=True, **sbd_kw)
+        device_cycle_rows(decoders, model, max_new, eos, compiled, modes)
     runs = paired(decoders, prompts)
 
     about = {
@@ -236,7 +261,7 @@ def _chat_prompts(tok, n: int, device) -> list[torch.Tensor]:
     return [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=device) for p in eval_prompts()[:n]]
 
 
-def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
+def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True, device_cycle: bool = False) -> dict:
     base, tok = checkpoint.load_smollm2(attn_implementation="sdpa", device=device)
     packed = device.type == "cpu"  # the CPU's fastest fp32 layout
     model, _ = models.load("smollm2-drafter", device=device, quantize="packed" if packed else None)
@@ -249,6 +274,9 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=compiled),
         "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=compiled),
     }
+    if device_cycle:  # the device cycle verifies without lookup / branch
+        modes = {"NTP": dict(mode="ntp", verify=False), "verify k=2": dict(verify=True, lookup=0, branch=False)}
+        device_cycle_rows(decoders, model, max_new, eos, compiled, modes)
     roles = {"HF generate": "peer"}
     if device.type == "cpu" and llama_peer.available():  # the peers extra: llama.cpp on the same weights
         # sbd_ext at llama.cpp Q8_0's precision class: int8 weights and inputs (NTP runs the base alone)
@@ -311,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run: the numbers mean nothing)")
     ap.add_argument("--out", default=str(OUT), help="the folder of the per-class results files")
+    ap.add_argument(
+        "--device-cycle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also the rows with cycle='device' in arith and chat (default: on a GPU)",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -319,12 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     rec = json.loads(path.read_text()) if path.is_file() else {"suites": {}}
     if rec.get("quick", a.quick) != a.quick:
         rec = {"suites": {}}  # a dry run never mixes with a real one
+    dcyc = device.type == "cuda" if a.device_cycle is None else a.device_cycle
     runners = {
         "forward": lambda: suite_forward(device, a.quick),
         # --quick decodes eagerly (the rows keep their names: a dry run checks the pipeline, not the speed)
-        "arith": lambda: suite_arith(device, *SIZES["arith"][a.quick], not a.quick),
+        "arith": lambda: suite_arith(device, *SIZES["arith"][a.quick], not a.quick, device_cycle=dcyc),
         "smollm2_sbd": lambda: suite_arith(device, *SIZES["smollm2_sbd"][a.quick], not a.quick, name="smollm2-sbd"),
-        "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick], not a.quick),
+        "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick], not a.quick, device_cycle=dcyc),
         "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick], not a.quick),
     }
     suites = a.suites or [s for s in SUITES if not (device.type == "cuda" and s == "forward")]

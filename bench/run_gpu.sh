@@ -19,8 +19,7 @@
 #             compiled: NTP, SBD, verify on the embedded model, ~2-3 min), then the e2e rows with the models on the
 #             GPU (SBD_BENCH_DEVICE=cuda; SBD_BENCH_N problems, default 20): end-to-end wall-clock of SBD decoding on a
 #             GPU, CUDA graphs for the compiled rows, ~5-8 min
-#   drafter-cuda  bench/bench_device_cycle.py --suites chat (device vs host cycle: NTP, verify k=2; ~3 min), then
-#             bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
+#   drafter-cuda  bench/bench_drafter.py on the GPU (needs the GGUF, as smollm2): the gated SmolLM2 drafter's verify
 #             vs HF generate / prompt lookup / sbd_ext NTP, eager and compiled, and the two-forward ablation, on
 #             SBD_BENCH_N general prompts (default 8) x SBD_BENCH_MAX_NEW tokens (default 64), ~4-6 min;
 #             SBD_BENCH_K: another pytest -k selection of its rows; then bench/profile_drafter.py (kernels per forward
@@ -35,7 +34,9 @@
 #             rows over caches of 1k-32k tokens as CUDA graphs, each against T = 1, and the SBD cycle's ops at those
 #             shapes -> roofline.json and a table in the summary, ~1-2 min
 #   report    bench/report.py --device cuda: the standard decoding set (issue 65; the SmolLM2 suites need the GGUF,
-#             as smollm2) -> report/gpu-<name>.json, committed as bench/results/report/gpu-<name>.json, ~5-8 min
+#             as smollm2), with the device-cycle rows on a GPU (issue 64: cycle="device" beside the host cycle,
+#             chat's verify k=2 and NTP, arith's NTP / SBD / verify) -> report/gpu-<name>.json, committed as
+#             bench/results/report/gpu-<name>.json, ~6-9 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
 #   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
 #             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
@@ -345,11 +346,6 @@ stage_drafter-cuda() {
   py=$(pytest_cmd)
   py=${py/--timeout=120/--timeout=400}  # a compiled row's first generation records its CUDA graphs
   assemble_gguf_step
-  # The device-resident cycle against the host cycle on SmolLM2 + its drafter (NTP, verify k=2), both compiled.
-  local dc=(--device cuda)
-  [ "$DRY" = 1 ] && dc=(--device cpu --quick)
-  step device_cycle_chat 240 env PYTHONUNBUFFERED=1 "$PY" bench/bench_device_cycle.py --suites chat \
-    --out "$RES/device_cycle" "${dc[@]}"
   # Rows print as they finish ([row] lines, unbuffered), so a run cut at the deadline keeps what it measured.
   # shellcheck disable=SC2086
   step bench_drafter_cuda 540 env PYTHONUNBUFFERED=1 SBD_BENCH_DEVICE=cuda SBD_BENCH_THREADS_LIST=1 \

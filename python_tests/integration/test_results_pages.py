@@ -150,7 +150,7 @@ def test_report_dry_run_writes_a_class_file(tmp_path):
         pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})")
     env = dict(os.environ)  # the sbd_ext under test: installed, or the in-place build the caller's path names
     r = subprocess.run(
-        [sys.executable, "bench/report.py", "--quick", "--out", str(tmp_path), "--suites", *SUITES],
+        [sys.executable, "bench/report.py", "--quick", "--device-cycle", "--out", str(tmp_path), "--suites", *SUITES],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -168,4 +168,10 @@ def test_report_dry_run_writes_a_class_file(tmp_path):
             assert peer["vs_peer"] == 1.0 and all(r["tokens"] > 0 for r in suite["rows"])
     chat = {r["decoder"]: r for r in rec["suites"]["chat"]["rows"]}
     assert chat["verify, compiled"]["equal_to_peer"] == "2/2"  # verify: the base's own answers
+    # the device cycle's rows (a GPU's report has them; --device-cycle here): the same answers
+    assert chat["verify k=2, compiled, device cycle"]["equal_to_peer"] == "2/2"
+    arith = {r["decoder"]: r for r in rec["suites"]["arith"]["rows"]}
+    assert {"NTP, compiled, device cycle", "SBD, compiled, device cycle", "verify, compiled, device cycle"} <= set(
+        arith
+    )
     assert render.load_reports(tmp_path) == []  # a dry run never reaches the pages
