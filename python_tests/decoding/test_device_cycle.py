@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 import sbd_ext.hf
 from sbd_ext import drafter
-from sbd_ext.decoding import GenerationSettings, generate
+from sbd_ext.decoding import GenerationSettings, generate, generate_reference
 from sbd_ext.decoding import device_cycle as dc
 from sbd_ext.decoding import device_loop as dl
 from sbd_ext.decoding.settings import make_job
@@ -76,6 +76,17 @@ def test_device_cycle_equals_host_cycle(models, kw, eos):
         ids, mask = random_prompts([3, 9, 6], seed=10 + i)
         st = dict(max_new_tokens=21, eos_token_id=eos, **kw)
         _same(generate(m, ids, mask, **st), generate(m, ids, mask, cycle="device", **st))
+
+
+@pytest.mark.parametrize("kw", [dict(block_size=4), dict(block_size=8, sampler="confidence", threshold=0.6)])
+def test_device_cycle_sbd_equals_the_no_cache_reference(models, kw):
+    """Plain SBD on the device: the reference decoder's tokens and forwards (Alg. 3 without a cache)."""
+    m = models[1]
+    ids, mask = random_prompts([6, 2, 9], seed=21)
+    st = dict(max_new_tokens=19, eos_token_id=[3], **kw)
+    ref = generate_reference(m, ids, mask, **st)
+    dev = generate(m, ids, mask, cycle="device", **st)
+    assert torch.equal(dev.sequences, ref.sequences) and torch.equal(dev.nfe, ref.nfe)
 
 
 def test_device_cycle_verify_corrects_and_rolls_back(models):
