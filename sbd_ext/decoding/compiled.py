@@ -43,13 +43,16 @@ def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
     return key + (dtype, device.type, row_linear_state(model), quantized_scheme(model))  # linear layers: own graph
 
 
-def _compiled_variant_ok(key: tuple) -> bool:
+def _compiled_variant_ok(key: tuple, variants: set | None = None) -> bool:
+    """Whether variant ``key`` of a compiled function runs compiled: within dynamo's bound on that function's
+    graphs, counted in ``variants`` (default: the static step's, _VARIANTS; each compiled function has its own)."""
+    variants = _VARIANTS if variants is None else variants
     if key in _EAGER:
         return False
-    if key in _VARIANTS:
+    if key in variants:
         return True
-    if len(_VARIANTS) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU
-        _VARIANTS.add(key)
+    if len(variants) < torch._dynamo.config.recompile_limit - 1:  # headroom: the prefill width on the CPU
+        variants.add(key)
         return True
     _fall_back(key)
     return False

@@ -116,6 +116,7 @@ def final_tokens(st: CycleState, job: Job) -> list[list[int]]:
 # the host's loop
 # --------------------------------------------------------------------------------------------------------
 _CYCLE_FN: dict[str, object] = {}
+_CYCLE_VARIANTS: set = set()  # the cycle's compiled variants (dynamo bounds each function's graphs)
 
 
 def _compiled_cycle(device: torch.device):
@@ -183,9 +184,8 @@ def decode_device(
     spec += (job.filler, job.seed)
     head, emb = job.sampler_head or (None, None)
     fn = dcyc.cycle
-    if compiled and _compiled_variant_ok(
-        ("device-cycle",) + _variant_key(model, job, device, cache.layers[0].keys.dtype)
-    ):
+    key = ("device-cycle",) + _variant_key(model, job, device, cache.layers[0].keys.dtype)
+    if compiled and _compiled_variant_ok(key, _CYCLE_VARIANTS):
         drafter = getattr(model, "sbd_drafter", None)
         if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
             drafter.refresh(model, device)
