@@ -18,7 +18,8 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
   prompts: HF ``generate`` (the peer), compiled NTP, verify and verify + branch (compiled; packed fp32 weights on a
   CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is installed (the ``peers`` extra), also
   llama.cpp F32 and Q8_0 on the same weights (``bench/llama_peer.py``) and sbd_ext's compiled NTP in w8a8 (Q8_0's
-  precision class).
+  precision class); where vLLM's CPU build has its venv (``tools/vllm_env.sh``: ``.venv-vllm``, or
+  ``SBD_BENCH_VLLM_PYTHON``), vLLM serving the same checkpoint (fp32, eager, one request at a time).
 - On a GPU (or with ``--device-cycle``) ``arith`` and ``chat`` also run their compiled modes with the decoding
   cycle on the device (``cycle="device"``; chat's verify then without lookup): rows "..., device cycle".
 - ``arith_drafter``: the SmolLM2 NTP control (``smollm2-ntp``) with its arithmetic drafter: HF ``generate``, compiled
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -46,6 +48,7 @@ import torch
 import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
+from sbd_ext.integration.server import VLLMServer
 from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
 
@@ -65,6 +68,8 @@ SIZES = {
     "arith_drafter": ((8, 96), (2, 8)),
 }
 torch._dynamo.config.recompile_limit = 64
+# vLLM's CPU build lives in a venv of its own (tools/vllm_env.sh): the chat suite serves the same checkpoint from it
+VLLM_PYTHON = Path(os.environ.get("SBD_BENCH_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
 def machine(device: torch.device) -> dict:
@@ -120,6 +125,19 @@ def sbd_decoder(model, max_new: int, eos: int, **kw):
     def run(p):
         out = sbd_ext.generate(model, p, max_new_tokens=max_new, eos_token_id=eos, **kw)
         return _cut(out.sequences[0, p.shape[1] :].tolist(), eos), int(out.nfe.sum())
+
+    return run
+
+
+def vllm_decoder(server: VLLMServer, max_new: int, eos: int):
+    """Greedy decoding through vLLM's server (its OpenAI completions API, the prompt as token ids)."""
+
+    def run(p):
+        choice = server.complete(p[0].tolist(), max_new, stop_token_ids=[eos], return_token_ids=True)["choices"][0]
+        out = list(choice["token_ids"])
+        if choice.get("finish_reason") == "stop" and (not out or out[-1] != eos):
+            out.append(eos)  # vLLM leaves the stop token out of the text it returns
+        return _cut(out, eos), None
 
     return run
 
@@ -286,7 +304,17 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
             llm = llama_peer.llama(kind, torch.get_num_threads())
             decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
             roles[label] = "peer"
-    runs = paired(decoders, prompts)
+    server = None
+    if device.type == "cpu" and VLLM_PYTHON.exists():  # the peers extra: vLLM's CPU build on the same checkpoint
+        server = VLLMServer(checkpoint.ensure_checkpoint(), threads=torch.get_num_threads(), python=VLLM_PYTHON)
+        server.start()
+        decoders["vLLM (CPU build)"] = vllm_decoder(server, max_new, eos)
+        roles["vLLM (CPU build)"] = "peer"
+    try:
+        runs = paired(decoders, prompts)
+    finally:
+        if server is not None:
+            server.stop()
     ref = runs["HF generate"]["answers"]
 
     def judge(answers):
