@@ -158,7 +158,7 @@ def _static_forward(
 # fake kernels are tested against their CPU kernels (python_tests/ops).
 CPU_COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "size_asserts": False}
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple, object] = {}  # (function, device type) -> its compiled form
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -171,13 +171,19 @@ def _compiled_forward(device: torch.device):
     # CUDA: "reduce-overhead" (CUDA graphs). CPU: a C++ wrapper instead of the Python one that calls each kernel
     # (~150 calls per forward of the embedded model, ~1 ms; a SmolLM2 verify forward with its drafter makes ~1900
     # calls, 631 of them row_linear), built apart from the kernels (CPU_COMPILE_OPTIONS).
+    return compiled_once(_static_forward, device)
+
+
+def compiled_once(fn, device: torch.device):
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with this module's per-device options (CUDA graphs on
+    CUDA, the C++ wrapper on the CPU) and the op schemas in inductor's cache key; built once per (fn, device
+    type)."""
     kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": dict(CPU_COMPILE_OPTIONS)}
     with _COMPILE_LOCK:
-        if device.type not in _COMPILED:
-            _COMPILED[device.type] = _with_cache_tag(
-                torch.compile(_static_forward, fullgraph=True, dynamic=False, **kw)
-            )
-        return _COMPILED[device.type]
+        key = (fn, device.type)
+        if key not in _COMPILED:
+            _COMPILED[key] = _with_cache_tag(torch.compile(fn, fullgraph=True, dynamic=False, **kw))
+        return _COMPILED[key]
 
 
 def cache_tag() -> str:

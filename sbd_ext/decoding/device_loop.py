@@ -11,7 +11,7 @@ import torch
 from .. import ops
 from ..cache import SBDCache
 from . import device_cycle as dcyc
-from .compiled import _COMPILE_LOCK, CPU_COMPILE_OPTIONS, _compiled_variant_ok, _variant_key, _with_cache_tag
+from .compiled import _COMPILE_LOCK, _compiled_variant_ok, _variant_key, compiled_once
 from .device_cycle import ERRORS, FIELDS, SYNC_EVERY
 from .settings import Job
 from .state import SequenceState
@@ -115,18 +115,7 @@ def final_tokens(st: CycleState, job: Job) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------------------
 # the host's loop
 # --------------------------------------------------------------------------------------------------------
-_CYCLE_FN: dict[str, object] = {}
 _CYCLE_VARIANTS: set = set()  # the cycle's compiled variants (dynamo bounds each function's graphs)
-
-
-def _compiled_cycle(device: torch.device):
-    """torch.compile of the cycle (fullgraph), one per device type: CUDA graphs on CUDA, the C++ wrapper on the
-    CPU (as the compiled step's forward, :func:`sbd_ext.decoding.compiled._compiled_forward`)."""
-    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": dict(CPU_COMPILE_OPTIONS)}
-    with _COMPILE_LOCK:
-        if device.type not in _CYCLE_FN:
-            _CYCLE_FN[device.type] = _with_cache_tag(torch.compile(dcyc.cycle, fullgraph=True, dynamic=False, **kw))
-        return _CYCLE_FN[device.type]
 
 
 _STATE_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shapes: CycleState}
@@ -189,7 +178,7 @@ def decode_device(
         drafter = getattr(model, "sbd_drafter", None)
         if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
             drafter.refresh(model, device)
-        fn = _compiled_cycle(device)
+        fn = compiled_once(dcyc.cycle, device)
         for t in (st.out, st.corr) + ((st.pend,) if sized else ()):  # prompt lengths and budgets: one graph
             torch._dynamo.mark_dynamic(t, 1)
         st = _pooled(model, st)  # (on the CPU too: the same path, and a repeated shape reuses its buffers)
