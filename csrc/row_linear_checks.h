@@ -8,9 +8,11 @@
 
 namespace sbd_ext {
 
-// An fp32 weight [N / 16, K, 16]: packed in panels of 16 rows (any other rank-3 weight is refused as not 2-D).
+// An fp32 or bf16 weight [N / 16, K, 16]: packed in panels of 16 rows (any other rank-3 weight is refused as not
+// 2-D).
 inline bool row_linear_is_packed(const at::Tensor& weight) {
-  return weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.size(2) == 16;
+  return weight.dim() == 3 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+         weight.size(2) == 16;
 }
 
 // An int8 weight packed in panels for int8 x (sbd_ext.packing.pack_row_linear_int8): uint8 [N / 16, K / 4, 16, 4]
@@ -19,7 +21,7 @@ inline bool row_linear_is_q8_packed(const at::Tensor& weight) {
   return weight.dim() == 4 && weight.scalar_type() == at::kByte;
 }
 
-// Output rows N of a row_linear weight: [N, K], or a packed fp32 weight [N / 16, K, 16] (16 N / 16).
+// Output rows N of a row_linear weight: [N, K], or a packed fp32 / bf16 weight [N / 16, K, 16] (16 N / 16).
 inline int64_t row_linear_out_features(const at::Tensor& weight) {
   return row_linear_is_packed(weight) || row_linear_is_q8_packed(weight) ? weight.size(0) * weight.size(2)
                                                                            : weight.size(0);
@@ -27,8 +29,8 @@ inline int64_t row_linear_out_features(const at::Tensor& weight) {
 
 // x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
 // int64. weight is fp32 with no scale, or int8 (weight-only quantisation) with scale [N] fp32 (one per weight row),
-// contiguous, on the same device, or fp32 packed in panels of 16 rows (sbd_ext.pack): [N / 16, K, 16], contiguous,
-// no scale. quantize_x (x quantised to int8 per block of 32 at run time) needs the int8 weight.
+// contiguous, on the same device, or fp32 / bf16 packed in panels of 16 rows (sbd_ext.packing): [N / 16, K, 16],
+// contiguous, no scale. quantize_x (x quantised to int8 per block of 32 at run time) needs the int8 weight.
 inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                              bool quantize_x) {
   constexpr const char* op = "row_linear";
@@ -55,7 +57,7 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
                       weight.strides());
     checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
   } else {
-    check_dim(op, "weight", weight, 2, "[N, K] (or fp32 packed: [N / 16, K, 16])");
+    check_dim(op, "weight", weight, 2, "[N, K] (or fp32 / bf16 packed: [N / 16, K, 16])");
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
   }
   check_same_device(op, "weight", weight, x, "x");

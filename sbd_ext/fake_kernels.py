@@ -12,8 +12,8 @@ __all__ = ["row_linear_out_features"]
 
 
 def row_linear_out_features(weight: torch.Tensor) -> int:
-    """N, the output size of row_linear with this weight: [N, K], or packed [N / 16, K, 16]."""
-    packed = weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == PANEL
+    """N, the output size of row_linear with this weight: [N, K], or packed (fp32 / bf16) [N / 16, K, 16]."""
+    packed = weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[2] == PANEL
     return weight.shape[0] * PANEL if packed or weight.dtype == torch.uint8 else weight.shape[0]
 
 
@@ -91,7 +91,9 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
         if t.dtype not in allowed[name]:
             want = ", ".join(names[d] for d in allowed[name])
             raise TypeError(f"row_linear: {name} must have dtype {want}, got {t.dtype}")
-        packed = name == "weight" and t.dim() == 3 and t.dtype == torch.float32 and t.shape[2] == PANEL
+        packed = (
+            name == "weight" and t.dim() == 3 and t.dtype in (torch.float32, torch.bfloat16) and t.shape[2] == PANEL
+        )
         if name == "weight" and t.dtype == torch.uint8:
             if t.dim() != 4 or t.shape[2] != PANEL or t.shape[3] != 4:
                 raise ValueError(

@@ -1,7 +1,7 @@
-"""row_linear's packed weight layouts (:func:`sbd_ext.ops.row_linear` takes them as its ``weight``): fp32 in panels
-of 16 weight rows, and int8 for int8 x. The same values, moved, so that the CPU kernel multiplies a whole panel
-vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model, "packed")`` / ``"w8a8"`` use them in a
-model (sbd_ext/quantization.py)."""
+"""row_linear's packed weight layouts (:func:`sbd_ext.ops.row_linear` takes them as its ``weight``): fp32 or bf16 in
+panels of 16 weight rows, and int8 for int8 x. The same values, moved, so that the CPU kernel multiplies a whole panel
+vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model, "packed")`` / ``"bf16"`` / ``"w8a8"``
+use them in a model (sbd_ext/quantization.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ __all__ = [
 PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
 
 
-def _checked(fn: str, weight: torch.Tensor, dtype: torch.dtype, wrong_dtype: str, pad: bool) -> tuple[int, int]:
-    """(N, K) of a 2-D ``weight`` of ``dtype`` to pack; N a multiple of 16 unless ``pad``."""
+def _checked(fn: str, weight: torch.Tensor, dtypes: tuple, wrong_dtype: str, pad: bool) -> tuple[int, int]:
+    """(N, K) of a 2-D ``weight`` of one of ``dtypes`` to pack; N a multiple of 16 unless ``pad``."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{fn}: weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype != dtype:
+    if weight.dtype not in dtypes:
         raise TypeError(f"{fn}: {wrong_dtype}, got {weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"{fn}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
@@ -36,11 +36,18 @@ def _checked(fn: str, weight: torch.Tensor, dtype: torch.dtype, wrong_dtype: str
 
 
 def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
-    """An fp32 weight [N, K] in row_linear's panel layout: [N / 16, K, 16], contiguous, where weight row ``n``,
+    """An fp32 or bf16 weight [N, K] in row_linear's panel layout: [N / 16, K, 16] of its dtype, contiguous, where
+    weight row ``n``,
     column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple of 16, or, with
     ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows' outputs, 0, too: slice
     them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is its inverse."""
-    n, k = _checked("pack_row_linear_weight", weight, torch.float32, "the packed layout is for fp32 weights", pad)
+    n, k = _checked(
+        "pack_row_linear_weight",
+        weight,
+        (torch.float32, torch.bfloat16),
+        "the packed layout is for fp32 or bf16 weights",
+        pad,
+    )
     if n % PANEL != 0:
         weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
         n = weight.shape[0]
@@ -66,7 +73,7 @@ def pack_row_linear_int8(weight_int8: torch.Tensor, pad: bool = False) -> torch.
     whole blocks of 32). With AVX512-VNNI the CPU kernel multiplies it with one ``vpdpbusd`` per 64 products. N must
     be a multiple of 16, or, with ``pad=True``, is padded with zero rows (their outputs are 0: slice them off).
     :func:`unpack_row_linear_int8` is the inverse."""
-    n, k = _checked("pack_row_linear_int8", weight_int8, torch.int8, "the weight must be int8", pad)
+    n, k = _checked("pack_row_linear_int8", weight_int8, (torch.int8,), "the weight must be int8", pad)
     n_pad, k_pad = -n % PANEL, -k % 32
     w = torch.nn.functional.pad(weight_int8.detach().to(torch.int16), (0, k_pad, 0, n_pad)) + 128
     rows, kp = w.shape

@@ -1,5 +1,5 @@
 """Weight formats for the CPU decoding forward: ``sbd_ext.quantize(model, "packed")`` (fp32 in row_linear's panel
-layout), ``"int8"`` (weight-only) or ``"w8a8"``.
+layout), ``"bf16"`` (the same panels in bf16), ``"int8"`` (weight-only) or ``"w8a8"``.
 
 Why: on a CPU a decoding forward of a few rows is a pass over the weights, and fp32 weights are four bytes each. With
 int8 weights and one fp32 scale per output row (symmetric, per channel: ``scale = max|w_row| / 127``,
@@ -26,6 +26,11 @@ at the FMA rate (one weight vector times a broadcast input value per step, no la
 thread) SmolLM2's linears at 16 rows in 37 ms instead of 59, the output head in 8.5 ms instead of 15.5, one row
 15.8 instead of 18.6. Outputs equal the plain layers' to fp32 rounding (the sum order differs). The memory is the
 fp32 model's, plus a packed copy of a weight tied to the embedding (the head).
+
+``"bf16"`` is ``"packed"`` with each weight rounded to bf16 (to nearest even): half the bytes, widened exactly in
+registers, the products and sums those of ``"packed"`` in fp32 (activations stay fp32), so a one-row forward -- a pass
+over the weights -- reads half as much, at bf16's rounding of the weights (8 bits of mantissa; int8's per-row scale
+keeps about 7 at best). A row's result does not depend on the rows beside it, so verify is exact for it too.
 
 It is one-way and for inference: gradients do not flow through an int8 or packed weight, and the tensors are buffers
 (``weight_int8``, ``weight_scale``, ``weight_packed``), not a checkpoint format; quantize after loading, every time.
@@ -71,7 +76,8 @@ __all__ = [
     "saveable_state_dict",
 ]
 
-SCHEMES = ("packed", "int8", "w8a8")
+SCHEMES = ("packed", "bf16", "int8", "w8a8")
+_PANEL_DTYPES = {"packed": torch.float32, "bf16": torch.bfloat16}
 _STATE = "_sbd_quantized"
 _LOCK = threading.Lock()
 
@@ -166,9 +172,9 @@ class Int8Linear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose fp32 weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
-    :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``): the same values, so the same outputs to fp32
-    rounding, with a CPU kernel that runs a verify forward's 9-16 rows at the FMA rate. fp32 rows without an
+    """``nn.Linear`` whose weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
+    :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``, fp32: the same values, so the same outputs to
+    fp32 rounding; ``"bf16"``: the weight rounded to bf16, widened in the kernel), with a CPU kernel that runs a verify forward's 9-16 rows at the FMA rate. fp32 rows without an
     autograd graph run :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding
     unpacks it); anything else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32
     tensor where the layer shares the embedding's, else the unpacked weight (computed on each access)."""
@@ -176,7 +182,7 @@ class PackedLinear(nn.Linear):
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         tied = self._parameters.get("weight")
-        return tied if tied is not None else unpack_row_linear_weight(self.weight_packed, self.out_features)
+        return tied if tied is not None else unpack_row_linear_weight(self.weight_packed, self.out_features).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _follow_tied(self)
@@ -189,7 +195,7 @@ class PackedLinear(nn.Linear):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight=fp32 packed in panels of {PANEL}"
+        return f"{super().extra_repr()}, weight={str(self.weight_packed.dtype)[6:]} packed in panels of {PANEL}"
 
 
 def _tied_key(w: torch.Tensor) -> tuple:
@@ -207,7 +213,7 @@ def _follow_tied(m: nn.Module) -> None:
         return
     m.out_features = tied.shape[0]
     if isinstance(m, PackedLinear):
-        m.weight_packed = pack_row_linear_weight(tied, pad=True)
+        m.weight_packed = pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True)
     else:
         packed = "weight_int8_packed" in m._buffers
         if packed:
@@ -226,11 +232,12 @@ def _tied_ids(model: nn.Module) -> set[int]:
 @torch.no_grad()
 def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
     """The weights of every plain ``nn.Linear`` / ``RowLinear`` of an fp32 ``model`` in another format, in place
-    (see the module doc); returns ``model``. ``scheme``: "int8" (int8 weights), "w8a8" (and int8 inputs), or
-    "packed" (fp32 weights in row_linear's panel layout: the same values, an output size that is not a multiple of
-    16 padded with zero rows whose outputs the layer drops). Calling it again with the same scheme is a no-op;
-    between "int8" and "w8a8" it switches the layers' inputs (the int8 weights are the same); "int8" / "w8a8" on a packed model quantise the packed layers too;
-    "packed" on an int8 model is refused. Raises ValueError for an unknown scheme or a model whose linear weights are
+    (see the module doc); returns ``model``. ``scheme``: "int8" (int8 weights), "w8a8" (and int8 inputs), "packed"
+    (fp32 weights in row_linear's panel layout: the same values, an output size that is not a multiple of 16 padded
+    with zero rows whose outputs the layer drops) or "bf16" (those panels in bf16). Calling it again with the same
+    scheme is a no-op; between "int8" and "w8a8" it switches the layers' inputs (the int8 weights are the same);
+    "bf16" / "int8" / "w8a8" on a packed model convert the packed layers too; any other change from rounded weights
+    (int8 or bf16) is refused. Raises ValueError for an unknown scheme or a model whose linear weights are
     not fp32 (the kernel's activations are fp32: convert with ``model.float()`` first), TypeError for a non-module."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -238,23 +245,24 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
         raise ValueError(f"quantize: unknown scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
     with _LOCK:
         current = getattr(model, _STATE, None)
-        if scheme == "packed" and current in ("int8", "w8a8"):
+        if current not in (None, "packed", scheme) and {current, scheme} != {"int8", "w8a8"}:
             raise ValueError(
-                f"quantize: this model's weights are already int8 ({current!r}); \"packed\" is a layout for fp32 "
-                "weights (reload the fp32 model to pack it)"
+                f"quantize: this model's weights are already rounded to {current!r}; {scheme!r} is made from the "
+                "fp32 weights (reload the fp32 model to convert it)"
             )
         kinds = (nn.Linear, RowLinear) if scheme == "packed" else (nn.Linear, RowLinear, PackedLinear)
         targets = [m for m in model.modules() if type(m) in kinds]
         bad = sorted({str(m.weight.dtype) for m in targets if m.weight.dtype != torch.float32})
         if bad:
-            what = "the packed layout" if scheme == "packed" else "int8 quantisation"
+            what = "the packed layout" if scheme in _PANEL_DTYPES else "int8 quantisation"
             raise ValueError(
                 f"quantize: {what} is for fp32 models (the kernel's activations are fp32); "
                 f"this model has linear weights in {', '.join(bad)}: call model.float() first"
             )
         tied = _tied_ids(model)
-        if scheme == "packed":
-            converted = [(pack_row_linear_weight(m.weight, pad=True),) for m in targets]  # checks before any change
+        panel = _PANEL_DTYPES.get(scheme)
+        if panel is not None:  # checks before any change
+            converted = [(pack_row_linear_weight(m.weight.to(panel), pad=True),) for m in targets]
         else:
             converted = [quantize_weight(m.weight) for m in targets]
         for m, new in zip(targets, converted, strict=True):
@@ -263,7 +271,7 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 del m.weight  # frees the fp32 weight (the module's parameter; nothing else holds it)
             if isinstance(m, PackedLinear):
                 del m.weight_packed
-            if scheme == "packed":
+            if panel is not None:
                 m.register_buffer("weight_packed", new[0].to(w.device))
                 m.__class__ = PackedLinear
             else:
@@ -330,13 +338,17 @@ def _all_parameters(model: nn.Module, recurse: bool = True):
 def saveable_state_dict(model: nn.Module, state_dict: dict | None = None, who: str = "save_pretrained"):
     """``state_dict`` (None: the model's) as a checkpoint of ``model`` to save: unchanged (None stays None) without
     converted layers; a packed layer's ``weight_packed`` as its ``weight`` in ``nn.Linear``'s layout (the same fp32
-    values, what from_pretrained loads). Raises ValueError for int8 layers (``"int8"`` / ``"w8a8"``): their int8 values
-    are not the original weights, and from_pretrained would give those layers random ones."""
-    int8 = [(n, m) for n, m in model.named_modules() if isinstance(m, Int8Linear)]
+    values, what from_pretrained loads). Raises ValueError for rounded layers (``"int8"`` / ``"w8a8"`` / ``"bf16"``):
+    their values are not the original weights, and from_pretrained would give those layers random ones."""
+    int8 = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, Int8Linear) or (isinstance(m, PackedLinear) and m.weight_packed.dtype != torch.float32)
+    ]
     if int8:
-        scheme = quantized_scheme(model) or ("w8a8" if int8[0][1].quantize_x else "int8")
+        scheme = quantized_scheme(model) or ("w8a8" if getattr(int8[0][1], "quantize_x", False) else "int8")
         raise ValueError(
-            f"{who}: this model is quantized with scheme {scheme!r} (sbd_ext.quantize: int8 weights in buffers, e.g. "
+            f"{who}: this model is quantized with scheme {scheme!r} (sbd_ext.quantize: rounded weights in buffers, e.g. "
             f"{int8[0][0] or 'the model'}), which is not a checkpoint format (from_pretrained would load those layers "
             "with random weights); quantize is for inference after loading: save the fp32 model, and call "
             "sbd_ext.quantize after from_pretrained"
@@ -378,7 +390,7 @@ def _set_int8_layout(m: Int8Linear, packed: bool) -> None:
 
 
 def quantized_scheme(model: nn.Module) -> str | None:
-    """The scheme :func:`quantize` applied to ``model`` ("packed", "int8" or "w8a8"), or None: part of a compiled
+    """The scheme :func:`quantize` applied to ``model`` ("packed", "bf16", "int8" or "w8a8"), or None: part of a compiled
     variant's key."""
     return getattr(model, _STATE, None)
 

@@ -303,8 +303,8 @@ def row_linear(
     [N / 16, K / 4, 16, 4]: ``weight[n // 16, k // 4, n % 16, k % 4] - 128``), accumulated in float64 and
     returned as fp32 [M, N]. ``quantize_x`` (int8 weight only): x quantised by :func:`quantize_x_blocks`, each
     block's integer dot product times its scale."""
-    if weight.dim() == 3 and weight.dtype == torch.float32 and weight.shape[2] == 16:  # packed: [N / 16, K, 16]
-        weight = unpack_row_linear_weight(weight)
+    if weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[2] == 16:  # packed
+        weight = unpack_row_linear_weight(weight)  # [N / 16, K, 16] -> [N, K]
     if weight.dim() == 4 and weight.dtype == torch.uint8:  # packed int8: q + 128 in [N / 16, K / 4, 16, 4]
         weight = unpack_row_linear_int8(weight, k=x.shape[1])
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:

@@ -354,6 +354,29 @@ inline void pv_store(float* p, PVec v) { v.store(p); }
 constexpr int kPL = Vec::size();
 #endif
 constexpr int kPV = static_cast<int>(kRowLinearPanel) / kPL;  // vectors per panel step
+
+// kPL panel values as fp32: an fp32 panel's (loaded) or a bf16 panel's (sbd_ext.quantize(model, "bf16"): the 16 bits
+// are the fp32 value's upper half, widened exactly: vpmovzxwd + a shift by 16). A bf16 panel is half the bytes of
+// an fp32 one with the same sums, so the one-row stream (bandwidth-bound) reads half as much.
+inline PVec pv_load_w(const float* p) { return pv_load(p); }
+inline PVec pv_load_w(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  alignas(64) float lanes[kPL];
+  for (int i = 0; i < kPL; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    std::memcpy(&lanes[i], &bits, sizeof(float));
+  }
+  return pv_load(lanes);
+#endif
+}
+inline const float* panel_weight(const RowLinearParams& p, float) { return p.w; }
+inline const uint16_t* panel_weight(const RowLinearParams& p, uint16_t) { return p.wb; }
 constexpr int64_t kPanelAhead = 4096;
 // The fp32 panel stream's software prefetch, per ISA, each measured on one machine (1 thread, SmolLM2's shapes
 // streamed from memory, a standalone copy of panel_tile, best of 6 interleaved passes over ~400 MB). AVX-512 (AMD
@@ -380,23 +403,23 @@ constexpr int k_sets() {
 
 // KS segments starting at segment s0, at once, over the q = K / kSegs steps of each (plus, for the group holding the
 // last segment, its steps past kSegs q alone), into acc[KS][MR * kPV] from zero.
-template <int MR, int KS, bool PREFETCH>
-inline void panel_segments(const RowLinearParams& p, const float* w, const float* xt, int s0, PVec* acc) {
+template <typename W, int MR, int KS, bool PREFETCH>
+inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt, int s0, PVec* acc) {
   constexpr int64_t P = kRowLinearPanel;
   const int64_t K = p.K, q = seg_begin(K, 1), ld = p.M;
-  const char* end = reinterpret_cast<const char*>(p.w + p.N * K);
+  const char* end = reinterpret_cast<const char*>(panel_weight(p, W{}) + p.N * K);
   for (int a = 0; a < KS * MR * kPV; ++a) acc[a] = pv_zero();
   for (int64_t k = 0; k < q; ++k) {
     for (int s = 0; s < KS; ++s) {
       const int64_t ks = (s0 + s) * q + k;
-      const float* wk = w + ks * P;
+      const W* wk = w + ks * P;
       const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
         const char* ahead = reinterpret_cast<const char*>(wk) + kF32PanelAhead;
         if (ahead < end) __builtin_prefetch(ahead, 0, MR <= 2 ? 1 : 3);
       }
       PVec wv[kPV];
-      for (int v = 0; v < kPV; ++v) wv[v] = pv_load(wk + v * kPL);
+      for (int v = 0; v < kPV; ++v) wv[v] = pv_load_w(wk + v * kPL);
       for (int i = 0; i < MR; ++i) {
         const PVec b = pv_set1(xk[i]);
         for (int v = 0; v < kPV; ++v) acc[(s * MR + i) * kPV + v] = pv_fmadd(b, wv[v], acc[(s * MR + i) * kPV + v]);
@@ -407,7 +430,7 @@ inline void panel_segments(const RowLinearParams& p, const float* w, const float
     PVec* a3 = acc + (KS - 1) * MR * kPV;
     for (int64_t k = kSegs * q; k < K; ++k) {
       PVec wv[kPV];
-      for (int v = 0; v < kPV; ++v) wv[v] = pv_load(w + k * P + v * kPL);
+      for (int v = 0; v < kPV; ++v) wv[v] = pv_load_w(w + k * P + v * kPL);
       for (int i = 0; i < MR; ++i) {
         const PVec b = pv_set1(xt[k * ld + i]);
         for (int v = 0; v < kPV; ++v) a3[i * kPV + v] = pv_fmadd(b, wv[v], a3[i * kPV + v]);
@@ -416,17 +439,17 @@ inline void panel_segments(const RowLinearParams& p, const float* w, const float
   }
 }
 
-template <int MR, bool PREFETCH>
+template <typename W, int MR, bool PREFETCH>
 inline void panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
   constexpr int KS = k_sets<MR>();
   constexpr int64_t P = kRowLinearPanel;
   constexpr int NA = MR * kPV;
-  const float* w = p.w + panel * p.K * P;
+  const W* w = panel_weight(p, W{}) + panel * p.K * P;
   const float* xt = p.xt + m0;  // x^T [K, M]: row m's value at step k is xt[k * M + m]
   PVec acc[KS * NA];
   PVec half[2][NA];  // s0 + s1, s2 + s3
   for (int s0 = 0; s0 < kSegs; s0 += KS) {
-    panel_segments<MR, KS, PREFETCH>(p, w, xt, s0, acc);
+    panel_segments<W, MR, KS, PREFETCH>(p, w, xt, s0, acc);
     for (int s = 0; s < KS; ++s) {
       const int seg = s0 + s;
       PVec* h = half[seg / 2];
@@ -467,11 +490,13 @@ void panel_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   }
 }
 
-struct F32Panels {
+// fp32 x times an fp32 (W = float) or bf16 (W = uint16_t, its bits) packed weight: the same tiles and sums.
+template <typename W>
+struct WidePanels {
   static constexpr int kRows = kPMr;
   template <int MR, bool PREFETCH>
   static void run(const RowLinearParams& p, int64_t m0, int64_t panel) {
-    panel_tile<MR, PREFETCH>(p, m0, panel);
+    panel_tile<W, MR, PREFETCH>(p, m0, panel);
   }
 };
 
@@ -847,10 +872,12 @@ void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
     tiled_range<Q8Tiles>(p, n0, n1);
   } else if (p.wq != nullptr) {
     range<int8_t>(p, n0, n1);
+  } else if (p.packed && p.wb != nullptr) {
+    panel_range<WidePanels<uint16_t>>(p, n0, n1);
   } else if (p.wb != nullptr) {
     range<c10::BFloat16>(p, n0, n1);
   } else if (p.packed) {
-    panel_range<F32Panels>(p, n0, n1);
+    panel_range<WidePanels<float>>(p, n0, n1);
   } else {
     range<float>(p, n0, n1);
   }

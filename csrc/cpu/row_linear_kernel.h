@@ -36,7 +36,8 @@ struct RowLinearParams {
   const float* xdt = nullptr;
   const int32_t* xct = nullptr;
   // bf16 weight [N, K] (its bits; w_stride its row stride) instead of w / wq, or nullptr: widened to fp32 in registers,
-  // the fp32 path's sums.
+  // the fp32 path's sums. With `packed`, bf16 panels [N / kRowLinearPanel, K, kRowLinearPanel] laid out as w's (the
+  // fp32 panel path's tiles and sums over the widened values).
   const uint16_t* wb = nullptr;
 };
 

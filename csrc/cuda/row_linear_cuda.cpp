@@ -46,13 +46,14 @@ at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     // CPU kernel's int8 x, dequantised, so every device returns the same numbers to fp32 rounding.
     return at::mm(quantize_x ? quantized_x(x) : x, weight.to(at::kFloat).t()).mul_(*scale);
   }
-  if (row_linear_is_packed(weight)) {  // packed in panels of 16 rows [N / 16, K, 16]: back to [N, K] for cuBLAS (a correct
-    // path: the panel layout is the CPU kernel's; on a GPU keep the weight unpacked)
-    return at::mm(x, weight.transpose(1, 2).reshape({row_linear_out_features(weight), x.size(1)}).t());
-  }
-  if (weight.scalar_type() == at::kBFloat16)  // exact products, fp32 sums; bf16 x: the result rounded to bf16 once
-    return at::mm(x.to(at::kFloat), weight.to(at::kFloat).t()).to(x.scalar_type());
-  return at::mm(x, weight.t());
+  // packed in panels of 16 rows [N / 16, K, 16] (fp32 or bf16): back to [N, K] for cuBLAS (a correct path: the panel
+  // layout is the CPU kernel's; on a GPU keep the weight unpacked)
+  const at::Tensor w = row_linear_is_packed(weight)
+                           ? weight.transpose(1, 2).reshape({row_linear_out_features(weight), x.size(1)})
+                           : weight;
+  if (w.scalar_type() == at::kBFloat16)  // exact products, fp32 sums; bf16 x: the result rounded to bf16 once
+    return at::mm(x.to(at::kFloat), w.to(at::kFloat).t()).to(x.scalar_type());
+  return at::mm(x, w.t());
 }
 
 TORCH_LIBRARY_IMPL(sbd_ext, CUDA, m) { m.impl("row_linear", &row_linear_cuda); }

@@ -38,7 +38,8 @@ def _quantised_input(module, args):
 
 def _dequantised_copy(model: nn.Module, scheme: str = "int8") -> nn.Module:
     """The reference: a copy of the fp32 model whose linear weights are q * scale in fp32 (what int8 stands for);
-    for "w8a8" each linear layer's input also goes through the reference's block quantisation."""
+    for "w8a8" each linear layer's input also goes through the reference's block quantisation; for "bf16" the
+    weights rounded to bf16, in fp32."""
     ref = copy.deepcopy(model)
     use_row_linear(ref, False)  # F.linear: the reference does not run the kernel under test
     if scheme == "packed":  # the same fp32 weights
@@ -46,6 +47,9 @@ def _dequantised_copy(model: nn.Module, scheme: str = "int8") -> nn.Module:
     with torch.no_grad():
         for m in ref.modules():
             if type(m) is nn.Linear:
+                if scheme == "bf16":  # the weights rounded to bf16 (to nearest even), as fp32
+                    m.weight = nn.Parameter(m.weight.bfloat16().float(), requires_grad=False)
+                    continue
                 q, s = quantize_weight(m.weight)
                 m.weight = nn.Parameter(q.float() * s[:, None], requires_grad=False)
                 if scheme == "w8a8":
@@ -208,7 +212,7 @@ def test_packed_forward_equals_the_fp32_model(rows):
 
 
 def test_packed_then_int8_and_not_back():
-    """"int8" on a packed model quantises the packed layers (the same int8 weights as from fp32); "packed" on an
+    """ "int8" on a packed model quantises the packed layers (the same int8 weights as from fp32); "packed" on an
     int8 model is refused."""
     model = tiny_llama(tie=False)
     want = quantize_weight(model.lm_head.weight)[0]
@@ -216,14 +220,14 @@ def test_packed_then_int8_and_not_back():
     sbd_ext.quantize(model, "int8")
     assert quantized_scheme(model) == "int8" and type(model.lm_head) is Int8Linear
     assert torch.equal(model.lm_head.weight_int8, want) and "weight_packed" not in model.lm_head._buffers
-    with pytest.raises(ValueError, match=r"already int8 \('int8'\); \"packed\" is a layout for fp32"):
+    with pytest.raises(ValueError, match=r"already rounded to 'int8'; 'packed' is made from the fp32 weights"):
         sbd_ext.quantize(model, "packed")
     with pytest.raises(ValueError, match=r"the packed layout is for fp32 models .* torch.bfloat16"):
         sbd_ext.quantize(tiny_llama(dtype=torch.bfloat16), "packed")
 
 
 # ---- decoding on int8 (and packed) weights ---------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int8", "w8a8", "packed"])
+@pytest.fixture(scope="module", params=["int8", "w8a8", "packed", "bf16"])
 def arith(request):
     model, tok = models.load(models.DEFAULT_MODEL)
     info = models.demo_info(models.DEFAULT_MODEL)

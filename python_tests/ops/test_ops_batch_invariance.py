@@ -25,6 +25,10 @@ def _forms(w: torch.Tensor):
         ("int8", lambda x: sbd_ext.row_linear(x, q, s)),
         ("w8a8", lambda x: sbd_ext.row_linear(x, q, s, quantize_x=True)),
         ("bf16", lambda x, b=w.bfloat16(): sbd_ext.row_linear(x, b)),  # noqa: B008
+        (
+            "bf16-packed",
+            lambda x, p=pack_row_linear_weight(w.bfloat16(), pad=True): sbd_ext.row_linear(x, p)[:, : w.shape[0]],  # noqa: B008
+        ),
     ]
     if w.shape[0] % 16 == 0:
         forms.append(("w8a8-packed", lambda x, p=pack_row_linear_int8(q): sbd_ext.row_linear(x, p, s, quantize_x=True)))  # noqa: B008

@@ -293,7 +293,7 @@ def test_pack_layout_and_round_trip():
     "weight, match",
     [
         (torch.randn(20, 8), "not a multiple of 16"),
-        (torch.randn(16, 8).double(), "for fp32 weights"),
+        (torch.randn(16, 8).double(), "for fp32 or bf16 weights"),
         (torch.randn(16), "must be 2-D"),
         ("w", "must be a torch.Tensor"),
     ],
