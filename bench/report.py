@@ -189,7 +189,7 @@ def accuracy_judge(tok, probs: list):
 def suite_forward(device: torch.device, quick: bool) -> dict:
     rows_t = (1, 4) if quick else (1, 4, 16)
     rounds = 2 if quick else 15
-    schemes = ["fp32"] if device.type == "cuda" else ["packed", "w8a8"]
+    schemes = ["fp32"] if device.type == "cuda" else ["packed", "bf16", "w8a8"]
     out = []
     for scheme in schemes:
         model, _ = checkpoint.load_smollm2(dtype=torch.float32, attn_implementation="sbd", device=device)
