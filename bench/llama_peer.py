@@ -12,7 +12,7 @@ from pathlib import Path
 from sbd_ext.recipes.smollm2 import checkpoint
 
 GGUF_DIR = Path(os.environ.get("SBD_GGUF_DIR", Path.home() / ".cache" / "sbd_ext" / "gguf"))
-KINDS = ("f32", "q8_0")
+KINDS = ("f32", "bf16", "q8_0")
 
 
 def available() -> bool:
@@ -20,10 +20,14 @@ def available() -> bool:
 
 
 def requantize(src: Path, out: Path, kind: str, threads: int = 1) -> None:
-    """llama.cpp's ``llama_model_quantize`` of ``src`` to ``kind`` ("f32" or "q8_0") into ``out``."""
+    """llama.cpp's ``llama_model_quantize`` of ``src`` to ``kind`` ("f32", "bf16" or "q8_0") into ``out``."""
     import llama_cpp
 
-    ftypes = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    ftypes = {
+        "f32": llama_cpp.LLAMA_FTYPE_ALL_F32,
+        "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+        "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+    }
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[kind]
     params.allow_requantize = True

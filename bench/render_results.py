@@ -98,6 +98,8 @@ def _suite_table(suite: dict) -> list[str]:
     ]
     for r in rows:
         val = f"{100 * r[extra]:.1f} %" if extra == "accuracy" else r[extra]
+        if "equal_to_own_precision_ntp" in r:  # a rounded model's verify: exact against its own NTP
+            val += f" ({r['equal_to_own_precision_ntp']} = its NTP)"
         lines.append(
             f"| {r['decoder']} | {_tps(r['tokens_per_s'])} | {r['tokens_per_forward']:.2f} | {_x(r['vs_peer'])} | "
             f"{_x(r['vs_own_ntp'])} | {val} |"

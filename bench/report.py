@@ -297,10 +297,14 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         device_cycle_rows(decoders, model, max_new, eos, compiled, modes)
     roles = {"HF generate": "peer"}
     if device.type == "cpu" and llama_peer.available():  # the peers extra: llama.cpp on the same weights
-        # sbd_ext at llama.cpp Q8_0's precision class: int8 weights and inputs (NTP runs the base alone)
+        # sbd_ext at llama.cpp BF16's and Q8_0's precisions: bf16 weights (verify too: exact for the bf16 model);
+        # int8 weights and inputs (NTP runs the base alone)
+        bf16, _ = models.load("smollm2-drafter", device=device, quantize="bf16")
+        decoders["NTP, compiled, bf16"] = sbd_decoder(bf16, max_new, eos, mode="ntp", verify=False, compile=compiled)
+        decoders["verify, compiled, bf16"] = sbd_decoder(bf16, max_new, eos, verify=True, compile=compiled)
         w8a8, _ = models.load("smollm2-drafter", device=device, quantize="w8a8")
         decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=compiled)
-        for kind, label in (("f32", "llama.cpp F32"), ("q8_0", "llama.cpp Q8_0")):
+        for kind, label in (("f32", "llama.cpp F32"), ("bf16", "llama.cpp BF16"), ("q8_0", "llama.cpp Q8_0")):
             llm = llama_peer.llama(kind, torch.get_num_threads())
             decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
             roles[label] = "peer"
@@ -320,10 +324,18 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
     def judge(answers):
         return {"equal_to_peer": f"{sum(a == r for a, r in zip(answers, ref, strict=True))}/{len(ref)}"}
 
+    rows = rows_of(runs, "HF generate", "NTP, compiled", roles, judge)
+    if "verify, compiled, bf16" in runs:  # verify is exact for the bf16 model: its answers are bf16 NTP's
+        own = runs["NTP, compiled, bf16"]
+        for row in rows:
+            if row["decoder"] == "verify, compiled, bf16":
+                same = sum(a == b for a, b in zip(runs[row["decoder"]]["answers"], own["answers"], strict=True))
+                row["equal_to_own_precision_ntp"] = f"{same}/{len(ref)}"
+                row["vs_own_precision_ntp"] = round(own["seconds"] / runs[row["decoder"]]["seconds"], 3)
     return {
         "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
         f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
-        "rows": rows_of(runs, "HF generate", "NTP, compiled", roles, judge),
+        "rows": rows,
     }
 
 
