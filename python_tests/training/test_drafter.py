@@ -643,8 +643,16 @@ def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_
         mp.setattr(lora, "gated_lora_linear", lambda *a: used.append(1) or real(*a))
         ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
         comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
+        # then a bf16 base (no fused [W; A]) through the same compiled code: verify == that model's own NTP (with the
+        # shipped SmolLM2 drafter, dynamo's guards over the packed model's copies failed with a TypeError here
+        # while a copy was None in one model and a tensor in the other; this tiny model does not reproduce that)
+        _, rounded = _with_drafter(seed=23)
+        sbd_ext.quantize(rounded, "bf16")
+        own = sbd_ext.generate(rounded, ids, att, mode="ntp", max_new_tokens=16)
+        ver16 = sbd_ext.generate(rounded, ids, att, compile=True, verify=True, **kw)
     assert used and torch.equal(ver.sequences, ref.sequences)
     assert torch.equal(comp.sequences, eager.sequences)
+    assert torch.equal(ver16.sequences, own.sequences)
 
 
 @pytest.mark.parametrize("merge", [None, True], ids=["auto", "merged"])

@@ -100,16 +100,16 @@ class GatedLoRALinear(nn.Module):
         when B changes (an optimizer step, a load bumps its version); a compiled step reads the copy refreshed before
         it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
-            return getattr(self, "_packed_b", None)
+            return _present(getattr(self, "_packed_b", None))
         b = self.lora_B
         key = (b._version, b.data_ptr(), b.dtype, self.scale)
         if getattr(self, "_packed_b_key", None) != key:
-            packed = None
+            packed = _absent()
             if b.shape[0] % PANEL == 0 and b.device.type == "cpu":
                 with torch.no_grad():
                     packed = pack_row_linear_weight((b.detach().float() * self.scale).contiguous())
             self._packed_b, self._packed_b_key = packed, key
-        return self._packed_b
+        return _present(self._packed_b)
 
     def fused_weight(self) -> torch.Tensor | None:
         """``[W; A]`` in row_linear's packed layout ([(N' + r') / 16, K, 16]: the base's panels, then A's rows padded
@@ -125,7 +125,7 @@ class GatedLoRALinear(nn.Module):
         (a ``quantize``, a ``.to()``) and A's rows re-copied in place when A changes (an optimizer step, a load); a
         compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
-            return getattr(self, "_fused", None)
+            return _present(getattr(self, "_fused", None))
         base, a = self.base, self.lora_A
         wp = base._buffers.get("weight_packed") if isinstance(base, PackedLinear) else None
         if wp is None or wp.device.type != "cpu" or a.device.type != "cpu" or wp.dtype != torch.float32:
@@ -146,7 +146,7 @@ class GatedLoRALinear(nn.Module):
 
     def drop_fused(self) -> None:
         """Forget :meth:`fused_weight` (the base keeps its packed weight: a view of it, holding W's values)."""
-        self._fused = self._fused_view = self._fused_key = None
+        self._fused, self._fused_view, self._fused_key = _absent(), None, None
 
     def _fused_out(self, x: torch.Tensor, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output [..., N] (a view of the call's output, bias added), ``x A^T`` [..., r] (a view)) of
@@ -276,3 +276,15 @@ def _gated(delta: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``delta`` on the rows whose gate is set, exactly 0 elsewhere: a select, not ``delta * gate``, so that a
     non-finite adapter output on a block row (a drafter's inf / NaN) never reaches a committed row (inf * 0 = NaN)."""
     return torch.where(gate > 0, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+
+
+def _absent() -> torch.Tensor:
+    """What a cached copy (``_fused``, ``_packed_b``) holds where it does not apply: an empty tensor, not None. A
+    compiled step reads the copy as a module attribute, and dynamo's guards over two models whose copies are a
+    tensor in one and None in the other fail with a TypeError (weak reference to None) instead of recompiling: seen
+    with a packed model's compiled verify followed by a bf16 one's (whose base has no fused [W; A])."""
+    return torch.empty(0)
+
+
+def _present(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is not None and t.numel() > 0 else None
