@@ -83,7 +83,7 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
   checked_mul(op, "the output size M * N", {x.size(0), row_linear_out_features(weight)});
 }
 
-// gated_lora_linear (the CPU binding; no other device has it): x [M, K] fp32; weight fp32 packed [P, K, 16]
+// gated_lora_linear (the CPU binding; no other device has it): x [M, K] fp32; weight fp32 or bf16 packed [P, K, 16]
 // holding the base's N = 16 * lora_b.size(0) rows, then the adapter's r = lora_b.size(1) A rows (P * 16 >= N + r);
 // lora_b fp32 packed [N / 16, r, 16]; gate fp32 [M]; every tensor on x's device, weight, lora_b and gate contiguous,
 // x contiguous along K.
@@ -91,7 +91,7 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
                                     const at::Tensor& gate) {
   constexpr const char* op = "gated_lora_linear";
   check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kBFloat16});
   check_dtype(op, "lora_b", lora_b, {at::kFloat});
   check_dtype(op, "gate", gate, {at::kFloat});
   check_dim(op, "x", x, 2, "[M, K]");

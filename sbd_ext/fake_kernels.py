@@ -42,8 +42,9 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
     # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
     op = "gated_lora_linear"
     for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: {name} must have dtype Float, got {t.dtype}")
+        if t.dtype != torch.float32 and not (name == "weight" and t.dtype == torch.bfloat16):
+            want = "Float, BFloat16" if name == "weight" else "Float"
+            raise TypeError(f"{op}: {name} must have dtype {want}, got {t.dtype}")
         if t.device != x.device:
             raise RuntimeError(
                 f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"

@@ -266,7 +266,7 @@ def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tenso
 
     Args:
         x: [M, K] fp32, contiguous along K (rows may be strided).
-        weight: fp32 packed in panels of 16 rows ([P, K, 16], contiguous;
+        weight: fp32 or bf16 packed in panels of 16 rows ([P, K, 16], contiguous;
             :func:`sbd_ext.packing.pack_row_linear_weight`): the base's N rows W (N = 16 * lora_b.size(0)), then the
             adapter's r rows A (r = lora_b.size(1)), zero rows to whole panels (``pad=True``):
             P >= N / 16 + ceil(r / 16).

@@ -329,6 +329,7 @@ def row_linear(
 
 def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``x W^T + gate[:, None] * ((x A^T) B'^T)`` in float64, returned as fp32 [M, N]: ``weight`` packed [P, K, 16]
+    (fp32 or bf16)
     holds W (its first N = 16 * lora_b.size(0) rows) and A (the next r = lora_b.size(1) rows), ``lora_b`` packed
     [N / 16, r, 16] holds B' [N, r]. Rows with gate 0 are ``x W^T`` (their adapter term is not added)."""
     w = unpack_row_linear_weight(weight).double()

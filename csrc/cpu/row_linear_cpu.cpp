@@ -29,11 +29,13 @@ void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std:
     for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
 }
 
-sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, int64_t N, float* out,
-                                       int64_t out_stride) {
+// A packed weight's panels: fp32 (w) or bf16 (wb, its bits), the other nullptr.
+sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, const uint16_t* wb,
+                                       int64_t N, float* out, int64_t out_stride) {
   sbd_cpu::RowLinearParams p{xt, K, w, 0, nullptr, nullptr, out, out_stride, M, N, K};
   p.packed = true;
   p.xt = xt;
+  p.wb = wb;
   return p;
 }
 
@@ -135,8 +137,13 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   if (M == 0) return out;
   if (K == 0) return out.zero_();
   const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const float* wa = w + (N / P) * K * P;  // A's panels follow the base's
+  // [W; A] in fp32, or in bf16 (sbd_ext.quantize(model, "bf16"): the base's panels and A's rounded alike)
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const float* w = bf16 ? nullptr : weight.data_ptr<float>();
+  const uint16_t* wb = bf16 ? reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t a_off = (N / P) * K * P;  // A's panels follow the base's
+  const float* wa = bf16 ? nullptr : w + a_off;
+  const uint16_t* wba = bf16 ? wb + a_off : nullptr;
   const float* b = lora_b.data_ptr<float>();
   const float* g = gate.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -147,8 +154,8 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     const int64_t Ms = std::min(sbd_cpu::kRowLinearRows, M - m0);
     transpose_rows(xp + m0 * x.stride(0), x.stride(0), Ms, K, xt);
     if (h.size() < static_cast<size_t>(Ms * r_pad)) h.resize(Ms * r_pad);
-    const auto pw = packed_params(xt.data(), Ms, K, w, N, o + m0 * N, N);
-    const auto pa = packed_params(xt.data(), Ms, K, wa, r_pad, h.data(), r_pad);
+    const auto pw = packed_params(xt.data(), Ms, K, w, wb, N, o + m0 * N, N);
+    const auto pa = packed_params(xt.data(), Ms, K, wa, wba, r_pad, h.data(), r_pad);
     at::parallel_for(0, base_chunks + a_chunks, 1, [&](int64_t c0, int64_t c1) {
       if (c0 < base_chunks) SBD_CPU_DISPATCH(row_linear_range, pw, c0 * C, std::min(N, std::min(c1, base_chunks) * C));
       if (c1 > base_chunks) {
@@ -168,7 +175,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     // raw pointers: inside the chunks (other threads) the names xt, h, ht, delta, rows are those threads' own
     const float* d = delta.data();
     const int64_t* rw = rows.data();
-    const auto pb = packed_params(ht.data(), G, r, b, N, delta.data(), N);
+    const auto pb = packed_params(ht.data(), G, r, b, nullptr, N, delta.data(), N);
     at::parallel_for(0, b_chunks, 1, [&](int64_t c0, int64_t c1) {
       const int64_t n0 = c0 * C, n1 = std::min(N, c1 * C);
       SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);

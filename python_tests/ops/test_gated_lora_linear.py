@@ -12,11 +12,11 @@ from sbd_ext.packing import pack_row_linear_weight, unpack_row_linear_weight
 EPS32 = 2.0**-24
 
 
-def _case(M, N, K, r, seed, gate="mixed"):
-    """(x, [W; A] packed, scale * B packed, gate, W packed)."""
+def _case(M, N, K, r, seed, gate="mixed", dtype=torch.float32):
+    """(x, [W; A] packed, scale * B packed, gate, W packed); ``dtype``: W's and A's (bf16: a "bf16" model's)."""
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    a, b = torch.randn(r, K, generator=g), torch.randn(N, r, generator=g) * 0.3
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).to(dtype)
+    a, b = torch.randn(r, K, generator=g).to(dtype), torch.randn(N, r, generator=g) * 0.3
     wp = pack_row_linear_weight(w)
     fused = torch.cat([wp, pack_row_linear_weight(a, pad=True)])
     gates = {
@@ -53,11 +53,20 @@ def test_matches_reference(cpu_isa, M, N, K, r):
     _check(gated_lora_linear(x, fused, bp, gate), x, fused, bp, gate, f"M={M} N={N} K={K} r={r}")
 
 
+@pytest.mark.parametrize("M", [1, 3, 7, 16, 33])
+@pytest.mark.parametrize("N, K, r", [(16, 9, 3), (64, 17, 20), (192, 576, 16)])
+def test_bf16_weight_matches_reference(cpu_isa, M, N, K, r):
+    """[W; A] in bf16 panels (a "bf16" model's fused adapter): the products of the widened values, fp32 sums."""
+    x, fused, bp, gate, _ = _case(M, N, K, r, seed=M * 7 + N + K + r, dtype=torch.bfloat16)
+    _check(gated_lora_linear(x, fused, bp, gate), x, fused, bp, gate, f"bf16 M={M} N={N} K={K} r={r}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate", ["mixed", "zero", "one", "scaled"])
-def test_rows_with_gate_zero_are_row_linear_bit_for_bit(cpu_isa, gate):
+def test_rows_with_gate_zero_are_row_linear_bit_for_bit(cpu_isa, gate, dtype):
     """Rows with gate 0 are the base's own row_linear call over the same panels (same rows, same sums), bit for bit:
     the drafter's clean rows are the unmodified model's computation. Other gate values scale the adapter term."""
-    x, fused, bp, g, wp = _case(7, 576, 576, 16, seed=3, gate=gate)
+    x, fused, bp, g, wp = _case(7, 576, 576, 16, seed=3, gate=gate, dtype=dtype)
     y, base = gated_lora_linear(x, fused, bp, g), row_linear(x, wp)
     off = g == 0
     assert torch.equal(y[off], base[off])

@@ -114,7 +114,7 @@ class GatedLoRALinear(nn.Module):
     def fused_weight(self) -> torch.Tensor | None:
         """``[W; A]`` in row_linear's packed layout ([(N' + r') / 16, K, 16]: the base's panels, then A's rows padded
         with zero rows to whole panels) where the base is a :class:`~sbd_ext.quantization.PackedLinear` on the CPU
-        (``sbd_ext.quantize(model, "packed")``), else None. One row_linear call then gives every row's base output
+        (``sbd_ext.quantize(model, "packed")``; ``"bf16"``: bf16 panels, A rounded to bf16 too), else None. One row_linear call then gives every row's base output
         and its ``x A^T`` (outputs ``N' .. N' + r``): the A product rides in the stream of W's panels instead of a
         call of its own (210 calls of ~2.6 MB of A for SmolLM2; measured 2026-11-27: 27.2 -> 31.4 ms for the base
         plus A products at 4 rows, against 34.5 ms with separate calls, best of 30, Zen 3). Each output sums in the
@@ -128,19 +128,20 @@ class GatedLoRALinear(nn.Module):
             return _present(getattr(self, "_fused", None))
         base, a = self.base, self.lora_A
         wp = base._buffers.get("weight_packed") if isinstance(base, PackedLinear) else None
-        if wp is None or wp.device.type != "cpu" or a.device.type != "cpu" or wp.dtype != torch.float32:
+        if wp is None or wp.device.type != "cpu" or a.device.type != "cpu":
             self.drop_fused()
             return None
         fused = getattr(self, "_fused", None)
         if fused is None or wp is not getattr(self, "_fused_view", None):
             with torch.no_grad():
-                fused = torch.cat([wp.detach(), pack_row_linear_weight(a.detach().float(), pad=True)])
+                a_rows = pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True)  # bf16 base: A rounded too
+                fused = torch.cat([wp.detach(), a_rows])
                 view = fused[: wp.shape[0]]
                 base._buffers["weight_packed"] = view  # the same values: W is stored once, in the fused tensor
             self._fused, self._fused_view, self._fused_key = fused, view, (a._version, a.data_ptr())
         elif self._fused_key != (a._version, a.data_ptr()):
             with torch.no_grad():
-                fused[wp.shape[0] :].copy_(pack_row_linear_weight(a.detach().float(), pad=True))
+                fused[wp.shape[0] :].copy_(pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True))
             self._fused_key = (a._version, a.data_ptr())
         return fused
 
