@@ -114,8 +114,9 @@ class GatedLoRALinear(nn.Module):
     def fused_weight(self) -> torch.Tensor | None:
         """``[W; A]`` in row_linear's packed layout ([(N' + r') / 16, K, 16]: the base's panels, then A's rows padded
         with zero rows to whole panels) where the base is a :class:`~sbd_ext.quantization.PackedLinear` on the CPU
-        (``sbd_ext.quantize(model, "packed")``; ``"bf16"``: bf16 panels, A rounded to bf16 too), else None. One row_linear call then gives every row's base output
-        and its ``x A^T`` (outputs ``N' .. N' + r``): the A product rides in the stream of W's panels instead of a
+        (``sbd_ext.quantize(model, "packed")``; ``"bf16"``: bf16 panels, A rounded to bf16 too), else None. One
+        row_linear call then gives every row's base output and its ``x A^T`` (outputs ``N' .. N' + r``): the A
+        product rides in the stream of W's panels instead of a
         call of its own (210 calls of ~2.6 MB of A for SmolLM2; measured 2026-11-27: 27.2 -> 31.4 ms for the base
         plus A products at 4 rows, against 34.5 ms with separate calls, best of 30, Zen 3). Each output sums in the
         same order as the base's own call, so the base's columns are its outputs bit for bit.
