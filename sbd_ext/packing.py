@@ -37,10 +37,10 @@ def _checked(fn: str, weight: torch.Tensor, dtypes: tuple, wrong_dtype: str, pad
 
 def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
     """An fp32 or bf16 weight [N, K] in row_linear's panel layout: [N / 16, K, 16] of its dtype, contiguous, where
-    weight row ``n``,
-    column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple of 16, or, with
-    ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows' outputs, 0, too: slice
-    them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is its inverse."""
+    weight row ``n``, column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple
+    of 16, or, with ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows'
+    outputs, 0, too: slice them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is
+    its inverse."""
     n, k = _checked(
         "pack_row_linear_weight",
         weight,

@@ -174,10 +174,11 @@ class Int8Linear(nn.Linear):
 class PackedLinear(nn.Linear):
     """``nn.Linear`` whose weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
     :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``, fp32: the same values, so the same outputs to
-    fp32 rounding; ``"bf16"``: the weight rounded to bf16, widened in the kernel), with a CPU kernel that runs a verify forward's 9-16 rows at the FMA rate. fp32 rows without an
-    autograd graph run :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding
-    unpacks it); anything else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32
-    tensor where the layer shares the embedding's, else the unpacked weight (computed on each access)."""
+    fp32 rounding; ``"bf16"``: the weight rounded to bf16, widened in the kernel), with a CPU kernel that runs a
+    verify forward's 9-16 rows at the FMA rate. fp32 rows without an autograd graph run
+    :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding unpacks it); anything
+    else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32 tensor where the layer
+    shares the embedding's, else the unpacked weight (computed on each access)."""
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -340,18 +341,19 @@ def saveable_state_dict(model: nn.Module, state_dict: dict | None = None, who: s
     converted layers; a packed layer's ``weight_packed`` as its ``weight`` in ``nn.Linear``'s layout (the same fp32
     values, what from_pretrained loads). Raises ValueError for rounded layers (``"int8"`` / ``"w8a8"`` / ``"bf16"``):
     their values are not the original weights, and from_pretrained would give those layers random ones."""
-    int8 = [
+    rounded = [
         (n, m)
         for n, m in model.named_modules()
         if isinstance(m, Int8Linear) or (isinstance(m, PackedLinear) and m.weight_packed.dtype != torch.float32)
     ]
-    if int8:
-        scheme = quantized_scheme(model) or ("w8a8" if getattr(int8[0][1], "quantize_x", False) else "int8")
+    if rounded:
+        first = rounded[0][1]
+        kind = "bf16" if isinstance(first, PackedLinear) else "w8a8" if first.quantize_x else "int8"
         raise ValueError(
-            f"{who}: this model is quantized with scheme {scheme!r} (sbd_ext.quantize: rounded weights in buffers, e.g. "
-            f"{int8[0][0] or 'the model'}), which is not a checkpoint format (from_pretrained would load those layers "
-            "with random weights); quantize is for inference after loading: save the fp32 model, and call "
-            "sbd_ext.quantize after from_pretrained"
+            f"{who}: this model is quantized with scheme {quantized_scheme(model) or kind!r} (sbd_ext.quantize: "
+            f"rounded weights in buffers, e.g. {rounded[0][0] or 'the model'}), which is not a checkpoint format "
+            "(from_pretrained would load those layers with random weights); quantize is for inference after loading: "
+            "save the fp32 model, and call sbd_ext.quantize after from_pretrained"
         )
     packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
     if not packed:
@@ -390,8 +392,8 @@ def _set_int8_layout(m: Int8Linear, packed: bool) -> None:
 
 
 def quantized_scheme(model: nn.Module) -> str | None:
-    """The scheme :func:`quantize` applied to ``model`` ("packed", "bf16", "int8" or "w8a8"), or None: part of a compiled
-    variant's key."""
+    """The scheme :func:`quantize` applied to ``model`` ("packed", "bf16", "int8" or "w8a8"), or None: part of a
+    compiled variant's key."""
     return getattr(model, _STATE, None)
 
 

@@ -643,9 +643,9 @@ def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_
         mp.setattr(lora, "gated_lora_linear", lambda *a: used.append(1) or real(*a))
         ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
         comp = sbd_ext.generate(model, ids, att, compile=True, **kw)
-        # then a bf16 base (no fused [W; A]) through the same compiled code: verify == that model's own NTP (with the
-        # shipped SmolLM2 drafter, dynamo's guards over the packed model's copies failed with a TypeError here
-        # while a copy was None in one model and a tensor in the other; this tiny model does not reproduce that)
+        # then a bf16 base (its own fused [W; A], in bf16) through the same compiled code: verify == that model's own
+        # NTP. (The TypeError in dynamo's guards that lora._absent avoids came from the shipped drafter with a copy
+        # None in one model and a tensor in the other; this tiny model does not reproduce it.)
         _, rounded = _with_drafter(seed=23)
         sbd_ext.quantize(rounded, "bf16")
         own = sbd_ext.generate(rounded, ids, att, mode="ntp", max_new_tokens=16)

@@ -284,7 +284,8 @@ def _absent() -> torch.Tensor:
     """What a cached copy (``_fused``, ``_packed_b``) holds where it does not apply: an empty tensor, not None. A
     compiled step reads the copy as a module attribute, and dynamo's guards over two models whose copies are a
     tensor in one and None in the other fail with a TypeError (weak reference to None) instead of recompiling: seen
-    with a packed model's compiled verify followed by a bf16 one's (whose base has no fused [W; A])."""
+    with the shipped drafter's compiled verify over a packed base followed by one over a base without a fused
+    [W; A] (then a bf16 base; an int8 or unpacked one still has none)."""
     return torch.empty(0)
 
 
