@@ -37,7 +37,7 @@ def _forms(w: torch.Tensor):
 
 # K: SmolLM2's 576, a ragged 37 (vector and segment tails), 1, 3 and 5 (segments shorter than a vector, empty
 # segments); N: whole and ragged tiles.
-@pytest.mark.parametrize("N,K", [(192, 576), (48, 37), (16, 1), (32, 5), (17, 3), (64, 64)])
+@pytest.mark.parametrize("N,K", [(192, 576), (48, 37), (16, 1), (32, 5), (17, 3), (64, 64), (19, 70)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_linear_row_equals_the_row_alone(cpu_isa, N, K, threads):
     gen = torch.Generator().manual_seed(N * 1000 + K)
