@@ -94,3 +94,31 @@ def test_tqdm_monitor_thread_does_not_count(monkeypatch):
         assert compiled_mod._skip_guards_now() == (not others)
     finally:
         bar.close()
+
+
+def test_a_call_dynamo_refuses_under_the_stance_runs_with_every_guard(ntp_job, monkeypatch):
+    """Where dynamo would have to compile under the skipping stance it raises before running anything; the step
+    then makes the same call with every guard (same tokens)."""
+    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+    model, ids, mask, s = ntp_job
+    monkeypatch.setattr(compiled_mod, "_skip_guards_now", lambda: True)
+    _count_skips(monkeypatch)
+    refused = [0]
+    real = compiled_mod._compiled_forward
+
+    def refusing(device):
+        fn = real(device)
+
+        def run(*args):
+            if _is_skip_guard_eval_unsafe_stance():
+                refused[0] += 1
+                raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled_mod, "_compiled_forward", refusing)
+    got = generate(model, ids, mask, s, compile=True)
+    assert refused[0] > 0
+    assert torch.equal(got.sequences, generate(model, ids, mask, s).sequences)

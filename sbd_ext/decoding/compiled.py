@@ -336,6 +336,17 @@ class StaticStep(DecodeStep):
         self.fn = _compiled_forward(device)
         self._guarded: set[tuple] = set()  # the calls (shapes, arguments) that passed the full guards
 
+    def _call_skipping(self, args: tuple):
+        """The step's call with only the guards that tell its graphs apart; None where dynamo would have to compile
+        under that stance (it raises before running anything): the caller then calls with every guard."""
+        try:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self.fn(*args)
+        except RuntimeError as e:
+            if "skip_guard_eval_unsafe" not in str(e):
+                raise
+            return None
+
     def rows(self, needed: int) -> int:
         if not self.sbd:
             return 1
@@ -359,13 +370,12 @@ class StaticStep(DecodeStep):
         # The full guards on this call's first occurrence in the generation, then only those that tell the graphs
         # apart, when no other thread exists (see COMPILED_RUN_LOCK)
         args = (self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows)
-        seen = (tuple(tokens.shape), tuple(meta.shape), self.block_rows, self.sbd, self.branch_rows)
+        rows_s = self.cache.layers[0].keys.shape[2]  # the cache's capacity: a grown cache is checked in full again
+        seen = (tuple(tokens.shape), tuple(meta.shape), rows_s, self.block_rows, self.sbd, self.branch_rows)
         skip = seen in self._guarded and self.fn is not _static_forward and _skip_guards_now()
         try:
-            if skip:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    logits = self.fn(*args)
-            else:
+            logits = self._call_skipping(args) if skip else None
+            if logits is None:
                 logits = self.fn(*args)
                 self._guarded.add(seen)
         except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
