@@ -99,8 +99,13 @@ GENERATE_IMPLS += ["sbd_ntp_compiled", "sbd_ntp_int8_compiled", "sbd_ntp_w8a8_co
 GENERATE_IMPLS += ["sbd_ntp_packed_compiled", "sbd_verify_packed_compiled"]
 GENERATE_IMPLS += ["llama_bf16", "sbd_ntp_bf16_compiled", "sbd_verify_bf16_compiled"]
 # llama.cpp at each sbd_ext scheme's precision: the ratio every generate row is also stated against
-SAME_PRECISION = {"fp32": "llama_f32", "packed": "llama_f32", "bf16": "llama_bf16", "int8": "llama_q8_0"}
-SAME_PRECISION["w8a8"] = "llama_q8_0"
+SAME_PRECISION = {
+    "fp32": "llama_f32",
+    "packed": "llama_f32",
+    "bf16": "llama_bf16",
+    "int8": "llama_q8_0",
+    "w8a8": "llama_q8_0",
+}
 if _VLLM_PYTHON.exists():
     GENERATE_IMPLS.append("vllm")
 

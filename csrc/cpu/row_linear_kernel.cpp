@@ -533,14 +533,6 @@ constexpr int kQMr = 2;  // x rows per tile
 constexpr int64_t kB = kRowLinearXBlock;
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-inline float hsum(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += lanes[i];
-  return s;
-}
-
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));

@@ -385,6 +385,6 @@ class StaticStep(DecodeStep):
             # count, add graphs): the same forward, uncompiled, for the rest of this variant; nothing ran yet.
             _fall_back(self.variant)
             self.fn = _static_forward
-            logits = self.fn(self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows)
+            logits = self.fn(*args)
         self.cache.advance(n_commit)
         return StepLogits(logits, first_row=0, block_rows_only=self.block_rows > 0)
