@@ -9,6 +9,7 @@ import torch
 
 __all__ = [
     "PANEL",
+    "constant_weight",
     "pack_row_linear_int8",
     "pack_row_linear_weight",
     "unpack_row_linear_int8",
@@ -16,6 +17,18 @@ __all__ = [
 ]
 
 PANEL = 16  # weight rows per panel of a packed row_linear weight (csrc/cpu/row_linear_kernel.h kRowLinearPanel)
+
+
+def constant_weight(t: torch.Tensor) -> torch.nn.Parameter:
+    """``t`` (the same storage, not a copy) as an ``nn.Parameter`` that needs no gradient, for a converted weight kept
+    in a module *buffer* (a packed or int8 weight, its scales, a drafter's fused copy): it stays a buffer (in
+    ``model.buffers()``, not ``model.parameters()``; state_dict and ``.to()`` as before), but torch.compile treats it as
+    it treats the model's parameters. dynamo keeps every non-parameter tensor of a compiled call in the guards it
+    checks even when told to skip guards (its "diff" guards) and checks that no two of them alias: with ~500 such
+    weights a SmolLM2 step paid ~1 ms of guards per call that parameters do not cost."""
+    if isinstance(t, torch.nn.Parameter) and not t.requires_grad:
+        return t
+    return torch.nn.Parameter(t, requires_grad=False)
 
 
 def _checked(fn: str, weight: torch.Tensor, dtypes: tuple, wrong_dtype: str, pad: bool) -> tuple[int, int]:

@@ -58,6 +58,7 @@ from . import _C
 from .ops import row_linear
 from .packing import (
     PANEL,
+    constant_weight,
     pack_row_linear_int8,
     pack_row_linear_weight,
     unpack_row_linear_int8,
@@ -214,12 +215,12 @@ def _follow_tied(m: nn.Module) -> None:
         return
     m.out_features = tied.shape[0]
     if isinstance(m, PackedLinear):
-        m.weight_packed = pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True)
+        m.weight_packed = constant_weight(pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True))
     else:
         packed = "weight_int8_packed" in m._buffers
         if packed:
             _set_int8_layout(m, False)
-        m.weight_int8, m.weight_scale = quantize_weight(tied)
+        m.weight_int8, m.weight_scale = map(constant_weight, quantize_weight(tied))
         _set_int8_layout(m, packed)
     m._sbd_tied_key = _tied_key(tied)
 
@@ -273,11 +274,11 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
             if isinstance(m, PackedLinear):
                 del m.weight_packed
             if panel is not None:
-                m.register_buffer("weight_packed", new[0].to(w.device))
+                m.register_buffer("weight_packed", constant_weight(new[0].to(w.device)))
                 m.__class__ = PackedLinear
             else:
-                m.register_buffer("weight_int8", new[0].to(w.device))
-                m.register_buffer("weight_scale", new[1].to(w.device))
+                m.register_buffer("weight_int8", constant_weight(new[0].to(w.device)))
+                m.register_buffer("weight_scale", constant_weight(new[1].to(w.device)))
                 m.__class__ = Int8Linear
             if "weight" in m._parameters:  # tied: the copy follows the tied weight (_follow_tied)
                 m._sbd_tied_key = _tied_key(w)
@@ -380,13 +381,14 @@ def _set_int8_layout(m: Int8Linear, packed: bool) -> None:
     if packed == ("weight_int8_packed" in m._buffers):
         return
     if packed:
-        m.register_buffer("weight_int8_packed", pack_row_linear_int8(m.weight_int8, pad=True))
+        m.register_buffer("weight_int8_packed", constant_weight(pack_row_linear_int8(m.weight_int8, pad=True)))
         pad = -m.out_features % PANEL
         if pad:
-            m.register_buffer("weight_scale_padded", F.pad(m.weight_scale, (0, pad), value=1.0), persistent=False)
+            padded = constant_weight(F.pad(m.weight_scale, (0, pad), value=1.0))
+            m.register_buffer("weight_scale_padded", padded, persistent=False)
         del m.weight_int8
     else:
-        m.register_buffer("weight_int8", m.int8_weight())
+        m.register_buffer("weight_int8", constant_weight(m.int8_weight()))
         del m.weight_int8_packed
         m._buffers.pop("weight_scale_padded", None)
 

@@ -122,3 +122,31 @@ def test_a_call_dynamo_refuses_under_the_stance_runs_with_every_guard(ntp_job, m
     got = generate(model, ids, mask, s, compile=True)
     assert refused[0] > 0
     assert torch.equal(got.sequences, generate(model, ids, mask, s).sequences)
+
+
+@pytest.mark.parametrize("scheme", ["packed", "w8a8"])
+def test_converted_weights_are_not_in_the_guards_a_skipping_call_checks(ntp_job, monkeypatch, scheme):
+    """dynamo's skipping stance still checks every non-parameter tensor of the call (and that no two alias): the
+    converted weights, kept in buffers, are parameters to dynamo (sbd_ext.packing.constant_weight), so those checks
+    cover the cache and the inputs, not the weights. Same tokens as the quantized model's eager decoding."""
+    import copy
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model, ids, mask, s = ntp_job
+    qmodel = sbd_ext.quantize(copy.deepcopy(model), scheme)
+    names = ("weight_packed", "weight_int8", "weight_scale")
+    converted = [(n, b) for n, b in qmodel.named_buffers() if n.rsplit(".", 1)[-1].startswith(names)]
+    assert converted and all(isinstance(b, torch.nn.Parameter) and not b.requires_grad for _, b in converted)
+    with torch.no_grad():  # (model.parameters() on a quantized model warns where autograd is on)
+        assert not {id(b) for _, b in converted} & {id(p) for p in qmodel.parameters()}  # still buffers
+    monkeypatch.setattr(compiled_mod, "_skip_guards_now", lambda: True)
+    _count_skips(monkeypatch)
+    got = generate(qmodel, ids, mask, s, compile=True)
+    assert torch.equal(got.sequences, generate(qmodel, ids, mask, s).sequences)
+    entries = _debug_get_cache_entry_list(compiled_mod._static_forward.__code__)
+    assert entries
+    for entry in entries:
+        diff = entry.guard_manager.diff_guard_sources
+        assert any("keys" in src or "tokens" in src for src in diff), sorted(diff)  # the test sees the sources
+        assert not [src for src in diff if any(n in src for n in names)], sorted(diff)

@@ -391,7 +391,7 @@ def test_drafter_recipe_smoke(converted, tmp_path, monkeypatch, capsys):
     base, tok = checkpoint.load_base(path=converted[0])
     first = samples[0]
     ref = sbd_ext.generate(
-        base,
+        sbd_ext.quantize(base, "packed"),  # the data's forward (the same fp32 values in row_linear's panels)
         torch.tensor([first["prompt_ids"]]),
         mode="ntp",
         max_new_tokens=12,

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..linear import as_rows, row_count
 from ..ops import gated_lora_linear, row_linear
-from ..packing import PANEL, pack_row_linear_weight
+from ..packing import PANEL, constant_weight, pack_row_linear_weight
 from ..quantization import PackedLinear
 
 
@@ -107,8 +107,8 @@ class GatedLoRALinear(nn.Module):
             packed = _absent()
             if b.shape[0] % PANEL == 0 and b.device.type == "cpu":
                 with torch.no_grad():
-                    packed = pack_row_linear_weight((b.detach().float() * self.scale).contiguous())
-            self._packed_b, self._packed_b_key = packed, key
+                    packed = constant_weight(pack_row_linear_weight((b.detach().float() * self.scale).contiguous()))
+            _keep(self, _packed_b=packed, _packed_b_key=key)
         return _present(self._packed_b)
 
     def fused_weight(self) -> torch.Tensor | None:
@@ -136,10 +136,10 @@ class GatedLoRALinear(nn.Module):
         if fused is None or wp is not getattr(self, "_fused_view", None):
             with torch.no_grad():
                 a_rows = pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True)  # bf16 base: A rounded too
-                fused = torch.cat([wp.detach(), a_rows])
-                view = fused[: wp.shape[0]]
+                fused = constant_weight(torch.cat([wp.detach(), a_rows]))
+                view = constant_weight(fused[: wp.shape[0]])
                 base._buffers["weight_packed"] = view  # the same values: W is stored once, in the fused tensor
-            self._fused, self._fused_view, self._fused_key = fused, view, (a._version, a.data_ptr())
+            _keep(self, _fused=fused, _fused_view=view, _fused_key=(a._version, a.data_ptr()))
         elif self._fused_key != (a._version, a.data_ptr()):
             with torch.no_grad():
                 fused[wp.shape[0] :].copy_(pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True))
@@ -148,7 +148,7 @@ class GatedLoRALinear(nn.Module):
 
     def drop_fused(self) -> None:
         """Forget :meth:`fused_weight` (the base keeps its packed weight: a view of it, holding W's values)."""
-        self._fused, self._fused_view, self._fused_key = _absent(), None, None
+        _keep(self, _fused=_absent(), _fused_view=None, _fused_key=None)
 
     def _fused_out(self, x: torch.Tensor, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output [..., N] (a view of the call's output, bias added), ``x A^T`` [..., r] (a view)) of
@@ -196,8 +196,9 @@ class GatedLoRALinear(nn.Module):
                         old_b[:n].copy_(bias)
                         old_b[n:].copy_(bias)
                 else:
-                    self.register_buffer("merged_w", torch.cat([w.detach(), adapted]), persistent=False)
-                    both_b = None if bias is None else torch.cat([bias.detach(), bias.detach()])
+                    both_w = constant_weight(torch.cat([w.detach(), adapted]))
+                    self.register_buffer("merged_w", both_w, persistent=False)
+                    both_b = None if bias is None else constant_weight(torch.cat([bias.detach(), bias.detach()]))
                     self.register_buffer("merged_b", both_b, persistent=False)
             self._merged_key = key
         return self.merged_w, self.merged_b
@@ -285,8 +286,14 @@ def _absent() -> torch.Tensor:
     compiled step reads the copy as a module attribute, and dynamo's guards over two models whose copies are a
     tensor in one and None in the other fail with a TypeError (weak reference to None) instead of recompiling: seen
     with the shipped drafter's compiled verify over a packed base followed by one over a base without a fused
-    [W; A] (then a bf16 base; an int8 or unpacked one still has none)."""
-    return torch.empty(0)
+    [W; A] (then a bf16 base; an int8 or unpacked one still has none). A constant to dynamo, as the copies are."""
+    return constant_weight(torch.empty(0))
+
+
+def _keep(module: nn.Module, **copies) -> None:
+    """Set a layer's cached copies (constant_weight tensors: constants to dynamo's guards) in its ``__dict__``: an
+    ``nn.Parameter`` set as an attribute would register as one of the module's parameters."""
+    module.__dict__.update(copies)
 
 
 def _present(t: torch.Tensor | None) -> torch.Tensor | None:
