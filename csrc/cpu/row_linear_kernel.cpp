@@ -417,13 +417,23 @@ constexpr int64_t kF32PanelAhead = kPanelAhead;
 constexpr int kF32PrefetchMinRows = 1;
 #endif
 
-// Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above): about 8
-// FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows: 2, since 4 x 3 -- 12 chains
+// Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above). AVX2 and
+// the default build: about 8 FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows: 2, since 4 x 3 -- 12 chains
 // -- ran a third slower than four rows' 8).
+// On AVX-512 every tile runs one segment at a time: a panel is then read as one linear stream, which is what the
+// weight's pass from memory needs. On an AMD EPYC Zen 4 (1 thread, 2026-11-29, SmolLM2's linears + head streamed
+// from memory, kernel calls only, best of 9) one x row took 20-21 ms this way against 26.6-27.6 with the 4 segments at
+// once (four streams 9 KB apart: 0.70x the read rate against ~1.0x), 3 rows 21.2 against 34.2, 6 rows 25.9 against
+// 35.0; bf16 panels one row 13.1 against 16.0-18.7. One FMA chain per 64-byte step (4-cycle latency) still outruns
+// the memory. The AVX2 choice above was measured on an AVX2 core and stays.
 template <int MR>
 constexpr int k_sets() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return 1;
+#else
   constexpr int chains = MR * kPV;
   return chains >= 8 ? 1 : chains >= 3 ? 2 : 4;
+#endif
 }
 
 // KS segments starting at segment s0, at once, over the q = K / kSegs steps of each (plus, for the group holding the
@@ -441,7 +451,7 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
       const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
         const char* ahead = reinterpret_cast<const char*>(wk) + kF32PanelAhead;
-        if (ahead < end) __builtin_prefetch(ahead, 0, MR <= 2 ? 1 : 3);
+        if (ahead < end) __builtin_prefetch(ahead, 0, MR == 1 ? 1 : 3);
       }
       PVec wv[kPV];
       load_panel(wk, wv);
@@ -831,7 +841,9 @@ __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& 
     if constexpr (PREFETCH) {
       for (int64_t line = 0; line < kQPanelBytes; line += 64) {
         const char* ahead = reinterpret_cast<const char*>(wb) + kPanelAhead + line;
-        if (ahead < end) __builtin_prefetch(ahead, 0, 3);
+        // one x row: into L2 (the stream is the whole cost; 6.5-6.9 ms for SmolLM2's one-row linears against
+        // 7.7-9.0 into L1, AMD EPYC Zen 4), more rows: into L1
+        if (ahead < end) __builtin_prefetch(ahead, 0, MR == 1 ? 1 : 3);
       }
     }
     __m512i dot[MR];
