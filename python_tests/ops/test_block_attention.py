@@ -281,6 +281,21 @@ def test_cpu_matrix_units_mean_amx():
         assert info["cpu_fp16_attention"] == "vector"
 
 
+def test_cpu_bf16_products_and_the_training_precision_they_choose():
+    """build_info()["cpu_avx512_bf16"] is the CPU's AVX512-BF16 flag (as the kernel reports it), and the drafter's
+    --precision auto picks bf16 on a CPU with bf16 products in hardware (AVX512-BF16 or AMX-BF16), fp32 elsewhere."""
+    from sbd_ext.recipes.drafter.args import auto_precision
+
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this platform")
+    info = sbd_ext.build_info()
+    assert info["cpu_avx512_bf16"] == ("avx512_bf16" in flags)
+    hardware_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert auto_precision("cpu") == ("bf16" if hardware_bf16 else "fp32")
+    assert auto_precision("cuda:0") == "bf16"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_matmul_path_choice(dtype):
     """The setting takes effect; "auto" takes the GEMM path exactly for bf16 / fp16 on CPUs with the units."""

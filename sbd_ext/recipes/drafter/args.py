@@ -37,12 +37,15 @@ PRECISIONS = ("fp32", "bf16", "auto")  # train --precision
 
 
 def auto_precision(device) -> str:
-    """ "bf16" on a GPU or on a CPU with bf16 matrix units that the OS lets a process use (AMX-BF16, AVX512-BF16:
-    the extension's own check, ``build_info()["cpu_bf16_matmul_units"]``, which picks its bf16 attention GEMM by
-    it), else "fp32": on AVX2 bf16 products are emulated, slower than fp32."""
+    """ "bf16" on a GPU or on a CPU with bf16 products in hardware that the OS lets a process use (AMX-BF16:
+    ``build_info()["cpu_bf16_matmul_units"]``; AVX512-BF16: ``build_info()["cpu_avx512_bf16"]``, where bf16
+    autocast trained 1.56x fp32's answer tokens per second on an AMD EPYC Zen 4), else "fp32": on AVX2 bf16
+    products are emulated, slower than fp32."""
     from ... import build_info
 
-    return "bf16" if str(device).startswith("cuda") or build_info()["cpu_bf16_matmul_units"] else "fp32"
+    info = build_info()
+    cpu_bf16 = info["cpu_bf16_matmul_units"] or info.get("cpu_avx512_bf16", False)
+    return "bf16" if str(device).startswith("cuda") or cpu_bf16 else "fp32"
 
 
 def until(batches, deadline: float):
