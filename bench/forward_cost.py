@@ -25,16 +25,38 @@ from sbd_ext.recipes.smollm2 import checkpoint as smollm2
 ISA_NAMES = {"amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}
 
 
+def amd_core(family: int, model: int) -> str | None:
+    """The AMD core generation of a CPUID family / model (a VM's model name, "AMD EPYC", often names none)."""
+    if family == 0x1A:
+        return "Zen 5"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen / Zen+"
+    return None
+
+
 def cpu_model_and_isa() -> tuple[str, str]:
-    """This CPU's model name and its widest ISA class: "amx", "avx512", "avx2" or "?" (from /proc/cpuinfo)."""
-    flags, name = set(), "?"
+    """This CPU's model name (with the core generation where an AMD name lacks it) and its widest ISA class: "amx",
+    "avx512", "avx2" or "?" (from /proc/cpuinfo)."""
+    flags, name, fields = set(), "?", {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
             if line.startswith("model name") and name == "?":
                 name = line.split(":", 1)[1].strip()
+            key = line.split(":", 1)[0].strip()
+            if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                fields[key] = line.split(":", 1)[1].strip()
     isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "?"
+    if fields.get("vendor_id") == "AuthenticAMD" and "Zen" not in name:
+        try:
+            core = amd_core(int(fields["cpu family"]), int(fields["model"]))
+        except (KeyError, ValueError):
+            core = None
+        if core:
+            name = f"{name} ({core}: family {fields['cpu family']}, model {fields['model']})"
     return name, isa
 
 
