@@ -39,16 +39,12 @@ def amd_core(family: int, model: int) -> str | None:
 def cpu_model_and_isa() -> tuple[str, str]:
     """This CPU's model name (with the core generation where an AMD name lacks it) and its widest ISA class: "amx",
     "avx512", "avx2" or "?" (from /proc/cpuinfo)."""
-    flags, name, fields = set(), "?", {}
+    fields = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            if line.startswith("model name") and name == "?":
-                name = line.split(":", 1)[1].strip()
-            key = line.split(":", 1)[0].strip()
-            if key in ("vendor_id", "cpu family", "model") and key not in fields:
-                fields[key] = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags, name = set(fields.get("flags", "").split()), fields.get("model name", "?")
     isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "?"
     if fields.get("vendor_id") == "AuthenticAMD" and "Zen" not in name:
         try:

@@ -418,8 +418,8 @@ constexpr int kF32PrefetchMinRows = 1;
 #endif
 
 // Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above). AVX2 and
-// the default build: about 8 FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows: 2, since 4 x 3 -- 12 chains
-// -- ran a third slower than four rows' 8).
+// the default build: about 8 FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows:
+// 2, since 4 x 3 -- 12 chains -- ran a third slower than four rows' 8).
 // On AVX-512 every tile runs one segment at a time: a panel is then read as one linear stream, which is what the
 // weight's pass from memory needs. On an AMD EPYC Zen 4 (1 thread, 2026-11-29, SmolLM2's linears + head streamed
 // from memory, kernel calls only, best of 9) one x row took 20-21 ms this way against 26.6-27.6 with the 4 segments at

@@ -44,7 +44,7 @@ def auto_precision(device) -> str:
     from ... import build_info
 
     info = build_info()
-    cpu_bf16 = info["cpu_bf16_matmul_units"] or info.get("cpu_avx512_bf16", False)
+    cpu_bf16 = info["cpu_bf16_matmul_units"] or info["cpu_avx512_bf16"]
     return "bf16" if str(device).startswith("cuda") or cpu_bf16 else "fp32"
 
 
