@@ -28,7 +28,8 @@
 #             python -m sbd_ext.recipes.smollm2.drafter_stage: the base's greedy answers to 20,000 prompts, a rank sweep,
 #             training in bf16, the sampler head, eval on the 56 held-out prompts x 128 (the new drafter and the
 #             shipped one); resumable: a second call on a warm machine continues in /tmp/sbd_drafter_stage, a later
-#             session from the samples brought back (bench/results/gpu-*/drafter-train/drafter-samples.npz, committed).
+#             session from the samples brought back (bench/results/gpu-*/drafter-train/drafter-samples.npz, committed)
+#             or, before the first, from a CPU data run's committed parts (bench/results/drafter-data/).
 #             Returns drafter-samples.npz and drafter-artifact.tar.partNN beside the stage's two files.
 #   roofline  bench/roofline.py (issue 64): a Llama-3.1-8B-shaped model, random bf16 weights, forwards of T = 1..64
 #             rows over caches of 1k-32k tokens as CUDA graphs, each against T = 1, and the SBD cycle's ops at those
@@ -366,6 +367,8 @@ stage_drafter-train() {
   local args=(--work "${SBD_DRAFTER_WORK:-/tmp/sbd_drafter_stage}") imp
   [ "$DRY" = 1 ] && args=(--work "$RES/work" --dry-run --device cpu)
   imp=$(ls bench/results/gpu-*/drafter-train/drafter-samples.npz 2>/dev/null | tail -n 1)
+  # else the answers a CPU data run committed (the same prompts and settings, in parts): only the rest is answered
+  [ -z "$imp" ] && [ -f bench/results/drafter-data/parts.json ] && imp=bench/results/drafter-data
   [ -n "$imp" ] && [ "$DRY" != 1 ] && args+=(--import-samples "$imp")
   [ -n "${SBD_RUNBOOK_DEADLINE:-}" ] && args+=(--deadline $((SBD_RUNBOOK_DEADLINE - 40)))
   step drafter_train 570 env PYTHONUNBUFFERED=1 "$PY" -m sbd_ext.recipes.smollm2.drafter_stage \

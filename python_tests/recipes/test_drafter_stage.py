@@ -132,3 +132,19 @@ def test_length_buckets_keep_every_sample_once_and_cut_the_padding():
     order = list(range(256))
     random.Random(3).shuffle(order)  # the earlier make_batches: one shuffle, batches in that order
     assert [int(b["input_ids"][0, 0]) for b in plain] == [1000 + order[i] for i in range(0, 256, 8)]
+
+
+def test_committed_parts_replace_the_data_phase(dry, tmp_path):
+    """A CPU data run's parts (sbd_ext.recipes.drafter.parts) import like the stage's own npz."""
+    from sbd_ext.recipes.drafter import parts
+
+    root = dry[0]
+    dest = tmp_path / "parts"
+    parts.save_parts(root / "work", dest, part=3)
+    work = tmp_path / "work"
+    args = ["--work", str(work), "--results", str(tmp_path / "res"), "--dry-run", "--device", "cpu"]
+    args += ["--base", str(root / "work" / "tiny-base"), "--phases", "data", "--import-samples", str(dest)]
+    assert stage.main(args) == 0
+    rows = torch.load(root / "work" / recipe.SAMPLES_FILE, weights_only=True)
+    assert torch.load(work / recipe.SAMPLES_FILE, weights_only=True) == rows[: len(rows) // 3 * 3]
+    assert "imported" in (tmp_path / "res" / "stage.log").read_text()

@@ -10,7 +10,8 @@ first stopped; a phase cut by ``--deadline`` continues from its own checkpoint):
 
 1. ``data``: the base's greedy answers (sbd_ext NTP decoding, large batches on the device) to the recipe's template
    prompts and to instructions the base writes itself (never the held-out prompts), ``--max-new-tokens`` each; a
-   ``samples.npz`` brought back earlier (``--import-samples``) is taken instead of regenerating it;
+   ``samples.npz`` brought back earlier or a folder of parts committed by a CPU data run
+   (:mod:`sbd_ext.recipes.drafter.parts`; ``--import-samples``) is taken, and only the prompts after it answered;
 2. ``sweep``: short runs of the gated-LoRA distillation at each ``--ranks`` (bf16 autocast), scored by the
    teacher-forced 2-ahead accuracy (slot 1 of k=2 blocks) on the held-out prompts' answers;
 3. ``train``: the best rank whose artifact can ship (``--max-ship-rank``) for the time left, from the shipped
@@ -32,13 +33,13 @@ import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ... import drafter as drafter_mod
 from ...demo import models
 from .. import drafter as recipe
 from ..drafter.bases import load_task_base, prompt_ids
+from ..drafter.parts import export_samples, import_samples
 from ..drafter.prompts import eval_prompts
 
 PART = 15 << 20  # bytes per returned part (a device call returns files of at most 16 MiB)
@@ -71,35 +72,6 @@ def _state(work: Path) -> dict:
 
 def _save_state(work: Path, st: dict) -> None:
     (work / "stage_state.json").write_text(json.dumps(st, indent=1) + "\n")
-
-
-def export_samples(samples: list[dict], path: Path) -> None:
-    """``samples.pt`` rows as one compressed npz: token ids as uint16 (vocabularies under 65,536), offsets, sources
-    and prompts (JSON)."""
-    ids = [list(s["prompt_ids"]) + list(s["answer_ids"]) for s in samples]
-    if any(t < 0 or t > 65535 for x in ids for t in x):
-        raise ValueError("export_samples: a token id outside uint16")
-    flat = np.array([t for x in ids for t in x], dtype=np.uint16)
-    meta = [{k: v for k, v in s.items() if k not in ("prompt_ids", "answer_ids")} for s in samples]
-    np.savez_compressed(
-        path,
-        tokens=flat,
-        lengths=np.array([len(x) for x in ids], dtype=np.int32),
-        prompt_lengths=np.array([len(s["prompt_ids"]) for s in samples], dtype=np.int32),
-        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-    )
-
-
-def import_samples(path: Path) -> list[dict]:
-    """The rows :func:`export_samples` wrote."""
-    z = np.load(path)
-    meta = json.loads(z["meta"].tobytes().decode())
-    out, lo = [], 0
-    for m, n, p in zip(meta, z["lengths"].tolist(), z["prompt_lengths"].tolist(), strict=True):
-        x = z["tokens"][lo : lo + n].astype(np.int64).tolist()
-        out.append(m | {"prompt_ids": x[:p], "answer_ids": x[p:]})
-        lo += n
-    return out
 
 
 def _left(deadline: float | None) -> float:
@@ -266,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dry-run", action="store_true", help="a tiny base (the embedded ntp-arith + a chat template)")
     ap.add_argument("--base", default="", help="a local HF model folder instead of SmolLM2")
-    ap.add_argument("--import-samples", help="a drafter-samples.npz brought back by an earlier run")
+    ap.add_argument(
+        "--import-samples", help="a drafter-samples.npz brought back by an earlier run, or a folder of committed parts"
+    )
     ap.add_argument("--init-from", default=str(SHIPPED), help="continue this drafter when the chosen rank is its")
     ap.add_argument("--max-ship-rank", type=int, default=16, help="the largest rank the package can embed")
     ap.add_argument("--train-seconds", type=float, default=240.0)
