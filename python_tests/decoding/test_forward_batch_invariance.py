@@ -97,3 +97,42 @@ def test_quantized_schemes_refuse_a_bf16_model(scheme):
     """The quantized schemes are fp32 layouts: a bf16 model is refused, not quantized with different numerics."""
     with pytest.raises(ValueError, match="fp32"):
         sbd_ext.quantize(tiny_llama(dtype=torch.bfloat16), scheme)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,cycle", [("w8a8", "host"), ("packed", "host"), ("w8a8", "device")])
+def test_compiled_verify_caches_what_compiled_ntp_caches(scheme, cycle, monkeypatch):
+    """Compiled verify and compiled NTP decoding leave the same K/V in the cache, bit for bit: the prompt's rows
+    (both prefill eagerly; inductor's code rounds the RMSNorm's mean and the rotary cos / sin differently from
+    ATen's, and while compiled verify prefilled through its graph, under w8a8 it parted from compiled NTP on 3 of 4
+    held-out SmolLM2 chat prompts) and every committed row after them (each computed as the row alone, also where a
+    verify forward commits several). The host's decode loop and the device cycle alike."""
+    import sbd_ext.decoding.compiled as compiled
+    import sbd_ext.decoding.device_loop as device_loop
+    from sbd_ext.demo import models, tasks
+    from sbd_ext.demo.evaluate import format_prompt
+
+    model, tok = models.load(models.DEFAULT_MODEL)
+    info = models.demo_info(models.DEFAULT_MODEL)
+    sbd_ext.quantize(model, scheme)
+    prob = next(iter(tasks.problems("test", 1)))
+    ids = tok([format_prompt(prob.prompt, info.get("prompt_template"))], return_tensors="pt").input_ids
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_VARIANTS", set())  # compiled, not decoded eagerly past the variant budget
+    monkeypatch.setattr(compiled, "_EAGER", set())
+    monkeypatch.setattr(device_loop, "_CYCLE_VARIANTS", set())
+
+    def run(**kw):
+        out = sbd_ext.generate(model, ids, compile=True, cycle=cycle, max_new_tokens=24, return_cache=True, **kw)
+        cache = out.past_key_values
+        n = cache.seq_lens[0]
+        return out, [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in cache.layers]
+
+    ntp, kv_ntp = run(mode="ntp")
+    ver, kv_ver = run(mode="sbd", verify=True, block_size=info["block_size"])
+    assert ver.sequences.tolist() == ntp.sequences.tolist()
+    assert int(ver.nfe.sum()) < int(ntp.nfe.sum())  # forwards that committed several rows
+    n = min(kv_ntp[0][0].shape[2], kv_ver[0][0].shape[2])
+    assert n > ids.shape[1] + 4
+    for layer, ((k1, v1), (k2, v2)) in enumerate(zip(kv_ntp, kv_ver, strict=True)):
+        assert torch.equal(k1[:, :, :n], k2[:, :, :n]) and torch.equal(v1[:, :, :n], v2[:, :, :n]), layer

@@ -104,11 +104,16 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
     if drafter is not None:  # the graphs read the adapters' decoding copies of their factors unchecked
         drafter.refresh(model, device)
     step = StaticStep(model, cache, job, device, variant)
-    f = 0
-    if not step.dynamic_rows:  # the prefill (the prompt's length) is eager unless the step takes any row count
-        prefill = EagerStep(model, cache, device)
-        prefill.max_drafts = step.max_drafts  # its drafts are the static step's first forward's rows
-        f = decode(seqs, job, prefill, max_forwards=1)
+    # The prefill (the prompt's rows) is eager in every mode, also where the step takes any row count (SBD on the
+    # CPU): the prompt's cached K/V are then the same bits in NTP and verify decoding. inductor's code rounds a few
+    # ops differently from ATen's (the RMSNorm's mean, the rotary cos / sin), so a prompt prefilled by the compiled
+    # graph in one mode and eagerly in the other gave different caches, and under w8a8 -- where a last-bit change
+    # can move an input across an int8 step -- compiled verify parted from compiled NTP on 3 of 4 held-out SmolLM2
+    # chat prompts (2026-11-29). Every later forward is compiled in both modes, and a row's values do not depend on
+    # the forward's row count.
+    prefill = EagerStep(model, cache, device)
+    prefill.max_drafts = step.max_drafts  # its drafts are the static step's first forward's rows
+    f = decode(seqs, job, prefill, max_forwards=1)
     with cache.static_forwards():
         decode(seqs, job, step, f)
     if device.type == "cuda":
@@ -316,8 +321,8 @@ class StaticStep(DecodeStep):
 
     On the CPU a forward's cost grows with its rows (compute-bound: 16 rows cost ~2x 8 rows on the embedded model),
     so SBD forwards keep eager decoding's row count -- k + the committed rows -- and that count is marked dynamic:
-    one graph for all of them, the prefill included (at least 2 rows: a size-1 dim would be specialised). NTP
-    forwards are [B, 1] after an eager prefill.
+    one graph for all of them (at least 2 rows: a size-1 dim would be specialised). NTP forwards are [B, 1]. The
+    prefill is eager in every mode (see :func:`decode_compiled`).
 
     Called with a host :class:`ForwardRows`; validates its plan on the host, copies ids, positions and plan to the
     device, runs the compiled forward and advances the host lengths. The caller's read-back of the sampled block is

@@ -145,23 +145,24 @@ def decode_device(
 ) -> None:
     """Decode ``seqs`` (fresh) to the end with the cycle on the device (compiled: one graph per cycle; past
     dynamo's bound on compiled variants, eagerly), reading the status once every ``SYNC_EVERY`` cycles. The
-    prefill -- the prompt's forward -- is a cycle too where forwards are sized to their rows (SBD on the CPU), else
-    one eager forward on the host first (a CUDA graph has fixed shapes). The finished state is written back to
+    prefill -- the prompt's forward -- is one eager forward on the host first, in every mode (the same cached K/V in
+    NTP and verify decoding). The finished state is written back to
     ``seqs`` and the cache's lengths."""
     cuda = device.type == "cuda"
     # On the CPU a forward's cost grows with its rows (compute-bound: the host cycle's compiled step sizes each forward
     # to its rows too), and the state is host memory, free to read: each forward gets the rows its longest sequence
     # needs (at least k, and 2: a size-1 dim would be specialised), one graph for all (a dynamic size).
     sized = job.sbd and not cuda
+    # The prompt's forward is eager in every mode, so that its cached K/V are the same bits in NTP and verify
+    # decoding (inductor rounds a few ops differently from ATen: see decode_compiled).
+    prefill = EagerStep(model, cache, device)
+    prefill.max_drafts = job.block_size  # a cycle commits at most k rows
+    decode(seqs, job, prefill, max_forwards=1)
+    if all(s.done for s in seqs):
+        return
     width = None
-    if sized:  # the pending buffer holds the prompts (+1: never k, so the graph never guards on width == k)
+    if sized:  # the pending buffer holds the rows to commit (+1: never k, so the graph never guards on width == k)
         width = max(job.block_size, max(len(s.pending) for s in seqs)) + 1
-    else:
-        prefill = EagerStep(model, cache, device)
-        prefill.max_drafts = job.block_size  # a cycle commits at most k rows
-        decode(seqs, job, prefill, max_forwards=1)
-        if all(s.done for s in seqs):
-            return
     B = len(seqs)
     # CUDA: the output buffers sized by the cache's capacity (pooled, a power of two), so that generations of other
     # lengths reuse one pooled state (_pooled) and its recorded graphs.
