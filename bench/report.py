@@ -304,6 +304,7 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         decoders["verify, compiled, bf16"] = sbd_decoder(bf16, max_new, eos, verify=True, compile=compiled)
         w8a8, _ = models.load("smollm2-drafter", device=device, quantize="w8a8")
         decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=compiled)
+        decoders["verify, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, verify=True, compile=compiled)
         for kind, label in (("f32", "llama.cpp F32"), ("bf16", "llama.cpp BF16"), ("q8_0", "llama.cpp Q8_0")):
             llm = llama_peer.llama(kind, torch.get_num_threads())
             decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
@@ -325,10 +326,13 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         return {"equal_to_peer": f"{sum(a == r for a, r in zip(answers, ref, strict=True))}/{len(ref)}"}
 
     rows = rows_of(runs, "HF generate", "NTP, compiled", roles, judge)
-    if "verify, compiled, bf16" in runs:  # verify is exact for the bf16 model: its answers are bf16 NTP's
-        own = runs["NTP, compiled, bf16"]
+    # verify is exact for a rounded model (bf16 weights; w8a8 weights and inputs): its answers are its own NTP's
+    for scheme in ("bf16", "w8a8"):
+        if f"verify, compiled, {scheme}" not in runs:
+            continue
+        own = runs[f"NTP, compiled, {scheme}"]
         for row in rows:
-            if row["decoder"] == "verify, compiled, bf16":
+            if row["decoder"] == f"verify, compiled, {scheme}":
                 same = sum(a == b for a, b in zip(runs[row["decoder"]]["answers"], own["answers"], strict=True))
                 row["equal_to_own_precision_ntp"] = f"{same}/{len(ref)}"
                 row["vs_own_precision_ntp"] = round(own["seconds"] / runs[row["decoder"]]["seconds"], 3)

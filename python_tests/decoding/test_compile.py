@@ -238,6 +238,8 @@ def test_compiled_generation_leaves_the_users_compiled_code_alone(sbd, monkeypat
     torch._dynamo.reset()
     monkeypatch.setattr(compiled, "_VARIANTS", set())
     monkeypatch.setattr(compiled, "_EAGER", set())
+    # every call through the compiled function (a replayed graph call sets no process-wide stance: nothing to see)
+    monkeypatch.setattr(compiled, "DIRECT_CALLS", False)
 
     @torch.compile(backend="eager")
     def user(x):

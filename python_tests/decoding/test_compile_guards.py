@@ -44,6 +44,7 @@ def _count_skips(monkeypatch) -> list[int]:
     torch._dynamo.reset()
     monkeypatch.setattr(compiled_mod, "_VARIANTS", set())
     monkeypatch.setattr(compiled_mod, "_EAGER", set())
+    monkeypatch.setattr(compiled_mod, "DIRECT_CALLS", False)  # every call through the compiled function
     skips = [0]
     real = torch.compiler.set_stance
 

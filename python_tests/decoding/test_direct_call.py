@@ -1,0 +1,98 @@
+"""The compiled step's replayed graph calls (sbd_ext.decoding.direct_call): after a generation's full call of some
+shapes, later calls of those shapes call the compiled graph with the captured argument list, skipping dynamo's
+frame entry. They must compute what the compiled function computes -- same tokens, same cache, bit for bit -- and
+the capture must refuse every call it cannot replay exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import sbd_ext
+import sbd_ext.decoding.compiled as compiled
+from sbd_ext.decoding import direct_call
+from sbd_ext.demo import models, tasks
+from sbd_ext.demo.evaluate import format_prompt
+
+pytestmark = pytest.mark.skipif(
+    not sbd_ext.hf.kernel_available(torch.device("cpu")), reason="the block_attention CPU kernel is not built"
+)
+
+
+@pytest.fixture(scope="module")
+def arith():
+    model, tok = models.load(models.DEFAULT_MODEL)
+    info = models.demo_info(models.DEFAULT_MODEL)
+    probs = list(tasks.problems("test", 2))
+    texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    return model, info, enc.input_ids, enc.attention_mask
+
+
+def _cache_rows(out) -> list[torch.Tensor]:
+    cache = out.past_key_values
+    n = max(cache.seq_lens)
+    return [t[:, :, :n].clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["packed", "w8a8"])
+@pytest.mark.parametrize("mode", ["ntp", "verify", "sbd"])
+def test_replayed_calls_compute_what_the_compiled_function_computes(arith, monkeypatch, scheme, mode):
+    model, info, ids, mask = arith
+    model = sbd_ext.quantize(copy.deepcopy(model), scheme)
+    kw = {"ntp": dict(mode="ntp"), "verify": dict(mode="sbd", verify=True), "sbd": dict(mode="sbd")}[mode]
+    kw |= dict(block_size=info["block_size"], max_new_tokens=24, return_cache=True)
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_VARIANTS", set())
+    monkeypatch.setattr(compiled, "_EAGER", set())
+    replayed = [0]
+    real = direct_call.DirectCall.__call__
+
+    def counting(self, tokens, meta):
+        replayed[0] += 1
+        return real(self, tokens, meta)
+
+    monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
+    sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles (a capture needs a compiled graph)
+    replayed[0] = 0
+    got = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    # most forwards replayed: all but the eager prefill and one full call per row count the generation used
+    assert replayed[0] >= (int(got.nfe.max()) - 1) // 2 > 0
+    monkeypatch.setattr(compiled, "DIRECT_CALLS", False)
+    want = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+    for a, b in zip(_cache_rows(got), _cache_rows(want), strict=True):
+        assert torch.equal(a, b)
+    if mode != "sbd":  # verify and NTP: the model's own greedy answers, eagerly too
+        eager = sbd_ext.generate(model, ids, mask, **{k: v for k, v in kw.items() if k != "return_cache"})
+        assert torch.equal(got.sequences, eager.sequences)
+
+
+def _recorded(args, out, result):
+    return [(lambda *a: out, list(args), out)], result
+
+
+def test_capture_refuses_what_it_cannot_replay():
+    tokens, meta, w = torch.zeros(2, 1, 3), torch.zeros(3, 1), torch.ones(4)
+    res = torch.ones(2)
+    make = direct_call._direct
+    ok = make(*_recorded([tokens, 40, w, meta, 3], [res], res), tokens, meta, 40)
+    assert ok is not None and ok.rows_at == [4] and (ok.tokens_at, ok.meta_at) == (0, 3)
+    t5 = torch.zeros(2, 1, 5)
+    assert ok.fn is not None and ok.args[4] == 3
+    args = list(ok.args)
+    ok.fn = lambda *a: args.__setitem__(slice(None), a) or [res]
+    ok(t5, meta)
+    assert args[0] is t5 and args[3] is meta and args[4] == 5 and args[1] == 40  # rows replaced, cache rows kept
+    assert make([], res, tokens, meta, 40) is None  # no graph ran (compiled during the call)
+    two = _recorded([tokens, meta], [res], res)[0] * 2
+    assert make(two, res, tokens, meta, 40) is None  # two graph calls
+    assert make(*_recorded([tokens, meta], [torch.ones(2)], res), tokens, meta, 40) is None  # not the output itself
+    assert make(*_recorded([tokens, tokens, meta], [res], res), tokens, meta, 40) is None  # tokens twice
+    assert make(*_recorded([tokens, w], [res], res), tokens, meta, 40) is None  # no plan tensor
+    assert make(*_recorded([tokens, meta, 3], [res], res), tokens, meta, 3) is None  # rows == cache rows: ambiguous
+    assert make(*_recorded([tokens, meta, 7], [res], res), tokens, meta, 40) is None  # an integer of unknown source
+    assert make(*_recorded([tokens, meta, 3.0], [res], res), tokens, meta, 40) is None  # not an integer
