@@ -389,13 +389,8 @@ class StaticStep(DecodeStep):
         direct = self._direct.get(seen)
         # a full call whose argument list later calls of these shapes replay (direct_call); a second try where the
         # first call compiled the graph (it ran a function installed during the call, not the captured one)
-        capture = (
-            direct is None
-            and DIRECT_CALLS
-            and self.device.type == "cpu"
-            and self.fn is not _static_forward
-            and self._captures.get(seen, 0) < 2
-        )
+        capture = direct is None and DIRECT_CALLS and self.device.type == "cpu" and self.fn is not _static_forward
+        capture = capture and self._captures.get(seen, 0) < 2
         skip = seen in self._guarded and self.fn is not _static_forward and _skip_guards_now() and not capture
         try:
             logits = direct(tokens, meta) if direct is not None else None
