@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .args import count
 from .bases import SAMPLES_FILE
 
 MANIFEST = "parts.json"
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("save", help="write each new full part of RUN/samples.pt into DIR")
     s.add_argument("--work", required=True)
     s.add_argument("--dest", required=True)
-    s.add_argument("--part", type=int, default=500, help="samples per part")
+    s.add_argument("--part", type=count(1), default=500, help="samples per part")
     r = sub.add_parser("restore", help="RUN/samples.pt from the parts in DIR")
     r.add_argument("--dest", required=True)
     r.add_argument("--work", required=True)
