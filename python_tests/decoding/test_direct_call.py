@@ -51,9 +51,9 @@ def test_replayed_calls_compute_what_the_compiled_function_computes(arith, monke
     replayed = [0]
     real = direct_call.DirectCall.__call__
 
-    def counting(self, tokens, meta):
+    def counting(self, *tensors):
         replayed[0] += 1
-        return real(self, tokens, meta)
+        return real(self, *tensors)
 
     monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
     sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles (a capture needs a compiled graph)
@@ -78,14 +78,17 @@ def _recorded(args, out, result):
 def test_capture_refuses_what_it_cannot_replay():
     tokens, meta, w = torch.zeros(2, 1, 3), torch.zeros(3, 1), torch.ones(4)
     res = torch.ones(2)
-    make = direct_call._direct
+
+    def make(calls, result, tokens, meta, cache_rows):  # the host step's capture
+        return direct_call._direct(calls, result, (tokens, meta), (0, 2), {cache_rows}, True)
+
     ok = make(*_recorded([tokens, 40, w, meta, 3], [res], res), tokens, meta, 40)
-    assert ok is not None and ok.rows_at == [4] and (ok.tokens_at, ok.meta_at) == (0, 3)
+    assert ok is not None and ok.size_at == [4] and ok.swap_at == [0, 3]
     t5 = torch.zeros(2, 1, 5)
     assert ok.fn is not None and ok.args[4] == 3
     args = list(ok.args)
     ok.fn = lambda *a: args.__setitem__(slice(None), a) or [res]
-    ok(t5, meta)
+    assert ok(t5, meta) is res
     assert args[0] is t5 and args[3] is meta and args[4] == 5 and args[1] == 40  # rows replaced, cache rows kept
     assert make([], res, tokens, meta, 40) is None  # no graph ran (compiled during the call)
     two = _recorded([tokens, meta], [res], res)[0] * 2
@@ -96,3 +99,56 @@ def test_capture_refuses_what_it_cannot_replay():
     assert make(*_recorded([tokens, meta, 3], [res], res), tokens, meta, 3) is None  # rows == cache rows: ambiguous
     assert make(*_recorded([tokens, meta, 7], [res], res), tokens, meta, 40) is None  # an integer of unknown source
     assert make(*_recorded([tokens, meta, 3.0], [res], res), tokens, meta, 40) is None  # not an integer
+
+
+def test_cycle_capture_refuses_what_it_cannot_replay():
+    """The device cycle's capture: it returns nothing, swaps its row index (a dynamic size) or nothing at all."""
+    rows, st, w = torch.arange(3), torch.zeros(2, 9), torch.ones(4)
+
+    def make(calls, result, swap=(rows,), size_of=(0, 0), fixed=(9, 40)):
+        return direct_call._direct(calls, result, swap, size_of, set(fixed), False)
+
+    ok = make(*_recorded([w, st, rows, 3, 9], [], None))
+    assert ok is not None and ok.swap_at == [2] and ok.size_at == [3]
+    args = list(ok.args)
+    ok.fn = lambda *a: args.__setitem__(slice(None), a) or []
+    r5 = torch.arange(5)
+    assert ok(r5) is None and args[2] is r5 and args[3] == 5 and args[4] == 9
+    fixed = make(*_recorded([w, st, 9], [], None), swap=(), size_of=None)  # NTP: the same arguments every cycle
+    assert fixed is not None and fixed.swap_at == [] and fixed.size_at == []
+    assert make(*_recorded([w, st, rows, 3], [st], None)) is None  # the graph returned something: refused
+    assert make(*_recorded([w, st, rows, 3], [], st)) is None  # the function returned something
+    assert make(*_recorded([w, st, 3], [], None)) is None  # the row index is not an input
+    assert make(*_recorded([w, st, rows, 3], [], None), fixed=(3, 9)) is None  # a fixed size == the row count
+    assert make(*_recorded([w, st, rows, 11], [], None)) is None  # an integer of unknown source
+    assert make(*_recorded([w, st, 7], [], None), swap=(), size_of=None) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["packed", "w8a8"])
+@pytest.mark.parametrize("mode", ["ntp", "verify", "sbd"])
+def test_replayed_cycles_compute_what_the_compiled_cycle_computes(arith, monkeypatch, scheme, mode):
+    """The device cycle (cycle="device") on the CPU: replayed graph calls give the compiled function's tokens,
+    forwards and cache bit for bit."""
+    model, info, ids, mask = arith
+    model = sbd_ext.quantize(copy.deepcopy(model), scheme)
+    kw = {"ntp": dict(mode="ntp"), "verify": dict(mode="sbd", verify=True), "sbd": dict(mode="sbd")}[mode]
+    kw |= dict(block_size=info["block_size"], max_new_tokens=24, return_cache=True, cycle="device")
+    replayed = [0]
+    real = direct_call.DirectCall.__call__
+
+    def counting(self, *tensors):
+        replayed[0] += 1
+        return real(self, *tensors)
+
+    monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
+    sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles
+    replayed[0] = 0
+    got = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    if mode == "ntp":  # one row count: every cycle after the first replays
+        assert replayed[0] == int(got.nfe.max()) - 2
+    monkeypatch.setattr(compiled, "DIRECT_CALLS", False)
+    want = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+    for a, b in zip(_cache_rows(got), _cache_rows(want), strict=True):
+        assert torch.equal(a, b)

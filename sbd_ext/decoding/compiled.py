@@ -398,7 +398,7 @@ class StaticStep(DecodeStep):
                 logits = self._call_skipping(args)
             if logits is None and capture:
                 self._captures[seen] = self._captures.get(seen, 0) + 1
-                logits, direct = direct_call.capture(self.fn, _GRAPH_GLOBALS, args, tokens, meta, rows_s)
+                logits, direct = direct_call.capture(self.fn, _GRAPH_GLOBALS, args, (tokens, meta), (0, 2), {rows_s})
                 self._guarded.add(seen)
                 if direct is not None:
                     self._direct[seen] = direct

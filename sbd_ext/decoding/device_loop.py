@@ -10,7 +10,9 @@ import torch
 
 from .. import ops
 from ..cache import SBDCache
+from . import compiled as _compiled
 from . import device_cycle as dcyc
+from . import direct_call
 from .compiled import _COMPILE_LOCK, _compiled_variant_ok, _variant_key, compiled_once
 from .device_cycle import ERRORS, FIELDS, SYNC_EVERY
 from .settings import Job
@@ -140,6 +142,39 @@ def _pooled(model, st: CycleState) -> CycleState:
     return old
 
 
+class _CycleCall:
+    """The cycle's calls in one generation. Compiled on the CPU, the first call of each row count goes through dynamo
+    and records its graph call (:mod:`~sbd_ext.decoding.direct_call`); later cycles of that row count call the graph
+    directly with their row index: the state, the cache and the model are the same objects every cycle."""
+
+    def __init__(self, fn, args: tuple, device: torch.device, cache: SBDCache, st: CycleState):
+        self.fn, self.args = fn, args
+        self.capture = fn is not dcyc.cycle and device.type == "cpu" and _compiled.DIRECT_CALLS
+        # the sizes fixed within the generation that the graph may take as integers (dynamic dims)
+        self.fixed = {cache.layers[0].keys.shape[2], st.out.shape[1], st.corr.shape[1], st.pend.shape[1]}
+        self.direct: dict = {}
+        self.tries: dict = {}
+
+    def __call__(self, rows: torch.Tensor | None) -> None:
+        key = None if rows is None else rows.shape[0]
+        direct = self.direct.get(key)
+        if direct is not None:
+            direct(*(() if rows is None else (rows,)))
+            return
+        args = self.args + (rows,)
+        if not self.capture or self.tries.get(key, 0) >= 2:  # a second try where the first call compiled
+            self.fn(*args)
+            return
+        self.tries[key] = self.tries.get(key, 0) + 1
+        swap, size_of = ((), None) if rows is None else ((rows,), (0, 0))
+        _, direct = direct_call.capture(self.fn, _CYCLE_GLOBALS, args, swap, size_of, self.fixed, returns=False)
+        if direct is not None:
+            self.direct[key] = direct
+
+
+_CYCLE_GLOBALS = dcyc.cycle.__globals__  # where dynamo installs the cycle's compiled graphs
+
+
 def decode_device(
     model, cache: SBDCache, seqs: list[SequenceState], job: Job, device: torch.device, compiled: bool
 ) -> None:
@@ -184,6 +219,7 @@ def decode_device(
             torch._dynamo.mark_dynamic(t, 1)
         st = _pooled(model, st)  # (on the CPU too: the same path, and a repeated shape reuses its buffers)
     tensors, every = st.tensors(), SYNC_EVERY.get(device.type, 4)
+    call = _CycleCall(fn, (model, cache, tensors, stop, max_new, spec, head, emb), device, cache, st)
     streams = [s for s in seqs if isinstance(s, StreamingState)]
     # Every live cycle yields a token or reveals one (else err 3): a bound that only a bug can reach.
     cycles, bound = 0, job.max_new_tokens + 3
@@ -198,7 +234,7 @@ def decode_device(
                     rows = torch.arange(max(need, job.block_size, 2))
                     if fn is not dcyc.cycle:
                         torch._dynamo.mark_dynamic(rows, 0)
-                fn(model, cache, tensors, stop, max_new, spec, head, emb, rows)
+                call(rows)
             cycles += every
             both = torch.stack([st.done.long(), st.err]).cpu()  # the one device-to-host read
             raise_errors(both[1].tolist())

@@ -9,12 +9,13 @@ inputs directly.
 
 Within one generation nothing changes the model or the cache object between two steps (the assumption the
 guard-skipping stance makes too), so the step captures the argument list that dynamo's bytecode built on a full
-call, and later calls of the same shapes pass that list with this call's tokens, plan and row count in it
-(:class:`DirectCall`). The capture is refused -- the step keeps calling through dynamo -- unless every argument is
-accounted for: the compiled function ran exactly once, the tokens and the plan tensor each sit at exactly one place,
-every integer is the cache's row count or the tokens' row count (not both), and the function returned the graph's
-first output itself. AOT's runtime wrapper and inductor's code run as before (input mutations, the cache's in-place
-writes).
+call, and later calls of the same shapes pass that list with this call's own tensors and dynamic size in it
+(:class:`DirectCall`): the host step's tokens, plan and row count; the device cycle's row index (its state
+tensors are the same objects every cycle). The capture is refused -- the caller keeps calling through dynamo --
+unless every argument is accounted for: the compiled function ran exactly once, each swapped tensor sits at exactly
+one place, every integer is either the dynamic size or one of the sizes the caller names as fixed (not both), and
+the function returned the graph's first output itself (the cycle: nothing, and the graph returned nothing). AOT's
+runtime wrapper and inductor's code run as before (input mutations, the cache's and the state's in-place writes).
 """
 
 from __future__ import annotations
@@ -27,24 +28,32 @@ PREFIX = "__compiled_fn"  # the globals dynamo installs for the compiled graphs 
 
 
 class DirectCall:
-    """A captured call of a compiled graph: ``fn(*args)`` with ``tokens`` / ``meta`` / the row count replaced."""
+    """A captured call of a compiled graph: ``fn(*args)`` with the call's own tensors put in at ``swap_at`` and,
+    where ``size_of`` = (i, dim), ``tensors[i].shape[dim]`` at ``size_at`` (a dynamic row count)."""
 
-    def __init__(self, fn, args: list, tokens_at: int, meta_at: int, rows_at: list[int]):
+    def __init__(self, fn, args: list, swap_at: list[int], size_at: list[int], size_of, returns: bool):
         self.fn, self.args = fn, args
-        self.tokens_at, self.meta_at, self.rows_at = tokens_at, meta_at, rows_at
+        self.swap_at, self.size_at, self.size_of, self.returns = swap_at, size_at, size_of, returns
 
-    def __call__(self, tokens: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *tensors: torch.Tensor):
         args = list(self.args)
-        args[self.tokens_at], args[self.meta_at] = tokens, meta
-        for i in self.rows_at:
-            args[i] = tokens.shape[2]
-        return self.fn(*args)[0]
+        for i, t in zip(self.swap_at, tensors, strict=True):
+            args[i] = t
+        if self.size_of is not None:
+            n = tensors[self.size_of[0]].shape[self.size_of[1]]
+            for i in self.size_at:
+                args[i] = n
+        out = self.fn(*args)
+        return out[0] if self.returns else None
 
 
-def capture(fn, code_globals: dict, call_args: tuple, tokens: torch.Tensor, meta: torch.Tensor, cache_rows: int):
+def capture(fn, code_globals: dict, call_args: tuple, swap: tuple, size_of=None, constants=(), returns=True):
     """Run ``fn(*call_args)`` (a compiled function whose frame's globals are ``code_globals``) and return its result
     and a :class:`DirectCall` of the compiled graph it ran, or None where the call cannot be replayed safely (see the
-    module docstring)."""
+    module docstring). ``swap``: the tensors that change from call to call (each must be exactly one graph input);
+    ``size_of`` = (i, dim): ``swap[i].shape[dim]`` is a dynamic size, replaced where it is an integer input;
+    ``constants``: the other integers the graph may take (sizes fixed within a generation); ``returns``: the
+    function returns the graph's first output (else None, and the graph must return nothing else)."""
     calls: list = []
     names = [k for k in code_globals if k.startswith(PREFIX)]
     real = {k: code_globals[k] for k in names}
@@ -64,25 +73,32 @@ def capture(fn, code_globals: dict, call_args: tuple, tokens: torch.Tensor, meta
     finally:
         for k in names:
             code_globals[k] = real[k]
-    return result, _direct(calls, result, tokens, meta, cache_rows)
+    return result, _direct(calls, result, swap, size_of, set(constants), returns)
 
 
-def _direct(calls: list, result, tokens: torch.Tensor, meta: torch.Tensor, cache_rows: int) -> DirectCall | None:
+def _direct(calls: list, result, swap: tuple, size_of, constants: set, returns: bool) -> DirectCall | None:
     if len(calls) != 1:
         return None
     graph_fn, args, out = calls[0]
-    if not isinstance(out, (list, tuple)) or not out or out[0] is not result:
+    if not isinstance(out, (list, tuple)):
         return None
-    tokens_at = [i for i, a in enumerate(args) if a is tokens]
-    meta_at = [i for i, a in enumerate(args) if a is meta]
-    if len(tokens_at) != 1 or len(meta_at) != 1:
+    if returns and (not out or out[0] is not result):
         return None
-    rows, rows_at = tokens.shape[2], []
+    if not returns and (result is not None or len(out) != 0):  # outputs dynamo's code would use afterwards
+        return None
+    swap_at = []
+    for t in swap:
+        at = [i for i, a in enumerate(args) if a is t]
+        if len(at) != 1:
+            return None
+        swap_at.append(at[0])
+    size = None if size_of is None else swap[size_of[0]].shape[size_of[1]]
+    size_at = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             continue
-        if type(a) is not int or (a == rows) == (a == cache_rows):  # neither count, or both: ambiguous
+        if type(a) is not int or (a == size) == (a in constants):  # neither known, or both: ambiguous
             return None
-        if a == rows:
-            rows_at.append(i)
-    return DirectCall(graph_fn, args, tokens_at[0], meta_at[0], rows_at)
+        if a == size:
+            size_at.append(i)
+    return DirectCall(graph_fn, args, swap_at, size_at, size_of, returns)
