@@ -3,7 +3,7 @@
 // backward leaves the inputs' .grad None (the autograd fallback's silent answer). sbd_ext/ops.py's wrappers refuse
 // them too, with the same message; this covers a direct torch.ops call.
 //
-// row_linear: x, weight and scale are differentiable (it is a linear layer); gated_lora_linear: all four inputs. block_attention, entropy_sample and
+// row_linear: x, weight and scale are differentiable (it is a linear layer); gated_lora_linear: all of its inputs. block_attention, entropy_sample and
 // mask_replace are not covered here (sbd_ext/ops.py refuses their differentiable inputs).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,13 +43,18 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor gated_lora_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                     const at::Tensor& gate) {
-  refuse_grads("gated_lora_linear", {{"x", &x}, {"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate}}, "");
+                                     const at::Tensor& gate, const std::optional<at::Tensor>& scale) {
+  const at::Tensor none;
+  refuse_grads("gated_lora_linear",
+               {{"x", &x}, {"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate},
+                {"scale", scale.has_value() ? &*scale : &none}},
+               "");
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::gated_lora_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, weight, lora_b, gate);
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(x, weight, lora_b, gate, scale);
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ TORCH_LIBRARY(sbd_ext, m) {
   // rows [r, K] (zero rows to whole panels); lora_b [N / 16, r, 16] packed (scale * B); gate [M] fp32 ->
   // x W^T + gate[:, None] * ((x A^T) (scale B)^T) [M, N] fp32 (rows with gate 0: x W^T exactly). CPU only; no
   // backward.
-  m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate) -> Tensor");
+  m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate, Tensor? scale=None) -> Tensor");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

@@ -88,18 +88,35 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
 // lora_b fp32 packed [N / 16, r, 16]; gate fp32 [M]; every tensor on x's device, weight, lora_b and gate contiguous,
 // x contiguous along K.
 inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                    const at::Tensor& gate) {
+                                    const at::Tensor& gate, const std::optional<at::Tensor>& scale = std::nullopt) {
   constexpr const char* op = "gated_lora_linear";
   check_dtype(op, "x", x, {at::kFloat});
-  check_dtype(op, "weight", weight, {at::kFloat, at::kBFloat16});
+  check_dtype(op, "weight", weight, {at::kFloat, at::kBFloat16, at::kByte});
   check_dtype(op, "lora_b", lora_b, {at::kFloat});
   check_dtype(op, "gate", gate, {at::kFloat});
-  check_dim(op, "x", x, 2, "[M, K]");
-  check_dim(op, "weight", weight, 3, "(packed [W; A]: [P, K, 16])");
+  const bool q8 = weight.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(q8 == scale.has_value(), op, q8 ? ": a packed int8 [W; A] (uint8) needs its scale [P * 16]"
+                                                     : ": scale is for a packed int8 [W; A] (uint8); weight has dtype ",
+                    weight.scalar_type());
+  if (q8) {  // [W; A] int8 in row_linear's packed int8 layout, one scale per row; x is quantised per block of 32
+    check_dim(op, "x", x, 2, "[M, K]");
+    check_dim(op, "weight", weight, 4, "(packed int8 [W; A]: uint8 [P, ceil(K / 32) * 8, 16, 4])");
+    check_size(op, "weight", weight, 1, (x.size(1) + 31) / 32 * 8, "ceil(x.size(1) / 32) * 8 (K in blocks of 32)");
+    check_size(op, "weight", weight, 3, 4, "4 (a packed int8 weight is [P, ceil(K / 32) * 8, 16, 4])");
+    check_dtype(op, "scale", *scale, {at::kFloat});
+    check_dim(op, "scale", *scale, 1, "[P * 16]");
+    check_size(op, "scale", *scale, 0, checked_mul(op, "the packed weight's rows P * 16", {weight.size(0), 16}),
+               "16 * weight.size(0) (P * 16)");
+    TORCH_CHECK_VALUE(scale->is_contiguous(), op, ": scale must be contiguous");
+    check_same_device(op, "scale", *scale, x, "x");
+  } else {
+    check_dim(op, "x", x, 2, "[M, K]");
+    check_dim(op, "weight", weight, 3, "(packed [W; A]: [P, K, 16])");
+    check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
+  }
   check_dim(op, "lora_b", lora_b, 3, "(packed scale * B: [N / 16, r, 16])");
   check_dim(op, "gate", gate, 1, "[M]");
-  check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
-  check_size(op, "weight", weight, 2, 16, "16 (a packed weight is [P, K, 16])");
+  check_size(op, "weight", weight, 2, 16, "16 (a packed weight's panels hold 16 rows)");
   check_size(op, "lora_b", lora_b, 2, 16, "16 (a packed lora_b is [N / 16, r, 16])");
   check_size(op, "gate", gate, 0, x.size(0), "x.size(0) (M)");
   TORCH_CHECK_VALUE(lora_b.size(0) >= 1 && lora_b.size(1) >= 1, op,

@@ -38,28 +38,51 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
 
 
 @torch.library.register_fake("sbd_ext::gated_lora_linear")
-def _gated_lora_linear_fake(x, weight, lora_b, gate):
+def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
     op = "gated_lora_linear"
+    q8 = weight.dtype == torch.uint8
     for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
-        if t.dtype != torch.float32 and not (name == "weight" and t.dtype == torch.bfloat16):
-            want = "Float, BFloat16" if name == "weight" else "Float"
+        if t.dtype != torch.float32 and not (name == "weight" and t.dtype in (torch.bfloat16, torch.uint8)):
+            want = "Float, BFloat16, Byte" if name == "weight" else "Float"
             raise TypeError(f"{op}: {name} must have dtype {want}, got {t.dtype}")
         if t.device != x.device:
             raise RuntimeError(
                 f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
             )
-    dims = {"x": (x, 2, "[M, K]"), "weight": (weight, 3, "(packed [W; A]: [P, K, 16])")}
+    if q8 != (scale is not None):
+        raise ValueError(
+            f"{op}: a packed int8 [W; A] (uint8) needs its scale [P * 16]"
+            if q8
+            else f"{op}: scale is for a packed int8 [W; A] (uint8); weight has dtype {weight.dtype}"
+        )
+    if q8:
+        wdim, wshape = 4, "(packed int8 [W; A]: uint8 [P, ceil(K / 32) * 8, 16, 4])"
+    else:
+        wdim, wshape = 3, "(packed [W; A]: [P, K, 16])"
+    dims = {"x": (x, 2, "[M, K]"), "weight": (weight, wdim, wshape)}
     dims.update(lora_b=(lora_b, 3, "(packed scale * B: [N / 16, r, 16])"), gate=(gate, 1, "[M]"))
+    if q8:
+        dims["scale"] = (scale, 1, "[P * 16]")
     for name, (t, nd, shape) in dims.items():
         if t.dim() != nd:
             raise ValueError(f"{op}: {name} must be {nd}-D {shape}, got shape {tuple(t.shape)}")
+    k_w = (x.shape[1] + 31) // 32 * 8 if q8 else x.shape[1]
     sizes = [
-        (weight, "weight", 1, x.shape[1], "x.size(1) (K)"),
-        (weight, "weight", 2, PANEL, "16 (a packed weight is [P, K, 16])"),
+        (weight, "weight", 1, k_w, "ceil(x.size(1) / 32) * 8 (K in blocks of 32)" if q8 else "x.size(1) (K)"),
+        (weight, "weight", 2, PANEL, "16 (a packed weight's panels hold 16 rows)"),
         (lora_b, "lora_b", 2, PANEL, "16 (a packed lora_b is [N / 16, r, 16])"),
         (gate, "gate", 0, x.shape[0], "x.size(0) (M)"),
     ]
+    if q8:
+        sizes += [
+            (weight, "weight", 3, 4, "4 (a packed int8 weight is [P, ceil(K / 32) * 8, 16, 4])"),
+            (scale, "scale", 0, weight.shape[0] * PANEL, "16 * weight.size(0) (P * 16)"),
+        ]
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{op}: scale must have dtype Float, got {scale.dtype}")
+        if scale.device != x.device:
+            raise RuntimeError(f"{op}: scale is on {scale.device} but x is on {x.device}")
     for t, name, d, want, what in sizes:
         msg = f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}"
         torch._check_value(t.shape[d] == want, lambda msg=msg: msg)
@@ -71,7 +94,7 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate):
         weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
         lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
     )
-    for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)):
+    for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)) + ((("scale", scale),) if q8 else ()):
         if not t.is_contiguous():
             raise ValueError(
                 f"{op}: {name} must be contiguous, got shape {tuple(t.shape)} and strides {t.stride()} "

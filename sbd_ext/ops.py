@@ -260,7 +260,13 @@ def row_linear(
     return torch.ops.sbd_ext.row_linear(x, weight, scale, quantize_x)
 
 
-def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_b: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A projection with a gated LoRA adapter in one call: ``x W^T + gate[:, None] * ((x A^T) B'^T)``, the CPU kernel
     of a compiled drafter step over a packed base (:meth:`sbd_ext.drafter.GatedLoRALinear.fused_weight`).
 
@@ -269,21 +275,25 @@ def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tenso
         weight: fp32 or bf16 packed in panels of 16 rows ([P, K, 16], contiguous;
             :func:`sbd_ext.packing.pack_row_linear_weight`): the base's N rows W (N = 16 * lora_b.size(0)), then the
             adapter's r rows A (r = lora_b.size(1)), zero rows to whole panels (``pad=True``):
-            P >= N / 16 + ceil(r / 16).
+            P >= N / 16 + ceil(r / 16). Or (w8a8) int8 [W; A] in row_linear's packed int8 layout (uint8
+            [P, ceil(K / 32) * 8, 16, 4]: :func:`sbd_ext.packing.pack_row_linear_int8`) with ``scale``: then x is
+            quantised per block of 32 once for W and A, as ``row_linear(..., quantize_x=True)`` does.
         lora_b: B' = scale * B [N, r], packed: [N / 16, r, 16] contiguous.
         gate: [M] fp32, one factor per row (the drafter's 0/1 block-row gate).
+        scale: with an int8 weight only: [P * 16] fp32, one per row of [W; A] (any value on the padding rows).
 
     Returns:
-        [M, N] fp32. A row with gate 0 is ``row_linear(x, W)`` bit for bit (the base's own call over the same panels;
-        its adapter is not computed); the other rows add ``gate * (x A^T) B'^T`` (the B product of those rows only).
-        Sums run in a fixed order, independent of the thread count. CPU only (a CUDA drafter step merges the adapter
-        into the weight instead); no backward. :func:`sbd_ext.reference.gated_lora_linear` is the definition.
+        [M, N] fp32. A row with gate 0 is ``row_linear(x, W)`` bit for bit (``row_linear(x, W, scale[:N], True)`` for
+        an int8 weight: the base's own call over the same panels; its adapter is not computed); the other rows add
+        ``gate * (x A^T) B'^T`` (the B product of those rows only). Sums run in a fixed order, independent of the
+        thread count. CPU only (a CUDA drafter step merges the adapter into the weight instead); no backward.
+        :func:`sbd_ext.reference.gated_lora_linear` is the definition.
     """
-    named = dict(x=x, weight=weight, lora_b=lora_b, gate=gate)
+    named = dict(x=x, weight=weight, lora_b=lora_b, gate=gate) | ({} if scale is None else dict(scale=scale))
     _check_tensors("gated_lora_linear", named, tuple(named))
     if x.device.type not in ("cpu", "meta"):
         raise NotImplementedError(
             f"gated_lora_linear: the op has a CPU kernel only, got tensors on {x.device} (a compiled CUDA drafter step "
             "merges the adapter into the weight: GatedLoRALinear.merged_weight)"
         )
-    return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate)
+    return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate, scale)

@@ -327,21 +327,34 @@ def row_linear(
     return out.float()
 
 
-def gated_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x W^T + gate[:, None] * ((x A^T) B'^T)`` in float64, returned as fp32 [M, N]: ``weight`` packed [P, K, 16]
     (fp32 or bf16)
     holds W (its first N = 16 * lora_b.size(0) rows) and A (the next r = lora_b.size(1) rows), ``lora_b`` packed
-    [N / 16, r, 16] holds B' [N, r]. Rows with gate 0 are ``x W^T`` (their adapter term is not added)."""
-    w = unpack_row_linear_weight(weight).double()
+    [N / 16, r, 16] holds B' [N, r]. Rows with gate 0 are ``x W^T`` (their adapter term is not added). An int8
+    ``weight`` (packed uint8 [P, K / 4, 16, 4]) with ``scale`` [P * 16]: ``x W^T`` and ``x A^T`` are
+    :func:`row_linear` with ``quantize_x`` over those rows."""
     b = unpack_row_linear_weight(lora_b).double()
     n, r = b.shape
-    if x.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] < n + r or gate.shape != (x.shape[0],):
-        raise ValueError(
-            f"gated_lora_linear: x [M, K], weight [W; A] packed, lora_b [N / 16, r, 16], gate [M], got "
-            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(lora_b.shape)}, {tuple(gate.shape)}"
-        )
-    xd = x.double()
-    out = xd @ w[:n].t()
+    if scale is not None:
+        if x.dim() != 2 or gate.shape != (x.shape[0],) or weight.dim() != 4 or weight.shape[0] * 16 < n + r:
+            raise ValueError(
+                f"gated_lora_linear: x [M, K], an int8 weight [W; A] packed, lora_b [N / 16, r, 16], gate [M], got "
+                f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(lora_b.shape)}, {tuple(gate.shape)}"
+            )
+        full = row_linear(x, weight, scale, quantize_x=True).double()
+        out, h = full[:, :n], full[:, n : n + r]
+    else:
+        w = unpack_row_linear_weight(weight).double()
+        if x.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] < n + r or gate.shape != (x.shape[0],):
+            raise ValueError(
+                f"gated_lora_linear: x [M, K], weight [W; A] packed, lora_b [N / 16, r, 16], gate [M], got "
+                f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(lora_b.shape)}, {tuple(gate.shape)}"
+            )
+        xd = x.double()
+        out, h = xd @ w[:n].t(), xd @ w[n : n + r].t()
     on = gate != 0
-    out[on] += gate.double()[on, None] * ((xd[on] @ w[n : n + r].t()) @ b.t())
+    out[on] += gate.double()[on, None] * (h[on] @ b.t())
     return out.float()

@@ -121,17 +121,68 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
 }
 
 
+namespace {
+
+// The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
+// h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16]; o's rows have stride N.
+void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o, int64_t Ms, int64_t N, int64_t r,
+                     const float* b) {
+  constexpr int64_t C = sbd_cpu::kRowLinearChunk;
+  static thread_local std::vector<float> ht, delta;  // this thread's scratch (the chunks get raw pointers)
+  static thread_local std::vector<int64_t> rows;
+  rows.clear();
+  for (int64_t i = 0; i < Ms; ++i)
+    if (g[i] != 0.f) rows.push_back(i);
+  const int64_t G = static_cast<int64_t>(rows.size());
+  if (G == 0) return;
+  if (ht.size() < static_cast<size_t>(r * G)) ht.resize(r * G);
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t k = 0; k < r; ++k) ht[k * G + j] = h[rows[j] * h_stride + k];
+  if (delta.size() < static_cast<size_t>(G * N)) delta.resize(G * N);
+  // raw pointers: inside the chunks (other threads) the names ht, delta, rows are those threads' own
+  const float* d = delta.data();
+  const int64_t* rw = rows.data();
+  const auto pb = packed_params(ht.data(), G, r, b, nullptr, N, delta.data(), N);
+  at::parallel_for(0, (N + C - 1) / C, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t n0 = c0 * C, n1 = std::min(N, c1 * C);
+    SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);
+    for (int64_t j = 0; j < G; ++j) {
+      const float gj = g[rw[j]];
+      float* orow = o + rw[j] * N;
+      const float* drow = d + j * N;
+      for (int64_t n = n0; n < n1; ++n) orow[n] += gj * drow[n];
+    }
+  });
+}
+
+}  // namespace
+
 // gated_lora_linear: per slice of kRowLinearRows rows, one walk over the packed [W; A] panels (the base's chunks
 // write out, A's write h = x A^T into a scratch buffer; each output sums in the order of row_linear over the same
 // panels, so a row with gate 0 is row_linear(x, W) bit for bit), then the B product (scale B packed) of the rows
 // with gate != 0 only, added times their gate. One allocation (the output) per call: in a compiled drafter step
 // this one call replaces row_linear on [W; A], a copy of h, row_linear on B and the gated add (210 of each per
-// SmolLM2 verify forward).
+// SmolLM2 verify forward). A packed int8 [W; A] (w8a8: uint8 panels and one scale per row) is one row_linear call
+// over all of its rows, x quantised once (a row with gate 0 is then row_linear(x, W, scale) bit for bit: integer
+// sums, one scale per output), and the same B step.
 at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                 const at::Tensor& gate) {
-  check_gated_lora_linear(x, weight, lora_b, gate);
+                                 const at::Tensor& gate, const std::optional<at::Tensor>& scale) {
+  check_gated_lora_linear(x, weight, lora_b, gate, scale);
   constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
+  const float* b = lora_b.data_ptr<float>();
+  const float* g = gate.data_ptr<float>();
+  if (scale.has_value()) {
+    if (M == 0) return at::empty({0, N}, x.options());
+    const at::Tensor full = row_linear_cpu(x, weight, scale, true);  // [M, P * 16]: W's outputs, then h = x A^T
+    const int64_t F = full.size(1);
+    at::Tensor out = full.narrow(1, 0, N).contiguous();
+    const float* fp = full.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
+      add_gated_delta(fp + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b);
+    return out;
+  }
   const int64_t r_pad = (r + P - 1) / P * P;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -144,12 +195,9 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const int64_t a_off = (N / P) * K * P;  // A's panels follow the base's
   const float* wa = bf16 ? nullptr : w + a_off;
   const uint16_t* wba = bf16 ? wb + a_off : nullptr;
-  const float* b = lora_b.data_ptr<float>();
-  const float* g = gate.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  static thread_local std::vector<float> xt, h, ht, delta;  // this thread's scratch (the chunks get raw pointers)
-  static thread_local std::vector<int64_t> rows;
-  const int64_t base_chunks = (N + C - 1) / C, a_chunks = (r_pad + C - 1) / C, b_chunks = base_chunks;
+  static thread_local std::vector<float> xt, h;  // this thread's scratch (the chunks get raw pointers)
+  const int64_t base_chunks = (N + C - 1) / C, a_chunks = (r_pad + C - 1) / C;
   for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {
     const int64_t Ms = std::min(sbd_cpu::kRowLinearRows, M - m0);
     transpose_rows(xp + m0 * x.stride(0), x.stride(0), Ms, K, xt);
@@ -163,29 +211,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
         SBD_CPU_DISPATCH(row_linear_range, pa, a0 * C, std::min(r_pad, a1 * C));
       }
     });
-    rows.clear();
-    for (int64_t i = 0; i < Ms; ++i)
-      if (g[m0 + i] != 0.f) rows.push_back(i);
-    const int64_t G = static_cast<int64_t>(rows.size());
-    if (G == 0) continue;
-    if (ht.size() < static_cast<size_t>(r * G)) ht.resize(r * G);
-    for (int64_t j = 0; j < G; ++j)
-      for (int64_t k = 0; k < r; ++k) ht[k * G + j] = h[rows[j] * r_pad + k];
-    if (delta.size() < static_cast<size_t>(G * N)) delta.resize(G * N);
-    // raw pointers: inside the chunks (other threads) the names xt, h, ht, delta, rows are those threads' own
-    const float* d = delta.data();
-    const int64_t* rw = rows.data();
-    const auto pb = packed_params(ht.data(), G, r, b, nullptr, N, delta.data(), N);
-    at::parallel_for(0, b_chunks, 1, [&](int64_t c0, int64_t c1) {
-      const int64_t n0 = c0 * C, n1 = std::min(N, c1 * C);
-      SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);
-      for (int64_t j = 0; j < G; ++j) {
-        const float gj = g[m0 + rw[j]];
-        float* orow = o + (m0 + rw[j]) * N;
-        const float* drow = d + j * N;
-        for (int64_t n = n0; n < n1; ++n) orow[n] += gj * drow[n];
-      }
-    });
+    add_gated_delta(h.data(), r_pad, g + m0, o + m0 * N, Ms, N, r, b);
   }
   return out;
 }

@@ -13,8 +13,8 @@ from torch import nn
 
 from ..linear import as_rows, row_count
 from ..ops import gated_lora_linear, row_linear
-from ..packing import PANEL, constant_weight, pack_row_linear_weight
-from ..quantization import PackedLinear
+from ..packing import PANEL, constant_weight, pack_row_linear_int8, pack_row_linear_weight
+from ..quantization import Int8Linear, PackedLinear, quantize_weight
 
 
 class RowGate:
@@ -121,40 +121,59 @@ class GatedLoRALinear(nn.Module):
         plus A products at 4 rows, against 34.5 ms with separate calls, best of 30, Zen 3). Each output sums in the
         same order as the base's own call, so the base's columns are its outputs bit for bit.
 
-        The base's ``weight_packed`` is re-pointed to the first N' / 16 panels of this tensor (a view: the same
+        Over a w8a8 base whose weight is in row_linear's packed int8 layout (:class:`~sbd_ext.quantization.Int8Linear`
+        on AVX512-VNNI) the same in int8: A quantised per row as the base's rows are, its scales after the base's in
+        :meth:`fused_scale` (x is quantised once for both; the base's columns are its outputs bit for bit, integer
+        sums and one scale per column). A verify forward's adapter then is one call per projection, not four.
+
+        The base's packed weight is re-pointed to the first N' / 16 panels of this tensor (a view: the same
         values, no second copy of W; an NTP forward reads only W). Rebuilt when the base's packed weight is replaced
         (a ``quantize``, a ``.to()``) and A's rows re-copied in place when A changes (an optimizer step, a load); a
         compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
             return _present(getattr(self, "_fused", None))
         base, a = self.base, self.lora_A
-        wp = base._buffers.get("weight_packed") if isinstance(base, PackedLinear) else None
+        name = _packed_name(base)
+        wp = base._buffers.get(name) if name else None
         if wp is None or wp.device.type != "cpu" or a.device.type != "cpu":
             self.drop_fused()
             return None
         fused = getattr(self, "_fused", None)
-        if fused is None or wp is not getattr(self, "_fused_view", None):
+        if fused is None or fused.numel() == 0 or wp is not getattr(self, "_fused_view", None):
             with torch.no_grad():
-                a_rows = pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True)  # bf16 base: A rounded too
+                a_rows, a_scale = _a_rows(a, wp)
                 fused = constant_weight(torch.cat([wp.detach(), a_rows]))
                 view = constant_weight(fused[: wp.shape[0]])
-                base._buffers["weight_packed"] = view  # the same values: W is stored once, in the fused tensor
+                scale = None
+                if a_scale is not None:
+                    scale = constant_weight(torch.cat([_base_scale(base, wp.shape[0] * PANEL), a_scale]))
+                base._buffers[name] = view  # the same values: W is stored once, in the fused tensor
             _keep(self, _fused=fused, _fused_view=view, _fused_key=(a._version, a.data_ptr()))
+            _keep(self, _fused_scale=_absent() if scale is None else scale)
         elif self._fused_key != (a._version, a.data_ptr()):
             with torch.no_grad():
-                fused[wp.shape[0] :].copy_(pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True))
+                a_rows, a_scale = _a_rows(a, wp)
+                fused[wp.shape[0] :].copy_(a_rows)
+                if a_scale is not None:
+                    self._fused_scale[wp.shape[0] * PANEL :].copy_(a_scale)
             self._fused_key = (a._version, a.data_ptr())
         return fused
 
+    def fused_scale(self) -> torch.Tensor | None:
+        """The scales of an int8 :meth:`fused_weight` ([P * 16] fp32: the base's, then A's rows'), else None; read
+        after :meth:`fused_weight` (which builds both)."""
+        return _present(getattr(self, "_fused_scale", None))
+
     def drop_fused(self) -> None:
         """Forget :meth:`fused_weight` (the base keeps its packed weight: a view of it, holding W's values)."""
-        _keep(self, _fused=_absent(), _fused_view=None, _fused_key=None)
+        _keep(self, _fused=_absent(), _fused_view=None, _fused_key=None, _fused_scale=_absent())
 
     def _fused_out(self, x: torch.Tensor, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output [..., N] (a view of the call's output, bias added), ``x A^T`` [..., r] (a view)) of
         decoding rows ``x`` [..., K] with one row_linear call on :meth:`fused_weight`."""
-        n, n_pad = self.out_features, self.base.weight_packed.shape[0] * PANEL
-        out = row_linear(as_rows(x, row_count(x)), fused)
+        n, n_pad = self.out_features, self.base._buffers[_packed_name(self.base)].shape[0] * PANEL
+        scale = self.fused_scale()
+        out = row_linear(as_rows(x, row_count(x)), fused, scale, scale is not None)
         y = out[:, :n].view(*x.shape[:-1], n)
         if self.base.bias is not None:
             y = y + self.base.bias
@@ -256,7 +275,8 @@ class GatedLoRALinear(nn.Module):
         b = None if fused is None or rows is not None else self.packed_b()
         if b is not None:  # a compiled step over a packed base: the whole adapter in one call
             x2 = as_rows(x, row_count(x))
-            y = gated_lora_linear(x2, fused, b, gate.to(x.dtype).reshape(-1)).view(*x.shape[:-1], self.out_features)
+            g = gate.to(x.dtype).reshape(-1)
+            y = gated_lora_linear(x2, fused, b, g, self.fused_scale()).view(*x.shape[:-1], self.out_features)
             return y if self.base.bias is None else y + self.base.bias
         if fused is not None:
             y, h = self._fused_out(x, fused)
@@ -298,3 +318,30 @@ def _keep(module: nn.Module, **copies) -> None:
 
 def _present(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is not None and t.numel() > 0 else None
+
+
+def _packed_name(base: nn.Module) -> str | None:
+    """The buffer holding a base layer's packed weight that :meth:`GatedLoRALinear.fused_weight` extends: a packed
+    fp32 / bf16 layer's panels, or a w8a8 layer's packed int8 panels; None for any other layer."""
+    if isinstance(base, PackedLinear):
+        return "weight_packed"
+    if isinstance(base, Int8Linear) and base.quantize_x and "weight_int8_packed" in base._buffers:
+        return "weight_int8_packed"
+    return None
+
+
+def _a_rows(a: torch.Tensor, wp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A's rows in the layout of the base's packed weight ``wp``, padded to whole panels, and (int8) their scales
+    padded alike (0 on the padding rows) or None."""
+    if wp.dtype != torch.uint8:
+        return pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True), None  # bf16 base: A rounded too
+    q, scale = quantize_weight(a.detach())
+    packed = pack_row_linear_int8(q, pad=True)
+    return packed, F.pad(scale, (0, packed.shape[0] * PANEL - scale.shape[0]))
+
+
+def _base_scale(base: nn.Module, rows: int) -> torch.Tensor:
+    """An int8 base layer's row scales padded as its packed weight's rows (``rows``)."""
+    padded = base._buffers.get("weight_scale_padded")
+    scale = (padded if padded is not None else base.weight_scale).detach().float()
+    return F.pad(scale, (0, rows - scale.shape[0]))
