@@ -15,6 +15,9 @@
   run, 256-token cache) when it exists, else
   ``bench/results/smollm2_cpu.csv`` (sbd_ext and HF per cache length, ``test_forward_rows`` rows of the newest
   commit).
+* ``drafter_data.png``: the SmolLM2 drafter's tokens per forward (verify k=2, with and without lookup, on the held-out
+  chat prompts) against the answer tokens it was trained on, from ``bench/results/drafter/data_curve.json`` (one
+  point per trained drafter; the GPU stage's run adds its own).
 
 Each plot's title names its machine, threads and commit (read from the result file).
 """
@@ -25,6 +28,7 @@ import csv
 import json
 import re
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -174,8 +178,45 @@ def main() -> int:
     fig.tight_layout()
     fig.savefig(OUT / "forward_cost.png", dpi=110)
     plt.close(fig)
-    print(f"wrote {OUT / 'tokens_per_s.png'} and {OUT / 'forward_cost.png'}")
+    if DATA_CURVE.exists():
+        _drafter_data_plot(plt)
+    print(f"wrote the plots under {OUT}")
     return 0
+
+
+DATA_CURVE = RESULTS / "drafter" / "data_curve.json"
+
+
+def _drafter_data_plot(plt) -> None:
+    d = json.loads(DATA_CURVE.read_text())
+    pts = sorted(d["points"], key=lambda p: p["answer_tokens"])
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for key, label in (("verify", "verify k=2"), ("verify_lookup", "verify k=2 + lookup 16")):
+        xs = [p["answer_tokens"] for p in pts if key in p]
+        ax.plot(xs, [p[key] for p in pts if key in p], "-", marker="o", label=label)
+    for p in pts:
+        ax.annotate(
+            p["label"],
+            (p["answer_tokens"], p.get("verify_lookup", p.get("verify"))),
+            fontsize=7,
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+        )
+    for y, what in ((1.75, "issue 62's bar, CPU path"), (2.2, "issue 62's bar")):
+        ax.axhline(y, color="#999999", ls="--", lw=0.8)
+        ax.text(pts[0]["answer_tokens"], y, f" {what}", fontsize=7, va="bottom", color="#666666")
+    ax.set_ylim(1.0, 2.4)
+    ax.set_xlim(pts[0]["answer_tokens"] / 1.6, pts[-1]["answer_tokens"] * 1.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("answer tokens the drafter was trained on (self-distilled)")
+    ax.set_ylabel("tokens per forward")
+    ax.set_title("\n".join(textwrap.wrap(d["caption"], 90)), fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(OUT / "drafter_data.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
