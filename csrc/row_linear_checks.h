@@ -98,8 +98,8 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
   TORCH_CHECK_VALUE(q8 == scale.has_value(), op, q8 ? ": a packed int8 [W; A] (uint8) needs its scale [P * 16]"
                                                      : ": scale is for a packed int8 [W; A] (uint8); weight has dtype ",
                     weight.scalar_type());
+  check_dim(op, "x", x, 2, "[M, K]");
   if (q8) {  // [W; A] int8 in row_linear's packed int8 layout, one scale per row; x is quantised per block of 32
-    check_dim(op, "x", x, 2, "[M, K]");
     check_dim(op, "weight", weight, 4, "(packed int8 [W; A]: uint8 [P, ceil(K / 32) * 8, 16, 4])");
     check_size(op, "weight", weight, 1, (x.size(1) + 31) / 32 * 8, "ceil(x.size(1) / 32) * 8 (K in blocks of 32)");
     check_size(op, "weight", weight, 3, 4, "4 (a packed int8 weight is [P, ceil(K / 32) * 8, 16, 4])");
@@ -110,7 +110,6 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
     TORCH_CHECK_VALUE(scale->is_contiguous(), op, ": scale must be contiguous");
     check_same_device(op, "scale", *scale, x, "x");
   } else {
-    check_dim(op, "x", x, 2, "[M, K]");
     check_dim(op, "weight", weight, 3, "(packed [W; A]: [P, K, 16])");
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
   }

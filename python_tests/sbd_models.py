@@ -139,3 +139,34 @@ def broken_drafter(model, tmp_path, sbd: dict, edit_cfg=None, edit_tensors=None)
         edit_tensors(t)
         save_file(t, d / sbd_drafter.WEIGHTS_FILE)
     return d
+
+
+def random_drafter(seed: int = 0, rank: int = 4, std: float = 0.3, **kw):
+    """(base, model): a tiny Llama (``tiny_llama(seed, block_size_range=(2, 8), **kw)``) and a copy with a gated
+    drafter whose factors are random (normal, ``std``) and large enough to change every block row's output."""
+    import copy
+
+    from sbd_ext import drafter as sbd_drafter
+
+    base = tiny_llama(seed=seed, block_size_range=(2, 8), **kw)
+    model = copy.deepcopy(base)
+    params = sbd_drafter.attach(model, MASK_ID, rank=rank)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return base, model
+
+
+def refused_alike(op: str, wrapper, args: dict, exc: type, match: str) -> None:
+    """The Python wrapper ``wrapper(**args)``, the binding behind ``torch.ops.sbd_ext.<op>`` and its fake kernel all
+    raise ``exc`` matching ``match`` for these arguments."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    binding = getattr(torch.ops.sbd_ext, op)
+    with pytest.raises(exc, match=match):
+        wrapper(**args)
+    with pytest.raises(exc, match=match):
+        binding(*args.values())
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(exc, match=match):
+        binding(*args.values())

@@ -37,6 +37,19 @@ def _cache_rows(out) -> list[torch.Tensor]:
     return [t[:, :, :n].clone() for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+def _count_replays(monkeypatch) -> list[int]:
+    """A counter [n] of the replayed graph calls (DirectCall calls) from now on."""
+    replayed = [0]
+    real = direct_call.DirectCall.__call__
+
+    def counting(self, *tensors):
+        replayed[0] += 1
+        return real(self, *tensors)
+
+    monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
+    return replayed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["packed", "w8a8"])
 @pytest.mark.parametrize("mode", ["ntp", "verify", "sbd"])
@@ -48,14 +61,7 @@ def test_replayed_calls_compute_what_the_compiled_function_computes(arith, monke
     torch._dynamo.reset()
     monkeypatch.setattr(compiled, "_VARIANTS", set())
     monkeypatch.setattr(compiled, "_EAGER", set())
-    replayed = [0]
-    real = direct_call.DirectCall.__call__
-
-    def counting(self, *tensors):
-        replayed[0] += 1
-        return real(self, *tensors)
-
-    monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
+    replayed = _count_replays(monkeypatch)
     sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles (a capture needs a compiled graph)
     replayed[0] = 0
     got = sbd_ext.generate(model, ids, mask, compile=True, **kw)
@@ -134,14 +140,7 @@ def test_replayed_cycles_compute_what_the_compiled_cycle_computes(arith, monkeyp
     model = sbd_ext.quantize(copy.deepcopy(model), scheme)
     kw = {"ntp": dict(mode="ntp"), "verify": dict(mode="sbd", verify=True), "sbd": dict(mode="sbd")}[mode]
     kw |= dict(block_size=info["block_size"], max_new_tokens=24, return_cache=True, cycle="device")
-    replayed = [0]
-    real = direct_call.DirectCall.__call__
-
-    def counting(self, *tensors):
-        replayed[0] += 1
-        return real(self, *tensors)
-
-    monkeypatch.setattr(direct_call.DirectCall, "__call__", counting)
+    replayed = _count_replays(monkeypatch)
     sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles
     replayed[0] = 0
     got = sbd_ext.generate(model, ids, mask, compile=True, **kw)

@@ -3,7 +3,7 @@ against sbd_ext.reference.gated_lora_linear (float64), row_linear's bits on rows
 
 import pytest
 import torch
-from sbd_models import num_threads, one_thread
+from sbd_models import num_threads, one_thread, refused_alike
 
 from sbd_ext import reference as R
 from sbd_ext.ops import gated_lora_linear, row_linear
@@ -132,15 +132,7 @@ BAD = [
 def test_bad_inputs(change, exc, match):
     """The Python wrapper, the binding behind torch.ops and the fake kernel refuse the same inputs (no crash, no
     out-of-bounds read: the weight too short for A's panels is the one a kernel would overrun)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    args = _bad(change)
-    with pytest.raises(exc, match=match):
-        gated_lora_linear(**args)
-    with pytest.raises(exc, match=match):
-        torch.ops.sbd_ext.gated_lora_linear(*args.values())
-    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(exc, match=match):
-        torch.ops.sbd_ext.gated_lora_linear(*args.values())
+    refused_alike("gated_lora_linear", gated_lora_linear, _bad(change), exc, match)
 
 
 def test_devices_and_grads():

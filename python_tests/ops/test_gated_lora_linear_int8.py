@@ -5,7 +5,7 @@ kernel."""
 
 import pytest
 import torch
-from sbd_models import num_threads, one_thread
+from sbd_models import num_threads, one_thread, refused_alike
 
 from sbd_ext import reference as R
 from sbd_ext.ops import gated_lora_linear, row_linear
@@ -95,15 +95,7 @@ BAD = [
 @pytest.mark.parametrize("change, exc, match", BAD, ids=[f"{c[0]}-{i}" for i, (c, _, _) in enumerate(BAD)])
 def test_bad_inputs(change, exc, match):
     """The Python wrapper, the binding behind torch.ops and the fake kernel refuse the same inputs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    args = _bad(change)
-    with pytest.raises(exc, match=match):
-        gated_lora_linear(**args)
-    with pytest.raises(exc, match=match):
-        torch.ops.sbd_ext.gated_lora_linear(*args.values())
-    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(exc, match=match):
-        torch.ops.sbd_ext.gated_lora_linear(*args.values())
+    refused_alike("gated_lora_linear", gated_lora_linear, _bad(change), exc, match)
 
 
 def test_compiles_and_equals_eager():

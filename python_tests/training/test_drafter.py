@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from sbd_models import MASK_ID, VOCAB, broken_drafter, random_prompts, single_thread, tiny_llama  # noqa: F401
+from sbd_models import (  # noqa: F401
+    MASK_ID,
+    VOCAB,
+    broken_drafter,
+    random_drafter,
+    random_prompts,
+    single_thread,
+    tiny_llama,
+)
 
 import sbd_ext
 from sbd_ext import drafter
@@ -23,14 +31,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def _with_drafter(seed: int = 0, rank: int = 4, std: float = 0.3, **kw):
     """(base, model): a tiny Llama and a copy with a gated drafter whose factors are random and large enough to
     change every block row's output."""
-    base = tiny_llama(seed=seed, block_size_range=(2, 8), **kw)
-    model = copy.deepcopy(base)
-    params = drafter.attach(model, MASK_ID, rank=rank)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    return base, model
+    return random_drafter(seed, rank, std, **kw)
 
 
 def test_clean_rows_equal_the_base_and_block_rows_differ():
@@ -650,9 +651,23 @@ def test_compiled_verify_over_a_packed_base_takes_the_fused_path_and_equals_the_
         sbd_ext.quantize(rounded, "bf16")
         own = sbd_ext.generate(rounded, ids, att, mode="ntp", max_new_tokens=16)
         ver16 = sbd_ext.generate(rounded, ids, att, compile=True, verify=True, **kw)
+        # and a w8a8 base in the packed int8 layout (AVX512-VNNI): its own int8 [W; A], one call per projection;
+        # compiled verify == that model's compiled NTP, eager verify == its eager NTP
+        _, w8 = _with_drafter(seed=33)
+        sbd_ext.quantize(w8, "w8a8")
+        vnni = "weight_int8_packed" in next(m for _, m in w8.sbd_drafter.lora_modules(w8)).base._buffers
+        if vnni:
+            used.clear()
+            ver8 = sbd_ext.generate(w8, ids, att, compile=True, verify=True, **kw)
+            used8 = list(used)
+            own8c = sbd_ext.generate(w8, ids, att, compile=True, mode="ntp", max_new_tokens=16)
     assert used and torch.equal(ver.sequences, ref.sequences)
     assert torch.equal(comp.sequences, eager.sequences)
     assert torch.equal(ver16.sequences, own.sequences)
+    if vnni:
+        assert used8 and torch.equal(ver8.sequences, own8c.sequences)
+        eager8 = sbd_ext.generate(w8, ids, att, verify=True, **kw)
+        assert torch.equal(eager8.sequences, sbd_ext.generate(w8, ids, att, mode="ntp", max_new_tokens=16).sequences)
 
 
 @pytest.mark.parametrize("merge", [None, True], ids=["auto", "merged"])

@@ -1,18 +1,15 @@
 """The gated drafter over a w8a8 base whose weights are in row_linear's packed int8 layout (AVX512-VNNI): its
 adapters fuse A into the base's int8 panels (GatedLoRALinear.fused_weight) and a compiled verify forward runs each
 in one gated_lora_linear call; the clean rows stay the w8a8 base's own outputs bit for bit, so verify still equals
-the w8a8 model's NTP decoding."""
+the w8a8 model's NTP decoding (compiled: test_drafter's test of the fused path)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from sbd_models import MASK_ID, random_prompts, single_thread, tiny_llama  # noqa: F401
+from sbd_models import random_drafter, single_thread  # noqa: F401
 
 import sbd_ext
-from sbd_ext import drafter
 from sbd_ext import reference as R
 from sbd_ext.packing import PANEL
 
@@ -20,13 +17,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _w8a8_drafter(seed: int):
-    base = tiny_llama(seed=seed, block_size_range=(2, 8))
-    model = copy.deepcopy(base)
-    params = drafter.attach(model, MASK_ID, rank=4)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    _, model = random_drafter(seed)
     sbd_ext.quantize(model, "w8a8")
     layer = next(m for _, m in model.sbd_drafter.lora_modules(model))
     if "weight_int8_packed" not in layer.base._buffers:
@@ -70,26 +61,3 @@ def test_fused_int8_adapter_keeps_the_base_bitwise():
         assert not torch.equal(again[~clean], got[~clean])
         layer.holder.clear()
         assert torch.equal(layer(x), plain)
-
-
-@pytest.mark.slow
-def test_compiled_verify_over_a_w8a8_base_takes_the_fused_path_and_equals_its_ntp():
-    model, _ = _w8a8_drafter(seed=33)
-    ids, att = random_prompts([5, 8], seed=24)
-    kw = dict(max_new_tokens=16, block_size=4)
-    own = sbd_ext.generate(model, ids, att, mode="ntp", max_new_tokens=16)
-    import sbd_ext.decoding.compiled as compiled
-    import sbd_ext.drafter.lora as lora
-
-    torch._dynamo.reset()
-    used = []
-    real = lora.gated_lora_linear
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compiled, "_VARIANTS", set())
-        mp.setattr(compiled, "_EAGER", set())
-        mp.setattr(lora, "gated_lora_linear", lambda *a: used.append(1) or real(*a))
-        ver = sbd_ext.generate(model, ids, att, compile=True, verify=True, **kw)
-        own_c = sbd_ext.generate(model, ids, att, compile=True, mode="ntp", max_new_tokens=16)
-    eager = sbd_ext.generate(model, ids, att, verify=True, **kw)
-    assert used and torch.equal(ver.sequences, own_c.sequences)
-    assert torch.equal(eager.sequences, own.sequences)

@@ -149,7 +149,8 @@ class _CycleCall:
 
     def __init__(self, fn, args: tuple, device: torch.device, cache: SBDCache, st: CycleState):
         self.fn, self.args = fn, args
-        self.capture = fn is not dcyc.cycle and device.type == "cpu" and _compiled.DIRECT_CALLS
+        self.compiled = fn is not dcyc.cycle
+        self.capture = self.compiled and device.type == "cpu" and _compiled.DIRECT_CALLS
         # the sizes fixed within the generation that the graph may take as integers (dynamic dims)
         self.fixed = {cache.layers[0].keys.shape[2], st.out.shape[1], st.corr.shape[1], st.pend.shape[1]}
         self.direct: dict = {}
@@ -162,6 +163,8 @@ class _CycleCall:
             direct(*(() if rows is None else (rows,)))
             return
         args = self.args + (rows,)
+        if rows is not None and self.compiled:  # through dynamo: the row count is a dynamic size (one graph)
+            torch._dynamo.mark_dynamic(rows, 0)
         if not self.capture or self.tries.get(key, 0) >= 2:  # a second try where the first call compiled
             self.fn(*args)
             return
@@ -232,8 +235,6 @@ def decode_device(
                 if sized:
                     need = int(torch.where(st.done, 0, st.n_pend + st.k).max())
                     rows = torch.arange(max(need, job.block_size, 2))
-                    if fn is not dcyc.cycle:
-                        torch._dynamo.mark_dynamic(rows, 0)
                 call(rows)
             cycles += every
             both = torch.stack([st.done.long(), st.err]).cpu()  # the one device-to-host read

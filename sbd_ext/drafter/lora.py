@@ -139,7 +139,7 @@ class GatedLoRALinear(nn.Module):
             self.drop_fused()
             return None
         fused = getattr(self, "_fused", None)
-        if fused is None or fused.numel() == 0 or wp is not getattr(self, "_fused_view", None):
+        if fused is None or wp is not getattr(self, "_fused_view", None):
             with torch.no_grad():
                 a_rows, a_scale = _a_rows(a, wp)
                 fused = constant_weight(torch.cat([wp.detach(), a_rows]))
