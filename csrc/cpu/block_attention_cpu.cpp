@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,31 @@ bool rows_are_matrices(const sbd_cpu::BlockAttentionParams& p) {
   return true;
 }
 
+// The committed rows' K/V into the cache at cache_lens[b], for every (b, kv head), before any unit runs: the units
+// then read cache rows and committed rows alike from the cache, in place (the block that holds the cache's end is not
+// gathered), and no unit reads a row while it is written (the binding refuses k / v that share memory with the
+// caches). The same bytes as k / v, so no sum changes. Large appends (a long prompt) are split over the threads.
+void append_committed(const sbd_cpu::BlockAttentionParams& p, int64_t elem) {
+  int64_t rows = 0;
+  for (int64_t b = 0; b < p.B; ++b) rows += p.commit(b);
+  const int64_t bytes = p.D * elem;
+  const auto copy = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / p.Hkv, h = i % p.Hkv, len = p.cache_len(b);
+      for (int64_t t = 0; t < p.commit(b); ++t) {
+        std::memcpy(static_cast<char*>(p.k_cache) + (b * p.kc_sb + h * p.kc_sh + (len + t) * p.kc_st) * elem,
+                    static_cast<const char*>(p.k) + (b * p.k_sb + h * p.k_sh + t * p.k_st) * elem, bytes);
+        std::memcpy(static_cast<char*>(p.v_cache) + (b * p.vc_sb + h * p.vc_sh + (len + t) * p.vc_st) * elem,
+                    static_cast<const char*>(p.v) + (b * p.v_sb + h * p.v_sh + t * p.v_st) * elem, bytes);
+      }
+    }
+  };
+  if (2 * rows * p.Hkv * bytes < (int64_t{1} << 20))
+    copy(0, p.B * p.Hkv);
+  else
+    at::parallel_for(0, p.B * p.Hkv, 1, copy);
+}
+
 }  // namespace
 
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -58,6 +84,7 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   p.dtype = attn_dtype(q.scalar_type());
   p.gemm = sbd_cpu::block_attention_use_gemm(p.dtype) && rows_are_matrices(p);
   sbd_cpu::count_block_attention_path(p.gemm);
+  append_committed(p, q.element_size());
   const int64_t threads = at::get_num_threads();
   sbd_cpu::block_attention_plan(p, threads);
   at::Tensor partials;

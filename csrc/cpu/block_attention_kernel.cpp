@@ -201,32 +201,54 @@ inline int64_t tiled_index(int64_t D, int64_t d, int64_t m) {
   return ((m / kTileLanes) * D + d) * kTileLanes + m % kTileLanes;
 }
 
-// Per-thread working set, sized for the largest panel.
+// Per-thread working set, sized for the largest panel: `D` values per row, `lanes` panel lanes, `widen` for the
+// fp32 copies of a bf16 / fp16 block.
 struct Workspace {
   Buffer qt, ot, st, kf, vf, gk, gv, kt, ones, run_m, run_l, alpha, lo, hi, sums;
   // per lane: the first key position its window shows (0 without a window) and the last key it sees (-1: none)
   std::unique_ptr<int64_t[]> first, last, tile_last;
-  explicit Workspace(const BlockAttentionParams& p)
-      : qt(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
-        ot(alloc_floats(p.D * tiled_lanes(p.panel_lanes))),
+  int64_t D, lanes;
+  bool widen;
+  Workspace(int64_t D_, int64_t lanes_, bool widen_)
+      : qt(alloc_floats(D_ * tiled_lanes(lanes_))),
+        ot(alloc_floats(D_ * tiled_lanes(lanes_))),
         st(alloc_floats(kBlock * kTileLanes)),
-        kf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
-        vf(alloc_floats(p.dtype == AttnDtype::kFloat32 ? 0 : kBlock * p.D)),
-        gk(alloc_floats(kBlock * p.D)),  // a block of cache and new rows gathered (element type <= 4 bytes)
-        gv(alloc_floats(kBlock * p.D)),
-        kt(alloc_floats(p.D * kBlock)),
+        kf(alloc_floats(widen_ ? kBlock * D_ : 0)),
+        vf(alloc_floats(widen_ ? kBlock * D_ : 0)),
+        gk(alloc_floats(kBlock * D_)),  // a block with set-block rows gathered (element type <= 4 bytes)
+        gv(alloc_floats(kBlock * D_)),
+        kt(alloc_floats(D_ * kBlock)),
         ones(alloc_floats(kTileLanes)),
-        run_m(alloc_floats(p.panel_lanes)),
-        run_l(alloc_floats(p.panel_lanes)),
+        run_m(alloc_floats(lanes_)),
+        run_l(alloc_floats(lanes_)),
         alpha(alloc_floats(kTileLanes)),
         lo(alloc_floats(kTileLanes)),
         hi(alloc_floats(kTileLanes)),
         sums(alloc_floats(4 * W)),
-        first(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
-        last(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes))]),
-        tile_last(new int64_t[static_cast<size_t>(tiled_lanes(p.panel_lanes) / kTileLanes)]) {
+        first(new int64_t[static_cast<size_t>(tiled_lanes(lanes_))]),
+        last(new int64_t[static_cast<size_t>(tiled_lanes(lanes_))]),
+        tile_last(new int64_t[static_cast<size_t>(tiled_lanes(lanes_) / kTileLanes)]),
+        D(D_),
+        lanes(lanes_),
+        widen(widen_) {
     std::fill(ones.get(), ones.get() + kTileLanes, 1.f);
-    std::fill(kt.get(), kt.get() + p.D * kBlock, 0.f);  // its ragged columns are computed on, then masked
+  }
+
+  bool fits(const BlockAttentionParams& p) const {
+    return p.D <= D && p.panel_lanes <= lanes && (widen || p.dtype == AttnDtype::kFloat32);
+  }
+
+  // This thread's workspace for a call of `p`: kept between calls (a decoding forward calls the op once per layer,
+  // ~18 allocations each time otherwise), rebuilt larger when a call needs more (panels are at most kMaxPanelLanes).
+  static Workspace& of_thread(const BlockAttentionParams& p) {
+    static thread_local std::unique_ptr<Workspace> ws;
+    if (!ws || !ws->fits(p)) {
+      const bool widen = p.dtype != AttnDtype::kFloat32 || (ws && ws->widen);
+      ws = std::make_unique<Workspace>(std::max(p.D, ws ? ws->D : 0), std::max(p.panel_lanes, ws ? ws->lanes : 0),
+                                       widen);
+    }
+    std::fill(ws->kt.get(), ws->kt.get() + p.D * kBlock, 0.f);  // its ragged columns are computed on, then masked
+    return *ws;
   }
 };
 
@@ -255,21 +277,13 @@ T* out_row(const BlockAttentionParams& p, const Unit& u, int64_t t, int64_t h) {
   return static_cast<T*>(p.out) + ((u.b * p.T + t) * p.Hq + u.kvh * u.g + h) * p.D;
 }
 
-// Committed rows' K/V into the cache at cache_lens[b]; zero output rows for the padding rows t >= n_valid. Done by
-// split 0 of panel 0 of each (b, kv head). Other units only read cache rows [0, cache_lens[b]), and the binding
-// refuses k / v that share memory with the caches, so the append races with nothing.
+// Zero output rows for the padding rows t >= n_valid. Done by split 0 of panel 0 of each (b, kv head). (The
+// committed rows' K/V are in the cache before any unit runs: block_attention_append_committed.)
 template <typename T>
-void append_and_pad(const BlockAttentionParams& p, const Unit& u) {
-  const int64_t len = p.cache_len(u.b), c = p.commit(u.b), D = p.D;
-  for (int64_t t = 0; t < c; ++t) {
-    std::memcpy(static_cast<T*>(p.k_cache) + u.b * p.kc_sb + u.kvh * p.kc_sh + (len + t) * p.kc_st,
-                static_cast<const T*>(p.k) + u.b * p.k_sb + u.kvh * p.k_sh + t * p.k_st, D * sizeof(T));
-    std::memcpy(static_cast<T*>(p.v_cache) + u.b * p.vc_sb + u.kvh * p.vc_sh + (len + t) * p.vc_st,
-                static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh + t * p.v_st, D * sizeof(T));
-  }
+void pad_rows(const BlockAttentionParams& p, const Unit& u) {
   if (u.g > 0)
     for (int64_t t = u.nv; t < p.T; ++t)
-      std::memset(out_row<T>(p, u, t, 0), 0, u.g * D * sizeof(T));  // the g heads of this kv head are adjacent
+      std::memset(out_row<T>(p, u, t, 0), 0, u.g * p.D * sizeof(T));  // the g heads of this kv head are adjacent
 }
 
 // Keys by absolute position: cache row j is position j, new row t is position cache_len + t. Split s of a unit
@@ -282,20 +296,20 @@ inline std::pair<int64_t, int64_t> split_range(const BlockAttentionParams& p, co
   return {k0, u.split == p.n_splits - 1 ? std::numeric_limits<int64_t>::max() : k0 + p.split_keys};
 }
 
-// Unit `unit` described, after its share of the append and padding (split 0 of panel 0 of its (b, kv head)).
+// Unit `unit` described, after its share of the padding (split 0 of panel 0 of its (b, kv head)).
 template <typename T>
 Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
   Unit u = describe(p, unit / p.n_splits);
   u.split = unit % p.n_splits;
-  if (u.lane0 == 0 && u.split == 0) append_and_pad<T>(p, u);
+  if (u.lane0 == 0 && u.split == 0) pad_rows<T>(p, u);
   return u;
 }
 
 // The unit's keys from position first_key to last_key (its lanes' union), within its split, in blocks of at most
 // `rows` that end at absolute multiples of `rows`, as fn(k rows, k row stride, v rows, v row stride, n rows, pos0),
-// pos0 the position of the block's first key. A block of cache rows or of committed new rows is read in place; one
-// that holds both (the cache's end) or set-block rows is gathered into gk / gv (rows x D each). New rows are always
-// read from k / v, never from the cache rows the append writes. The V of a set-block row (never stored: the drafter's
+// pos0 the position of the block's first key. The committed rows are in the cache already (the binding appends them
+// before any unit runs), so a block of cache rows and committed rows -- the cache's end included -- is read in place
+// from the cache; one that holds set-block rows is gathered into gk / gv (rows x D each). The V of a set-block row (never stored: the drafter's
 // rows) is read with its non-finite values as 0, so that a row that does not see it gets an exact zero from it (a
 // hidden key's probability is 0, and 0 * NaN would be NaN): a drafter's NaN costs its drafts, never the committed
 // rows (sbd_ext.reference.block_attention has the same rule).
@@ -313,15 +327,13 @@ void for_each_key_block(const BlockAttentionParams& p, const Unit& u, int64_t ro
   const T* vn = static_cast<const T*>(p.v) + u.b * p.v_sb + u.kvh * p.v_sh;
   for (int64_t j = k0; j < k1;) {
     const int64_t j1 = std::min(k1, (j / rows + 1) * rows), nb = j1 - j;
-    if (j1 <= len) {
+    if (j1 <= block0) {
       fn(kc + j * p.kc_st, p.kc_st, vc + j * p.vc_st, p.vc_st, nb, j);
-    } else if (j >= len && j1 <= block0) {
-      fn(kn + (j - len) * p.k_st, p.k_st, vn + (j - len) * p.v_st, p.v_st, nb, j);
     } else {
       for (int64_t n = 0; n < nb; ++n) {
         const int64_t pos = j + n;
-        const T* ks = pos < len ? kc + pos * p.kc_st : kn + (pos - len) * p.k_st;
-        const T* vs = pos < len ? vc + pos * p.vc_st : vn + (pos - len) * p.v_st;
+        const T* ks = pos < block0 ? kc + pos * p.kc_st : kn + (pos - len) * p.k_st;
+        const T* vs = pos < block0 ? vc + pos * p.vc_st : vn + (pos - len) * p.v_st;
         std::memcpy(gk + n * D, ks, D * sizeof(T));
         std::memcpy(gv + n * D, vs, D * sizeof(T));
         if (pos >= block0)
@@ -736,7 +748,7 @@ void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
     GemmUnitRunner<T> runner(p, ws);
     take_units(p, runner, next);
   } else {
-    Workspace ws(p);
+    Workspace& ws = Workspace::of_thread(p);
     UnitRunner<T> runner(p, ws);
     take_units(p, runner, next);
   }

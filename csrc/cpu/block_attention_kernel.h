@@ -68,8 +68,9 @@ constexpr int64_t kMaxSplits = 64;
 void block_attention_plan(BlockAttentionParams& p, int64_t threads);
 
 // Run units taken one at a time from `next` (shared by the threads; units are taken while next < n_units()):
-// attention of each unit's lanes over its share of the keys, the cache append of the committed rows (split 0 of
-// panel 0 of each (b, kv head)), and the zero rows of padding. With n_splits == 1 the output rows are final;
+// attention of each unit's lanes over its share of the keys and the zero rows of padding (split 0 of panel 0 of each
+// (b, kv head)). The committed rows' K/V must be in the cache already (the binding appends them first: the units
+// read them from there). With n_splits == 1 the output rows are final;
 // otherwise the unit writes its partial state. Units are independent, so the order does not change the result.
 SBD_CPU_DECLARE_KERNEL(void, block_attention_units, const BlockAttentionParams& p, std::atomic<int64_t>& next)
 

@@ -12,6 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "cpu/row_linear_kernel.h"
@@ -28,6 +32,46 @@ void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std:
   for (int64_t i = 0; i < M; ++i)
     for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
 }
+
+// The quantised x's buffers of one call: this thread's scratch, 64-byte aligned (as at::empty's), kept between
+// calls -- a decoding forward calls row_linear ~210 times, and an at::empty per buffer per call was ~630 of a
+// SmolLM2 w8a8 forward's allocations. A buffer over kKeepBytes (a long prefill) is the call's own tensor instead,
+// so a thread keeps no more than a few MB. The chunks get raw pointers (inside them the names are the worker's own).
+class XScratch {
+ public:
+  enum Slot : int { kXq, kXd, kXq4, kXdt, kXct, kSlots };
+  template <typename T>
+  T* get(Slot slot, int64_t n, at::ScalarType dtype) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+    if (bytes > kKeepBytes) {
+      own_[slot] = at::empty({static_cast<int64_t>(bytes / sizeof(T))}, at::TensorOptions().dtype(dtype));
+      return own_[slot].data_ptr<T>();
+    }
+    Kept& k = kept()[slot];
+    if (k.bytes < bytes) {
+      void* ptr = std::aligned_alloc(64, bytes);
+      if (ptr == nullptr) throw std::bad_alloc();
+      k.ptr.reset(static_cast<char*>(ptr));
+      k.bytes = bytes;
+    }
+    return reinterpret_cast<T*>(k.ptr.get());
+  }
+
+ private:
+  static constexpr size_t kKeepBytes = size_t{4} << 20;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  struct Kept {
+    std::unique_ptr<char[], Free> ptr;
+    size_t bytes = 0;
+  };
+  static std::array<Kept, kSlots>& kept() {
+    static thread_local std::array<Kept, kSlots> k;
+    return k;
+  }
+  std::array<at::Tensor, kSlots> own_;
+};
 
 // A packed weight's panels: fp32 (w) or bf16 (wb, its bits), the other nullptr.
 sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, const float* w, const uint16_t* wb,
@@ -71,18 +115,19 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   if (bf16) p.wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   if (q8_packed) p.wq_packed = weight.data_ptr<uint8_t>();
   // packed: x^T [K, M] (a tile broadcasts x[m, k] for its rows from one pointer per step), in a scratch buffer below
-  at::Tensor xq, xd;  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk
-  at::Tensor xq4, xdt, xct;  // quantize_x with a packed int8 weight: per slice, transposed (row_linear_kernel.h)
+  // quantize_x: x as int8 blocks and their scales, made once for every weight chunk; with a packed int8 weight per
+  // slice, transposed (row_linear_kernel.h)
+  XScratch xs;
   if (quantize_x) {
     p.x_blocks = (K + sbd_cpu::kRowLinearXBlock - 1) / sbd_cpu::kRowLinearXBlock;
     p.xq_stride = p.x_blocks * sbd_cpu::kRowLinearXBlock;
     checked_mul("row_linear", "the quantised x M * 32 * ceil(K / 32)", {M, p.xq_stride});
     if (!q8_packed) {
-      xq = at::empty({M, p.xq_stride}, x.options().dtype(at::kChar));
-      xd = at::empty({M, p.x_blocks}, x.options());
-      SBD_CPU_DISPATCH(row_linear_quantize_x, p, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), 0, M);
-      p.xq = xq.data_ptr<int8_t>();
-      p.xd = xd.data_ptr<float>();
+      int8_t* xq = xs.get<int8_t>(XScratch::kXq, M * p.xq_stride, at::kChar);
+      float* xd = xs.get<float>(XScratch::kXd, M * p.x_blocks, at::kFloat);
+      SBD_CPU_DISPATCH(row_linear_quantize_x, p, xq, xd, 0, M);
+      p.xq = xq;
+      p.xd = xd;
     }
   }
   const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
@@ -99,15 +144,13 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
       s.xt = scratch.data();
     }
     if (q8_packed) {
-      const auto i32 = x.options().dtype(at::kInt);
-      xq4 = at::empty({p.x_blocks * 8, s.M}, i32);
-      xdt = at::empty({p.x_blocks, s.M}, x.options());
-      xct = at::empty({p.x_blocks, s.M}, i32);
-      SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4.data_ptr<int32_t>(), xdt.data_ptr<float>(),
-                       xct.data_ptr<int32_t>());
-      s.xq4 = xq4.data_ptr<int32_t>();
-      s.xdt = xdt.data_ptr<float>();
-      s.xct = xct.data_ptr<int32_t>();
+      int32_t* xq4 = xs.get<int32_t>(XScratch::kXq4, p.x_blocks * 8 * s.M, at::kInt);
+      float* xdt = xs.get<float>(XScratch::kXdt, p.x_blocks * s.M, at::kFloat);
+      int32_t* xct = xs.get<int32_t>(XScratch::kXct, p.x_blocks * s.M, at::kInt);
+      SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4, xdt, xct);
+      s.xq4 = xq4;
+      s.xdt = xdt;
+      s.xct = xct;
     } else if (quantize_x) {
       s.xq += m0 * p.xq_stride;
       s.xd += m0 * p.x_blocks;

@@ -208,6 +208,26 @@ def test_cache_append_and_no_reads_past_length(isa_device, dtype):
             assert cache[b, :, a + c :].isnan().all()
 
 
+def test_workspace_kept_between_calls_and_committed_rows_read_from_the_cache(isa_device):
+    """The vector path keeps its workspace in the calling thread between calls, and every unit reads the committed
+    rows from the cache after they are appended (a key block that holds the cache's end is read in place): calls of
+    other head dims, panel sizes and dtypes in turn, with committed rows across a 64-row block boundary, each match
+    the reference, the caches too."""
+    calls = [  # (B, Hkv, g, T, D, S, dtype, lens, commit, valid)
+        (1, 3, 3, 1, 64, 200, torch.float32, [61], [1], [1]),
+        (2, 2, 4, 40, 128, 300, torch.float32, [60, 0], [8, 40], [40, 40]),  # a larger panel and head dim
+        (1, 3, 3, 5, 64, 200, torch.bfloat16, [62], [3], [5]),  # committed rows 62-64 and two set-block rows
+        (1, 3, 3, 1, 64, 200, torch.float32, [127], [1], [1]),
+        (2, 1, 2, 9, 32, 150, torch.float32, [120, 5], [9, 2], [9, 9]),
+    ]
+    for i, (B, Hkv, g, T, D, S, dtype, ls, cs, vs) in enumerate(calls):
+        q, k, v, kc, vc = make_inputs(B, Hkv, g, T, D, S, dtype=dtype, device=isa_device, seed=i)
+        L, C, V = lengths(ls, isa_device), lengths(cs, isa_device), lengths(vs, isa_device)
+        out, ref, ours, theirs = run_both(q, k, v, kc, vc, L, C, V)
+        assert_close(out, ref, dtype=dtype)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), f"call {i}: caches differ"
+
+
 def test_non_contiguous_inputs(isa_device):
     """q, k, v as transposed views of [B, T, H, D] projections, caches as a slice of a larger buffer."""
     B, Hkv, g, T, D, S = 2, 2, 3, 5, 64, 24
