@@ -86,6 +86,19 @@ def _span(rep: dict) -> str:
 
 def _suite_table(suite: dict) -> list[str]:
     rows = suite["rows"]
+    if "fixed_ms" in rows[0]:  # where a one-row forward's time goes
+        lines = [
+            "| weights | MB read | plain read GB/s | linears + head ms (× read rate) | attention ms | compiled step ms "
+            "| of it beyond the kernels | loop per forward ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            vs = f" ({r['linears_vs_read']:.2f}×)" if r.get("linears_vs_read") else ""
+            lines.append(
+                f"| {r['scheme']} | {r['weights_mb']:.0f} | {r['read_gbs']:.1f} | {r['linears_ms']:.2f}{vs} | "
+                f"{r['attention_ms']:.2f} | {r['step_ms']:.2f} | {r['fixed_ms']:.2f} | {r['forward_ms']:.2f} |"
+            )
+        return lines
     if "decoder" not in rows[0]:  # the forward-cost curve
         lines = ["| weights | new rows | ms per forward | × one row |", "|---|---:|---:|---:|"]
         lines += [f"| {r['scheme']} | {r['rows']} | {r['median_ms']:.2f} | {_x(r['vs_one_row'])} |" for r in rows]
@@ -109,6 +122,7 @@ def _suite_table(suite: dict) -> list[str]:
 
 SUITE_TITLES = {
     "forward": "The forward's cost against its new rows",
+    "profile": "Where a one-row decoding forward's time goes",
     "arith": "Arithmetic, the SBD-trained embedded model",
     "chat": "Open chat, SmolLM2-135M-Instruct + gated drafter",
     "smollm2_sbd": "Arithmetic, SmolLM2-135M converted to SBD",
@@ -123,7 +137,7 @@ def page_block(reps: list[dict]) -> str:
     out = []
     for rep in reps:
         out += [f"### {rep['class']}: {_machine(rep)}", "", f"torch {rep['torch']}, {_span(rep)}.", ""]
-        for key in ("arith", "smollm2_sbd", "chat", "arith_drafter", "forward"):
+        for key in ("arith", "smollm2_sbd", "chat", "arith_drafter", "forward", "profile"):
             if key not in rep["suites"]:
                 continue
             s = rep["suites"][key]

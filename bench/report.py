@@ -24,6 +24,7 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
   cycle on the device (``cycle="device"``; chat's verify then without lookup): rows "..., device cycle".
 - ``arith_drafter``: the SmolLM2 NTP control (``smollm2-ntp``) with its arithmetic drafter: HF ``generate``, compiled
   NTP, compiled verify; accuracy on held-out problems.
+- ``profile`` (CPU): where a one-row compiled NTP forward's time goes, per weight scheme (``bench/report_profile.py``).
 
 Every decoding row records tokens/s, tokens per forward and its speed-up both ways: over the peer (``vs_peer``) and
 over sbd_ext's own compiled NTP on the same weights (``vs_own_ntp``, what SBD / verify itself buys). The file
@@ -55,17 +56,19 @@ from sbd_ext.recipes.smollm2 import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s helpers, also under PYTHONSAFEPATH (the runbook)
 import llama_peer  # noqa: E402
 from forward_cost import ISA_NAMES, cpu_model_and_isa  # noqa: E402
+from report_profile import suite_profile  # noqa: E402
 from sbd_forward import block_forward, prefilled_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "report"
-SUITES = ("forward", "arith", "smollm2_sbd", "chat", "arith_drafter")
+SUITES = ("forward", "arith", "smollm2_sbd", "chat", "arith_drafter", "profile")
 # size of each suite: (prompts, new tokens) in a full run and in --quick
 SIZES = {
     "arith": ((50, 64), (2, 8)),
     "smollm2_sbd": ((8, 96), (2, 8)),
     "chat": ((8, 96), (2, 8)),
     "arith_drafter": ((8, 96), (2, 8)),
+    "profile": ((4, 64), (1, 8)),
 }
 torch._dynamo.config.recompile_limit = 64
 # vLLM's CPU build lives in a venv of its own (tools/vllm_env.sh): the chat suite serves the same checkpoint from it
@@ -378,7 +381,7 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suites", nargs="+", choices=SUITES, help="default: every suite (on a GPU all but forward)")
+    ap.add_argument("--suites", nargs="+", choices=SUITES, help="default: every suite (on a GPU: not forward, profile)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run: the numbers mean nothing)")
@@ -405,10 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2_sbd": lambda: suite_arith(device, *SIZES["smollm2_sbd"][a.quick], not a.quick, name="smollm2-sbd"),
         "chat": lambda: suite_chat(device, *SIZES["chat"][a.quick], not a.quick, device_cycle=dcyc),
         "arith_drafter": lambda: suite_arith_drafter(device, *SIZES["arith_drafter"][a.quick], not a.quick),
+        "profile": lambda: suite_profile(device, *SIZES["profile"][a.quick], not a.quick),
     }
-    suites = a.suites or [s for s in SUITES if not (device.type == "cuda" and s == "forward")]
-    if device.type == "cuda" and "forward" in suites:
-        ap.error("--suites forward: the CPU's forward-cost curve; on a GPU the roofline stage measures it")
+    suites = a.suites or [s for s in SUITES if not (device.type == "cuda" and s in ("forward", "profile"))]
+    if device.type == "cuda" and {"forward", "profile"} & set(suites):
+        ap.error("--suites forward / profile: the CPU's forward; on a GPU the roofline stage measures it")
     failed = []
     for name in suites:
         t0 = time.time()

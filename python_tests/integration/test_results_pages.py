@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 if not (ROOT / "bench" / "render_results.py").is_file():
@@ -175,3 +176,38 @@ def test_report_dry_run_writes_a_class_file(tmp_path):
         arith
     )
     assert render.load_reports(tmp_path) == []  # a dry run never reaches the pages
+
+
+@pytest.mark.slow
+def test_profile_suite_splits_a_forward_and_renders(monkeypatch):
+    """The profile suite's dry run (eager, packed fp32): the bytes a one-row forward streams are the linears' and the
+    head's fp32 weights, the ops' one-row times are found and inside the step's, and the page shows the row."""
+    from sbd_ext.recipes import smollm2
+
+    if not smollm2.is_available():
+        pytest.skip(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import report_profile
+
+    res = report_profile.suite_profile(torch.device("cpu"), 1, 6, compiled=False)
+    (row,) = res["rows"]
+    from sbd_ext.recipes.smollm2 import checkpoint
+
+    cfg = checkpoint.load_smollm2(attn_implementation="sdpa")[0].config
+    h, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = h // cfg.num_attention_heads
+    per_layer = h * h * 2 + 2 * h * cfg.num_key_value_heads * hd + 3 * h * f
+    expect = 4 * (L * per_layer + h * cfg.vocab_size)  # fp32 panels; the head's rows padded to whole panels
+    assert abs(row["weights_mb"] * 1e6 - expect) / expect < 0.01, (row["weights_mb"], expect)
+    assert row["read_gbs"] > 0 and row["linears_ms"] > 0 and row["attention_ms"] > 0
+    assert row["step_ms"] > row["linears_ms"] + row["attention_ms"] and row["forward_ms"] >= row["step_ms"]
+    rep = {
+        "class": "cpu-x",
+        "machine": "M",
+        "isa": "I",
+        "threads": 1,
+        "torch": "t",
+        "suites": {"profile": res | {"date": "d", "commit": "c"}},
+    }
+    page = render.page_block([rep])
+    assert "Where a one-row decoding forward's time goes" in page and "| packed | " in page
