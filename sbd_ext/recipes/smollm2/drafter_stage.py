@@ -46,10 +46,11 @@ PART = 15 << 20  # bytes per returned part (a device call returns files of at mo
 SHIPPED = Path(__file__).resolve().parents[2] / "demo" / "models" / "smollm2-drafter"
 # setting: (on a GPU, in the dry run)
 SIZES = {
-    # Instructions the base writes itself first, then template prompts: the shipped drafter guesses 2 ahead on
-    # template answers 20 points more often than on open chat, and 420 steps on 5,000 template answers added 10
-    # points there and 0.5 on the held-out chat prompts (docs/notes/drafter-studies.md, 2026-11-29). The 5,000
-    # committed template answers (bench/results/drafter-data) are all the templates this stage uses.
+    # Instructions the base writes itself first (the held-out chat prompts' kind), then template prompts: the shipped
+    # drafter guesses 2 ahead on template answers 20 points more often than on open chat, and 420 steps on 5,000
+    # template answers added 10 points there and 0.5 on the held-out chat prompts (docs/notes/drafter-studies.md,
+    # 2026-11-29; 200 steps on 2,200 self-written answers added 0.2). The 5,000 committed template answers
+    # (bench/results/drafter-data) are all the templates this stage uses.
     "self_prompts": (15000, 0),  # instructions the base writes itself, answered
     "templates": (5000, 6),  # template prompts answered
     "max_new_tokens": (192, 8),  # per answer
