@@ -49,16 +49,11 @@ def weight_bytes(model) -> int:
 def read_rate(nbytes: int, rounds: int) -> float:
     """GB/s of a plain one-core read of ``nbytes`` (a float32 sum over a buffer of that size, the best round)."""
     buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    buf.sum()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best / 1e9
+    return buf.nbytes / _best(buf.sum, rounds) / 1e9
 
 
 def _best(fn, rounds: int) -> float:
+    """The best of ``rounds`` timed calls of ``fn`` (seconds), after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(rounds):

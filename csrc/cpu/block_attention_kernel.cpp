@@ -42,6 +42,7 @@
 #include <new>
 #include <utility>
 
+#include "cpu/aligned_buffer.h"
 #include "cpu/block_attention_kernel.h"
 #include "sbd/softmax_state.h"
 
@@ -181,17 +182,9 @@ inline void to_float_row(const T* src, float* dst, int64_t n) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-struct AlignedFree {
-  void operator()(float* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<float[], AlignedFree>;
+using Buffer = AlignedBuffer<float>;
 
-Buffer alloc_floats(int64_t n) {
-  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64 * 64;
-  void* ptr = std::aligned_alloc(64, bytes);
-  if (ptr == nullptr) throw std::bad_alloc();
-  return Buffer(static_cast<float*>(ptr));
-}
+Buffer alloc_floats(int64_t n) { return alloc_aligned<float>(n); }
 
 // QT and O^T are stored tile by tile, [lanes / kTileLanes][D][kTileLanes], so that the part of QT one micro-kernel
 // call streams (D x kTileLanes fp32, 32 KB on AVX-512) is contiguous rather than rows a power-of-two stride apart
@@ -278,7 +271,7 @@ T* out_row(const BlockAttentionParams& p, const Unit& u, int64_t t, int64_t h) {
 }
 
 // Zero output rows for the padding rows t >= n_valid. Done by split 0 of panel 0 of each (b, kv head). (The
-// committed rows' K/V are in the cache before any unit runs: block_attention_append_committed.)
+// committed rows' K/V are in the cache before any unit runs: append_committed in block_attention_cpu.cpp.)
 template <typename T>
 void pad_rows(const BlockAttentionParams& p, const Unit& u) {
   if (u.g > 0)
@@ -309,8 +302,8 @@ Unit begin_unit(const BlockAttentionParams& p, int64_t unit) {
 // `rows` that end at absolute multiples of `rows`, as fn(k rows, k row stride, v rows, v row stride, n rows, pos0),
 // pos0 the position of the block's first key. The committed rows are in the cache already (the binding appends them
 // before any unit runs), so a block of cache rows and committed rows -- the cache's end included -- is read in place
-// from the cache; one that holds set-block rows is gathered into gk / gv (rows x D each). The V of a set-block row (never stored: the drafter's
-// rows) is read with its non-finite values as 0, so that a row that does not see it gets an exact zero from it (a
+// from the cache; one that holds set-block rows is gathered into gk / gv (rows x D each). The V of a set-block row
+// (never stored: the drafter's rows) is read with its non-finite values as 0, so that a row that does not see it gets an exact zero from it (a
 // hidden key's probability is 0, and 0 * NaN would be NaN): a drafter's NaN costs its drafts, never the committed
 // rows (sbd_ext.reference.block_attention has the same rule).
 template <typename T, typename Fn>

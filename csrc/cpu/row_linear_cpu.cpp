@@ -13,11 +13,9 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
-#include <memory>
-#include <new>
 #include <vector>
 
+#include "cpu/aligned_buffer.h"
 #include "cpu/row_linear_kernel.h"
 #include "row_linear_checks.h"
 
@@ -49,9 +47,7 @@ class XScratch {
     }
     Kept& k = kept()[slot];
     if (k.bytes < bytes) {
-      void* ptr = std::aligned_alloc(64, bytes);
-      if (ptr == nullptr) throw std::bad_alloc();
-      k.ptr.reset(static_cast<char*>(ptr));
+      k.ptr = sbd_cpu::alloc_aligned<char>(static_cast<int64_t>(bytes));
       k.bytes = bytes;
     }
     return reinterpret_cast<T*>(k.ptr.get());
@@ -59,11 +55,8 @@ class XScratch {
 
  private:
   static constexpr size_t kKeepBytes = size_t{4} << 20;
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
   struct Kept {
-    std::unique_ptr<char[], Free> ptr;
+    sbd_cpu::AlignedBuffer<char> ptr;
     size_t bytes = 0;
   };
   static std::array<Kept, kSlots>& kept() {
