@@ -55,7 +55,18 @@ from .artifact import (
     read_drafter_config,
     save_drafter,
 )
-from .gate import Drafter, GatedLoRALinear, GatedMaskRow, RowGate, attach, detach, gate_rows, get_drafter, unwrapped
+from .gate import (
+    Drafter,
+    GatedLoRALinear,
+    GatedMaskRow,
+    RowGate,
+    attach,
+    detach,
+    gate_rows,
+    get_drafter,
+    grow_rank,
+    unwrapped,
+)
 from .loss import DIVERGENCES, distill_loss, slot_accuracy
 from .sampler_head import SamplerHead
 
@@ -69,6 +80,7 @@ __all__ = [
     "get_drafter",
     "gate_rows",
     "unwrapped",
+    "grow_rank",
     "distill_loss",
     "DIVERGENCES",
     "slot_accuracy",

@@ -5,6 +5,7 @@ plan."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 
 import torch
@@ -192,6 +193,31 @@ def attach(
         raise ValueError(f"no nn.Linear named one of {targets} in the model: nothing to adapt")
     drafter.mask_row = GatedMaskRow(model, mask_token_id, drafter.holder)
     model.sbd_drafter = drafter
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def grow_rank(model: nn.Module, rank: int) -> list[nn.Parameter]:
+    """Raise the attached drafter's LoRA rank to ``rank`` without changing what it computes, to continue training a
+    drafter with more capacity: each A gains rows drawn as :func:`attach` draws them, each B as many zero columns
+    (the new directions start at zero, as a fresh adapter's do), and alpha grows with the rank so that the scale
+    alpha / rank -- and so every product -- stays the same. Returns the trainable parameters (the new factors and the
+    mask row), as :func:`attach` does."""
+    drafter = get_drafter(model)
+    if drafter is None:
+        raise ValueError("the model has no gated drafter to grow")
+    rank = int(rank)
+    if rank < drafter.rank:
+        raise ValueError(f"cannot grow a rank-{drafter.rank} drafter to the lower rank {rank}")
+    for _, m in drafter.lora_modules(model) if rank > drafter.rank else ():
+        a, b = m.lora_A.detach(), m.lora_B.detach()
+        extra = torch.empty(rank - m.rank, a.shape[1], dtype=a.dtype, device=a.device)
+        nn.init.kaiming_uniform_(extra, a=math.sqrt(5))
+        m.lora_A = nn.Parameter(torch.cat([a, extra]))
+        m.lora_B = nn.Parameter(torch.cat([b, b.new_zeros(b.shape[0], rank - m.rank)], dim=1))
+        m.rank = rank  # m.scale kept
+    drafter.alpha, drafter.rank = drafter.alpha / drafter.rank * rank, rank
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name or "mask_row" in name)
     return [p for p in model.parameters() if p.requires_grad]
 
 

@@ -47,7 +47,7 @@ class DrafterConfig:
     log_every: int = 5
     checkpoint_every: int = 10
     bucket: bool = True  # batches of samples of about one length (make_batches); False: the earlier random batches
-    init_from: str = ""  # a drafter folder of the same rank: continue that drafter (fresh optimizer and schedule)
+    init_from: str = ""  # a drafter folder of this rank or lower (grown): continue it (fresh optimizer, schedule)
     task: str = "general"  # "general" (the unmodified base) or "arith" (the NTP control): see TASKS
     base: str = ""  # a local HF model folder to draft for instead of SmolLM2 (absolute path; task "general")
 

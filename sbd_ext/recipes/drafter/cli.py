@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
     t.add_argument(
         "--divergence", choices=list(drafter_mod.DIVERGENCES), help="distill_loss's per-position term (default: kl)"
     )
-    t.add_argument("--init-from", help="a drafter folder of the same rank to continue (fresh optimizer)")
+    t.add_argument(
+        "--init-from", help="a drafter folder of --rank or a lower rank (grown) to continue (fresh optimizer)"
+    )
     t.add_argument(
         "--no-bucket",
         dest="bucket",

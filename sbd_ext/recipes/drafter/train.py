@@ -114,11 +114,9 @@ def train(
     mask_id = int(tok.mask_token_id)  # every base loader adds it with add_mask_token (<|mask|> for SmolLM2)
     if cfg.init_from:
         drafter_mod.load_weights(model, cfg.init_from)
-        if drafter_mod.get_drafter(model).rank != cfg.rank:
-            raise ValueError(f"--init-from {cfg.init_from}: rank {drafter_mod.get_drafter(model).rank}, not {cfg.rank}")
-        for name, p in model.named_parameters():
-            p.requires_grad_("lora_" in name or "mask_row" in name)
-        params = [p for p in model.parameters() if p.requires_grad]
+        if drafter_mod.get_drafter(model).rank > cfg.rank:
+            raise ValueError(f"--init-from {cfg.init_from}: rank {drafter_mod.get_drafter(model).rank} > {cfg.rank}")
+        params = drafter_mod.grow_rank(model, cfg.rank)  # the same drafter at a rank >= its own
     else:
         params = drafter_mod.attach(model, mask_id, rank=cfg.rank)
     model.to(device).train()

@@ -15,7 +15,7 @@ first stopped; a phase cut by ``--deadline`` continues from its own checkpoint):
 2. ``sweep``: short runs of the gated-LoRA distillation at each ``--ranks`` (bf16 autocast), scored by the
    teacher-forced 2-ahead accuracy (slot 1 of k=2 blocks) on the held-out prompts' answers;
 3. ``train``: the best rank whose artifact can ship (``--max-ship-rank``) for the time left, from the shipped
-   drafter when the ranks agree (``--init-from``);
+   drafter (``--init-from``; grown to the chosen rank where that is higher, :func:`sbd_ext.drafter.grow_rank`);
 4. ``head``: the sampler head on the trained drafter;
 5. ``eval``: tokens per forward and equality with NTP on ``--eval-n`` held-out prompts x ``--eval-max-new``
    tokens, verify at the shipped settings, for the new drafter and the shipped one.
@@ -169,7 +169,7 @@ def phase_train(work: Path, cfg: dict, a, st: dict, log) -> None:
         budget = max(_left(a.deadline) - a.reserve, 0) if a.deadline else a.train_seconds
         steps = int(min(budget, a.train_seconds) / max(ok[rank]["s_per_step"], 1e-3))
         steps = max(min(steps, cfg["max_steps"]), 2)
-        init = str(a.init_from) if a.init_from and drafter_mod.read_drafter_config(a.init_from)["r"] == rank else ""
+        init = str(a.init_from) if a.init_from and drafter_mod.read_drafter_config(a.init_from)["r"] <= rank else ""
         st["final"] = {"rank": rank, "steps": steps, "init_from": init}
         _save_state(work, st)
     f = st["final"]
@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--import-samples", help="a drafter-samples.npz brought back by an earlier run, or a folder of committed parts"
     )
-    ap.add_argument("--init-from", default=str(SHIPPED), help="continue this drafter when the chosen rank is its")
+    ap.add_argument(
+        "--init-from", default=str(SHIPPED), help="continue this drafter when the chosen rank is its or higher (grown)"
+    )
     ap.add_argument("--max-ship-rank", type=int, default=16, help="the largest rank the package can embed")
     ap.add_argument("--train-seconds", type=float, default=240.0)
     ap.add_argument("--reserve", type=float, default=150.0, help="seconds kept for the head and eval after train")
