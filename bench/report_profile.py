@@ -63,15 +63,28 @@ def _best(fn, rounds: int) -> float:
     return best
 
 
+def _op_args(m, x: torch.Tensor) -> tuple:
+    """The arguments a quantized / packed linear module passes ``row_linear`` for the rows ``x`` (its forward's
+    kernel call, without the module's Python around it)."""
+    if isinstance(m, Int8Linear):
+        q = m._buffers.get("weight_int8_packed")
+        q = q if q is not None else m.weight_int8
+        scale = m._buffers.get("weight_scale_padded")
+        return x, q, scale if scale is not None else m.weight_scale, m.quantize_x
+    return x, m.weight_packed, None, False
+
+
 def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, float]:
-    """(linears + head, attention) ms of one one-row forward's kernels: the model's own linear modules at one row in
-    turn, and ``block_attention`` at one row over ``cache_len`` cached keys once per layer (SmolLM2's heads), each the
-    best of ``rounds`` less the same number of calls of the same kind with almost no work (a 32 -> 16 layer of the
-    scheme; attention over an empty cache): the call overhead those loops pay and a compiled graph does not."""
+    """(linears + head, attention) ms of one one-row forward's kernels: ``row_linear`` at one row on each of the
+    model's linear modules' weights in turn (the arguments its forward passes), and ``block_attention`` at one row
+    over ``cache_len`` cached keys once per layer (SmolLM2's heads), each the best of ``rounds`` less the same number
+    of calls of the same kind with almost no work (a 32 -> 16 layer of the scheme; attention over an empty cache):
+    the Python call overhead those loops pay and a compiled graph does not."""
     mods = [m for m in model.modules() if isinstance(m, (Int8Linear, PackedLinear))]
     xs = {k: torch.randn(1, k) for k in {m.in_features for m in mods}}
-    tiny = sbd_ext.quantize(nn.Sequential(nn.Linear(32, 16)), scheme)[0]
-    xt = torch.randn(1, 32)
+    calls = [_op_args(m, xs[m.in_features]) for m in mods]
+    tiny = _op_args(sbd_ext.quantize(nn.Sequential(nn.Linear(32, 16)), scheme)[0], torch.randn(1, 32))
+    op = torch.ops.sbd_ext.row_linear
     cfg = model.config
     hkv, hq = cfg.num_key_value_heads, cfg.num_attention_heads
     d = cfg.hidden_size // hq
@@ -87,8 +100,8 @@ def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, 
         ]
 
     with torch.no_grad():
-        lin = _best(lambda: [m(xs[m.in_features]) for m in mods], rounds)
-        lin -= _best(lambda: [tiny(xt) for _ in mods], rounds)
+        lin = _best(lambda: [op(*c) for c in calls], rounds)
+        lin -= _best(lambda: [op(*tiny) for _ in calls], rounds)
         att = _best(attn(cache_len), rounds) - _best(attn(0), rounds)
     return 1e3 * lin, 1e3 * att
 

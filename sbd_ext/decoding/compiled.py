@@ -17,7 +17,7 @@ from .. import families, ops
 from ..cache import SBDCache
 from ..linear import row_linear_state
 from ..quantization import quantized_scheme
-from . import direct_call
+from . import c_shims, direct_call
 from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
@@ -205,7 +205,7 @@ def compiled_once(fn, device: torch.device):
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with this module's per-device options (CUDA graphs on
     CUDA, the C++ wrapper on the CPU) and the op schemas in inductor's cache key; built once per (fn, device
     type)."""
-    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": dict(CPU_COMPILE_OPTIONS)}
+    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": c_shims.cpu_options(CPU_COMPILE_OPTIONS)}
     with _COMPILE_LOCK:
         key = (fn, device.type)
         if key not in _COMPILED:
@@ -220,6 +220,7 @@ def cache_tag() -> str:
     upgrade compiles afresh."""
     ops = ("block_attention", "entropy_sample", "gated_lora_linear", "mask_replace", "row_linear")
     schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
+    schemas += "|c_shims" if c_shims.shims_available() else ""  # the C functions' signatures follow the schemas
     return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
 
 
