@@ -67,10 +67,7 @@ def _op_args(m, x: torch.Tensor) -> tuple:
     """The arguments a quantized / packed linear module passes ``row_linear`` for the rows ``x`` (its forward's
     kernel call, without the module's Python around it)."""
     if isinstance(m, Int8Linear):
-        q = m._buffers.get("weight_int8_packed")
-        q = q if q is not None else m.weight_int8
-        scale = m._buffers.get("weight_scale_padded")
-        return x, q, scale if scale is not None else m.weight_scale, m.quantize_x
+        return x, *m.kernel_weight(), m.quantize_x
     return x, m.weight_packed, None, False
 
 

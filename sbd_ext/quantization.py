@@ -152,14 +152,16 @@ class Int8Linear(nn.Linear):
             return q
         return unpack_row_linear_int8(self.weight_int8_packed, self.out_features, self.in_features)
 
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, scale) as row_linear takes them: packed with its scales padded alike (w8a8 on VNNI), else as is."""
+        packed, padded = self._buffers.get("weight_int8_packed"), self._buffers.get("weight_scale_padded")
+        return (self.weight_int8 if packed is None else packed), (self.weight_scale if padded is None else padded)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _follow_tied(self)
-        packed = self._buffers.get("weight_int8_packed")
-        q = packed if packed is not None else self.weight_int8
+        q, scale = self.kernel_weight()
         rows = _kernel_rows(x, q)
-        if rows:  # packed (w8a8 on AVX512-VNNI): the scale padded like the weight's rows
-            padded = self._buffers.get("weight_scale_padded")
-            scale = padded if padded is not None else self.weight_scale
+        if rows:
             out = _kernel_out(row_linear(as_rows(x, rows), q, scale, self.quantize_x), x, self.out_features)
         else:
             # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes

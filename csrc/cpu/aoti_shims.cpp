@@ -8,8 +8,8 @@
 // checks and the same kernel as the dispatcher's CPU entry, so the same bits -- and returns its result as a new
 // handle. An error is returned as AOTI's shims return theirs (AOTI_TORCH_FAILURE: inductor's code then raises a
 // RuntimeError that names the call, not the reason) and its message written to stderr, so the reason is seen.
-// The declarations inductor writes into the wrapper are in sbd_ext/decoding/compiled.py (C_SHIMS); sbd_ext's
-// __init__ makes this library's symbols global so that the wrapper's shared object resolves them when it loads.
+// The declarations inductor writes into the wrapper are sbd_ext/decoding/c_shims.py's C_SHIMS; that module also
+// re-opens this library with its symbols global so that the wrapper's shared object resolves them when it loads.
 // No autograd: the compiled step is inference only.
 
 #include <ATen/ATen.h>

@@ -52,7 +52,7 @@ def _layer(x, wp, wq, sq, fused, bp, gate, q, k, v, kc, vc, lens, commit, valid)
 
 def _compiled_code(fn, args):
     """(fn compiled as the CPU step compiles, called on ``args``; the C++ wrapper inductor wrote for it)."""
-    log, handler = io.StringIO(), None
+    log = io.StringIO()
     handler = logging.StreamHandler(log)
     level = output_code_log.level
     output_code_log.addHandler(handler)

@@ -208,7 +208,9 @@ def grow_rank(model: nn.Module, rank: int) -> list[nn.Parameter]:
     rank = int(rank)
     if rank < drafter.rank:
         raise ValueError(f"cannot grow a rank-{drafter.rank} drafter to the lower rank {rank}")
-    for _, m in drafter.lora_modules(model) if rank > drafter.rank else ():
+    for _, m in drafter.lora_modules(model):
+        if m.rank == rank:
+            continue
         a, b = m.lora_A.detach(), m.lora_B.detach()
         extra = torch.empty(rank - m.rank, a.shape[1], dtype=a.dtype, device=a.device)
         nn.init.kaiming_uniform_(extra, a=math.sqrt(5))

@@ -342,6 +342,5 @@ def _a_rows(a: torch.Tensor, wp: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _base_scale(base: nn.Module, rows: int) -> torch.Tensor:
     """An int8 base layer's row scales padded as its packed weight's rows (``rows``)."""
-    padded = base._buffers.get("weight_scale_padded")
-    scale = (padded if padded is not None else base.weight_scale).detach().float()
+    scale = base.kernel_weight()[1].detach().float()
     return F.pad(scale, (0, rows - scale.shape[0]))
