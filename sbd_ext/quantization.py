@@ -6,26 +6,24 @@ int8 weights and one fp32 scale per output row (symmetric, per channel: ``scale 
 ``q = round(w / scale)``) the pass reads a quarter of the bytes, and :func:`sbd_ext.ops.row_linear` widens them to
 fp32 in registers (csrc/cpu/row_linear_kernel.cpp): activations, sums, norms, attention and logits stay fp32.
 
-:func:`quantize` turns every plain ``nn.Linear`` of an fp32 model (and :class:`~sbd_ext.linear.RowLinear`; the
-frozen base projection inside a gated drafter's adapter too) into :class:`Int8Linear` (:class:`PackedLinear`)
-**in place**, by class, as :func:`sbd_ext.linear.use_row_linear` does: the module objects, their hooks and every reference to them stay, so a
-drafter attached before or after keeps working and NTP, SBD and verify decoding all run on int8 weights. A weight
+:func:`quantize` turns every plain ``nn.Linear`` of an fp32 model (and :class:`~sbd_ext.linear.RowLinear`; the frozen
+base projection inside a gated drafter's adapter too) into :class:`Int8Linear` (:class:`PackedLinear`) **in place**, by
+class, as :func:`sbd_ext.linear.use_row_linear` does: the module objects, their hooks and every reference to them stay,
+so a drafter attached before or after keeps working and NTP, SBD and verify decoding all run on int8 weights. A weight
 tied to the input embedding (SmolLM2's output head) keeps the shared fp32 tensor for the embedding lookup and gets an
 int8 copy for the head; every other fp32 weight is freed. The embedding itself stays fp32 (a lookup reads one row).
 
-``"w8a8"`` keeps the same int8 weights and also quantises each linear layer's input at run time, per row in blocks
-of 32 values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel multiplies int8 by int8
-(``row_linear(..., quantize_x=True)``). On this project's AVX2 machine (Zen 3, no VNNI) a linear layer runs 1.1-1.7x
-faster than with ``"int8"`` at one row and 0.9-1.2x at 9-16 rows; on an AVX512-VNNI CPU (Zen 4, ``vpdpbusd``) SmolLM2's
-16-row linears take 0.91x the ``"int8"`` time. Both at a further small accuracy cost; whole forwards, decoding and
-accuracy: docs/notes/benchmarks-log.md.
+``"w8a8"`` keeps the same int8 weights and also quantises each linear layer's input at run time, per row in blocks of 32
+values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel multiplies int8 by int8 (``row_linear(...,
+quantize_x=True)``), at a further small accuracy cost (speed per CPU class, decoding and accuracy measured:
+docs/notes/benchmarks-log.md).
 
-``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`,
-``weight_packed`` [N / 16, K, 16]: :func:`sbd_ext.packing.pack_row_linear_weight`), where the CPU kernel runs a few rows
-at the FMA rate (one weight vector times a broadcast input value per step, no lane sums): on an AMD EPYC Zen 4 (1
-thread) SmolLM2's linears at 16 rows in 37 ms instead of 59, the output head in 8.5 ms instead of 15.5, one row
-15.8 instead of 18.6. Outputs equal the plain layers' to fp32 rounding (the sum order differs). The memory is the
-fp32 model's, plus a packed copy of a weight tied to the embedding (the head).
+``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`, ``weight_packed``
+[N / 16, K, 16]: :func:`sbd_ext.packing.pack_row_linear_weight`), where the CPU kernel runs a few rows at the FMA rate
+(one weight vector times a broadcast input value per step, no lane sums; SmolLM2's linears at 16 rows: 37 ms instead of
+59, Zen 4). Outputs equal the plain layers' to fp32 rounding (the sum order differs). The memory is the fp32 model's,
+plus a packed copy of a weight tied to the embedding (the head). For the compiled CPU step every scheme's layer weights
+are moved into one buffer per dtype (:mod:`sbd_ext.weight_arena`).
 
 ``"bf16"`` is ``"packed"`` with each weight rounded to bf16 (to nearest even): half the bytes, widened exactly in
 registers, the products and sums those of ``"packed"`` in fp32 (activations stay fp32), so a one-row forward -- a pass
@@ -53,8 +51,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .linear import RowLinear, as_rows, row_count
 from . import _C
+from .linear import RowLinear, as_rows, row_count
 from .ops import row_linear
 from .packing import (
     PANEL,
@@ -65,6 +63,7 @@ from .packing import (
     unpack_row_linear_weight,
 )
 from .reference import quantized_x
+from .weight_arena import kernel_tensor
 
 __all__ = [
     "SCHEMES",
@@ -110,8 +109,7 @@ def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def _kernel_out(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    """row_linear's [rows, N'] result as the layer's output [..., n]: a packed weight padded to whole panels (an SBD
-    head's 49153 rows) gives N' > n, and the zero rows' outputs are dropped."""
+    """row_linear's [rows, N'] result as the layer's output [..., n] (N' > n: the padding rows' outputs dropped)."""
     if out.shape[1] != n:
         out = out[:, :n].contiguous()
     return out.view(*x.shape[:-1], n)
@@ -131,14 +129,15 @@ class Int8Linear(nn.Linear):
     (``weight_scale`` [N]); with ``quantize_x`` (scheme ``"w8a8"``) its input is quantised too, and where the CPU
     has AVX512-VNNI the weight is kept in row_linear's packed int8 layout instead (``weight_int8_packed``:
     :func:`~sbd_ext.packing.pack_row_linear_int8`, the same values; :meth:`int8_weight` gives [N, K] either way).
-    fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its binding widens
-    the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside the op, so
-    the layer does not branch on its row count, which torch.compile would guard); anything else (autograd, other
-    dtypes) runs ``F.linear`` on the weight dequantised for that call (and, with ``quantize_x``, on the input as the
-    kernel quantises it). ``.weight`` is the tied fp32 tensor where the layer shares the embedding's, else the
+    fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on the int8 weight (any device: on CUDA its
+    binding widens the weight; any row count: a prefill runs in slices of :data:`~sbd_ext.linear.ROW_LIMIT` rows inside
+    the op, so the layer does not branch on its row count, which torch.compile would guard); anything else (autograd,
+    other dtypes) runs ``F.linear`` on the weight dequantised for that call (and, with ``quantize_x``, on the input as
+    the kernel quantises it). ``.weight`` is the tied fp32 tensor where the layer shares the embedding's, else the
     dequantised weight (computed on each access, for inspection)."""
 
     quantize_x = False
+    _arena_tensors = ("weight_int8_packed", "weight_scale_padded", "weight_int8", "weight_scale")  # weight_arena
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -154,8 +153,9 @@ class Int8Linear(nn.Linear):
 
     def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, scale) as row_linear takes them: packed with its scales padded alike (w8a8 on VNNI), else as is."""
-        packed, padded = self._buffers.get("weight_int8_packed"), self._buffers.get("weight_scale_padded")
-        return (self.weight_int8 if packed is None else packed), (self.weight_scale if padded is None else padded)
+        w = "weight_int8_packed" if "weight_int8_packed" in self._buffers else "weight_int8"
+        s = "weight_scale_padded" if "weight_scale_padded" in self._buffers else "weight_scale"
+        return kernel_tensor(self, w), kernel_tensor(self, s)  # inside a compiled step: slices of the weight arena
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _follow_tied(self)
@@ -183,6 +183,8 @@ class PackedLinear(nn.Linear):
     else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32 tensor where the layer
     shares the embedding's, else the unpacked weight (computed on each access)."""
 
+    _arena_tensors = ("weight_packed",)  # weight_arena
+
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         tied = self._parameters.get("weight")
@@ -190,7 +192,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _follow_tied(self)
-        wp = self.weight_packed
+        wp = kernel_tensor(self, "weight_packed")
         rows = _kernel_rows(x, wp)
         if rows:
             out = _kernel_out(row_linear(as_rows(x, rows), wp), x, self.out_features)
@@ -407,9 +409,7 @@ def check_trainable_weights(model: nn.Module, who: str) -> None:
     would silently leave those layers as they are. Adapter training over a frozen base (its embedding frozen, e.g.
     :func:`sbd_ext.adapters.prepare`) is allowed."""
     scheme = quantized_scheme(model)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    w = getattr(emb, "weight", None)
-    if scheme is None or not (isinstance(w, torch.Tensor) and w.requires_grad):
+    if scheme is None or not _base_trainable(model):
         return
     frozen = [n for n, m in model.named_modules() if isinstance(m, (Int8Linear, PackedLinear))]
     if frozen:

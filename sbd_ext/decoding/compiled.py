@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from .. import families, ops
+from .. import families, ops, weight_arena
 from ..cache import SBDCache
 from ..linear import row_linear_state
 from ..quantization import quantized_scheme
@@ -115,7 +115,7 @@ def decode_compiled(model, cache: SBDCache, seqs: list[SequenceState], job: Job,
     prefill = EagerStep(model, cache, device)
     prefill.max_drafts = step.max_drafts  # its drafts are the static step's first forward's rows
     f = decode(seqs, job, prefill, max_forwards=1)
-    with cache.static_forwards():
+    with cache.static_forwards(), weight_arena.in_use(model, device):
         decode(seqs, job, step, f)
     if device.type == "cuda":
         ops.check_cuda_errors()  # the graph replays skip the binding that raises the kernel's length errors
@@ -272,7 +272,8 @@ def compiled_rows_forward(
     row and the block after it), and advances the cache by ``n_commit``. T is marked dynamic: one graph serves every
     row count (a prompt's prefill and each later forward), one per batch size B and (rows, row_from). The first call
     compiles (minutes on one thread for a 135M model; inductor's on-disk cache keeps it for the next process). The
-    model's drafter factors are read as they were at the last ``drafter.refresh``. Used by the vLLM proposer
+    model's drafter factors are read as they were at the last ``drafter.refresh``, its quantized weights from the
+    weight arena as the first call (or the last ``weight_arena.prepare``) left it. Used by the vLLM proposer
     (sbd_ext.integration.vllm, ``SBD_EXT_VLLM_COMPILE``)."""
     device = cache.layers[0].keys.device
     if device.type != "cpu":
@@ -286,7 +287,7 @@ def compiled_rows_forward(
     tokens = torch.stack([ids, pos])
     meta = torch.tensor([cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
     torch._dynamo.mark_dynamic(tokens, 2)
-    with cache.static_forwards():
+    with cache.static_forwards(), weight_arena.in_use(model, device, checked=False):
         logits = _compiled_forward(device)(model, cache, tokens, meta, rows, True, 0, row_from)
     cache.advance(n_commit)
     return logits

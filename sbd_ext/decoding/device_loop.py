@@ -4,11 +4,12 @@ reads the status every ``SYNC_EVERY`` cycles, streaming, and the errors the stat
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
-from .. import ops
+from .. import ops, weight_arena
 from ..cache import SBDCache
 from . import compiled as _compiled
 from . import device_cycle as dcyc
@@ -226,7 +227,8 @@ def decode_device(
     streams = [s for s in seqs if isinstance(s, StreamingState)]
     # Every live cycle yields a token or reveals one (else err 3): a bound that only a bug can reach.
     cycles, bound = 0, job.max_new_tokens + 3
-    with cache.static_forwards():
+    arena = weight_arena.in_use(model, device) if fn is not dcyc.cycle else contextlib.nullcontext()
+    with cache.static_forwards(), arena:
         while True:
             for _ in range(every):
                 if cuda:

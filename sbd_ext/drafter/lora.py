@@ -15,6 +15,7 @@ from ..linear import as_rows, row_count
 from ..ops import gated_lora_linear, row_linear
 from ..packing import PANEL, constant_weight, pack_row_linear_int8, pack_row_linear_weight
 from ..quantization import Int8Linear, PackedLinear, quantize_weight
+from ..weight_arena import kernel_tensor
 
 
 class RowGate:
@@ -42,6 +43,8 @@ class RowGate:
 
 class GatedLoRALinear(nn.Module):
     """``base(x) + gate · scale · (x A^T) B^T`` over a frozen linear layer; with no gate set, exactly ``base(x)``."""
+
+    _arena_tensors = ("_fused", "_fused_scale", "_packed_b")  # decoding copies a compiled step reads: weight_arena
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, holder: RowGate):
         super().__init__()
@@ -100,7 +103,7 @@ class GatedLoRALinear(nn.Module):
         when B changes (an optimizer step, a load bumps its version); a compiled step reads the copy refreshed before
         it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
-            return _present(getattr(self, "_packed_b", None))
+            return _present(kernel_tensor(self, "_packed_b") if "_packed_b" in self.__dict__ else None)
         b = self.lora_B
         key = (b._version, b.data_ptr(), b.dtype, self.scale)
         if getattr(self, "_packed_b_key", None) != key:
@@ -131,7 +134,7 @@ class GatedLoRALinear(nn.Module):
         (a ``quantize``, a ``.to()``) and A's rows re-copied in place when A changes (an optimizer step, a load); a
         compiled step reads the copy refreshed before it runs (:meth:`Drafter.refresh`)."""
         if torch.compiler.is_compiling():
-            return _present(getattr(self, "_fused", None))
+            return _present(kernel_tensor(self, "_fused") if "_fused" in self.__dict__ else None)
         base, a = self.base, self.lora_A
         name = _packed_name(base)
         wp = base._buffers.get(name) if name else None
@@ -162,7 +165,7 @@ class GatedLoRALinear(nn.Module):
     def fused_scale(self) -> torch.Tensor | None:
         """The scales of an int8 :meth:`fused_weight` ([P * 16] fp32: the base's, then A's rows'), else None; read
         after :meth:`fused_weight` (which builds both)."""
-        return _present(getattr(self, "_fused_scale", None))
+        return _present(kernel_tensor(self, "_fused_scale") if "_fused_scale" in self.__dict__ else None)
 
     def drop_fused(self) -> None:
         """Forget :meth:`fused_weight` (the base keeps its packed weight: a view of it, holding W's values)."""

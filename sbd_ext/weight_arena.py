@@ -1,0 +1,172 @@
+"""One buffer per dtype for the weights a compiled CPU step reads (the *arena*).
+
+Why: a compiled step takes every tensor it reads as an input of its graph, and each input costs on every call (the
+wrapper's handle for it, its allocation, AOT's argument list): ~550 inputs in a SmolLM2 w8a8 forward, measured at
+~0.4 us each. With the quantized layers' kernel weights and scales (and a drafter's fused copies) in one buffer per
+dtype, sliced inside the graph, the same forward takes ~130 inputs, the same tokens, and its graph call ~0.4 ms less
+(7.6-8.1 -> 7.4-7.5 ms; AMD EPYC Zen 4, 1 thread; docs/notes/benchmarks-log.md).
+
+How: :func:`prepare` moves the storage of every tensor a module class lists in ``_arena_tensors`` (``Int8Linear``'s
+weight and scales, ``PackedLinear``'s panels, a ``GatedLoRALinear``'s fused copies) into the model's arena with
+``Tensor.set_``: the same tensor objects, the same values, and tensors that shared a storage (a drafter's fused
+``[W; A]`` and the base weight that is a view of it) still share it. Nothing else changes: ``state_dict``, loading in
+place and every identity check see the same objects. Inside the compiled step (:func:`in_use`) a layer reads
+``kernel_tensor(self, name)``, a slice of the arena; anywhere else (eager, a user's own ``torch.compile``) its own
+tensor. :func:`prepare` runs before each compiled generation and checks that every listed tensor still lies where
+the arena put it: a ``model.to(...)``, an assigned buffer or a rebuilt copy moves it out, and the arena is built
+again (the old one is freed once nothing points into it; meanwhile both are held); on another device than the CPU
+the links are dropped. A ``state_dict`` of a part of the model saved with ``torch.save`` writes the whole arena (views
+save their storage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+from torch import nn
+
+from .packing import constant_weight
+
+__all__ = ["Arena", "in_use", "kernel_tensor", "prepare"]
+
+LINK = "_sbd_arena"  # a module's link: (Arena, {name: (dtype name, offset, shape)})
+MODEL_ARENA = "_sbd_weight_arena"  # the model's Arena
+ALIGN = 64  # bytes: each storage's slot starts on a cache line
+_LOCK = threading.Lock()
+
+
+class Arena:
+    """The flat buffers (``flats``: dtype name -> 1-D constant weight) and whether a compiled step of this module
+    reads them now (``on``, set by :func:`in_use`: part of the graphs' guards)."""
+
+    def __init__(self, flats: dict[str, torch.Tensor]):
+        self.flats, self.on = flats, False
+
+
+def kernel_tensor(m: nn.Module, name: str) -> torch.Tensor:
+    """``m``'s tensor ``name`` as the kernel reads it: inside a compiled step with the arena in use, a slice of the
+    arena (one graph input for all layers); else the module's own tensor (the same values)."""
+    if torch.compiler.is_compiling():
+        link = m.__dict__.get(LINK)
+        if link is not None and link[0].on:
+            spec = link[1].get(name)
+            if spec is not None:
+                key, off, shape = spec
+                n = 1
+                for s in shape:
+                    n *= s
+                return link[0].flats[key][off : off + n].view(shape)
+    return getattr(m, name)
+
+
+def _listed(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every tensor the model's modules list for the arena (non-empty, present)."""
+    out = []
+    for m in model.modules():
+        for name in getattr(type(m), "_arena_tensors", ()):
+            d = m.__dict__
+            t = d["_buffers"].get(name)
+            if t is None:
+                t = d["_parameters"].get(name, d.get(name))
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                out.append((m, name, t))
+    return out
+
+
+def _in_place(model: nn.Module, arena: Arena | None, listed: list) -> bool:
+    """Whether every listed tensor is where ``arena`` put it, and every module's link names a listed tensor."""
+    if arena is None:
+        return False
+    linked, ptrs = 0, {k: (f.data_ptr(), f.element_size(), f.dtype) for k, f in arena.flats.items()}
+    for m, name, t in listed:
+        link = m.__dict__.get(LINK)
+        spec = None if link is None or link[0] is not arena else link[1].get(name)
+        if spec is None:
+            if t.is_contiguous():
+                return False  # a tensor the arena has not seen
+            continue
+        key, off, shape = spec
+        if key not in ptrs:
+            return False
+        base, item, dtype = ptrs[key]
+        if t.data_ptr() != base + off * item or t.dtype != dtype or t.shape != shape or not t.is_contiguous():
+            return False
+        linked += 1
+    return linked == sum(len(m.__dict__[LINK][1]) for m in model.modules() if LINK in m.__dict__)
+
+
+def _unlink(model: nn.Module) -> None:
+    for m in model.modules():
+        m.__dict__.pop(LINK, None)
+    model.__dict__.pop(MODEL_ARENA, None)
+
+
+@torch.no_grad()
+def _build(model: nn.Module, listed: list) -> Arena:
+    """Move every listed tensor's storage into new flat buffers (one per dtype) and link the modules to them."""
+    groups: dict[tuple, list] = {}  # (dtype, storage address) -> the listed tensors on that storage
+    for entry in listed:
+        t = entry[2]
+        groups.setdefault((t.dtype, t.untyped_storage().data_ptr()), []).append(entry)
+    sizes: dict[torch.dtype, int] = {}
+    slots = {}
+    for (dtype, ptr), entries in groups.items():
+        item = torch.empty((), dtype=dtype).element_size()
+        n = entries[0][2].untyped_storage().nbytes() // item
+        at = -(-sizes.get(dtype, 0) * item // ALIGN) * ALIGN // item  # aligned start
+        slots[(dtype, ptr)] = at
+        sizes[dtype] = at + n
+    flats = {str(d)[6:]: constant_weight(torch.empty(n, dtype=d)) for d, n in sizes.items()}
+    arena = Arena(flats)
+    links: dict[int, tuple[nn.Module, dict]] = {}
+    for (dtype, ptr), entries in groups.items():
+        flat, at = flats[str(dtype)[6:]], slots[(dtype, ptr)]
+        old = entries[0][2].untyped_storage()
+        n = old.nbytes() // flat.element_size()
+        flat.data[at : at + n].copy_(torch.empty(0, dtype=dtype).set_(old))
+        offsets: dict[int, int] = {}  # a tensor listed under two names moves once
+        for m, name, t in entries:
+            if id(t) not in offsets:
+                offsets[id(t)] = at + t.storage_offset()
+                t.set_(flat.untyped_storage(), offsets[id(t)], t.shape, t.stride())
+            if t.is_contiguous():
+                spec = (str(dtype)[6:], offsets[id(t)], tuple(t.shape))
+                links.setdefault(id(m), (m, {}))[1][name] = spec
+    _unlink(model)
+    for m, specs in links.values():
+        m.__dict__[LINK] = (arena, specs)
+    model.__dict__[MODEL_ARENA] = arena
+    return arena
+
+
+def prepare(model: nn.Module, device: torch.device | str = "cpu") -> Arena | None:
+    """The model's arena for a compiled step on ``device``, built or rebuilt where a listed tensor is not in it (the
+    first call, or after a ``.to()``, an assigned buffer, a rebuilt copy); None, with every link dropped, on a device
+    other than the CPU, where any listed tensor is not on the CPU, or with ``SBD_EXT_WEIGHT_ARENA=0``."""
+    with _LOCK:
+        listed = _listed(model)
+        off = os.environ.get("SBD_EXT_WEIGHT_ARENA", "1") == "0"  # the switch: every layer reads its own tensors
+        if off or torch.device(device).type != "cpu" or not listed or any(t.device.type != "cpu" for _, _, t in listed):
+            _unlink(model)
+            return None
+        arena = model.__dict__.get(MODEL_ARENA)
+        return arena if _in_place(model, arena, listed) else _build(model, listed)
+
+
+@contextlib.contextmanager
+def in_use(model: nn.Module, device: torch.device | str = "cpu", checked: bool = True):
+    """The model's compiled CPU step reads its weights from the arena inside this block: :func:`prepare` first
+    (~2.5 ms for SmolLM2 with its drafter: every listed tensor's place), or, with ``checked=False``, the arena the
+    last :func:`prepare` left, unchecked (a caller that owns the model and calls per forward)."""
+    arena = model.__dict__.get(MODEL_ARENA) if not checked and torch.device(device).type == "cpu" else None
+    arena = arena or prepare(model, device)
+    if arena is not None:
+        arena.on = True
+    try:
+        yield arena
+    finally:
+        if arena is not None:
+            arena.on = False
