@@ -1,27 +1,27 @@
 """One buffer per dtype for the weights a compiled CPU step reads (the *arena*).
 
 Why: a compiled step takes every tensor it reads as an input of its graph, and each input costs on every call (the
-wrapper's handle for it, its allocation, AOT's argument list): ~550 inputs in a SmolLM2 w8a8 forward, measured at
-~0.4 us each. With the quantized layers' kernel weights and scales (and a drafter's fused copies) in one buffer per
-dtype, sliced inside the graph, the same forward takes ~130 inputs, the same tokens, and its graph call ~0.4 ms less
-(7.6-8.1 -> 7.4-7.5 ms; AMD EPYC Zen 4, 1 thread; docs/notes/benchmarks-log.md).
+wrapper's handle for it, its allocation, a slot in AOT's argument list). With the quantized layers' kernel weights and
+scales and a drafter's fused copies in one buffer per dtype, sliced inside the graph, a SmolLM2 w8a8 NTP graph takes 127
+inputs instead of 547, the same tokens, and its call is ~0.6 ms shorter (7.4-7.7 -> 6.9-7.0 ms median; AMD EPYC Zen 4, 1
+thread; docs/notes/benchmarks-log.md).
 
-How: :func:`prepare` moves the storage of every tensor a module class lists in ``_arena_tensors`` (``Int8Linear``'s
-weight and scales, ``PackedLinear``'s panels, a ``GatedLoRALinear``'s fused copies) into the model's arena with
-``Tensor.set_``: the same tensor objects, the same values, and tensors that shared a storage (a drafter's fused
-``[W; A]`` and the base weight that is a view of it) still share it. Nothing else changes: ``state_dict``, loading in
-place and every identity check see the same objects. Inside the compiled step (:func:`in_use`) a layer reads
-``kernel_tensor(self, name)``, a slice of the arena; anywhere else (eager, a user's own ``torch.compile``) its own
-tensor. :func:`prepare` runs before each compiled generation and checks that every listed tensor still lies where
-the arena put it: a ``model.to(...)``, an assigned buffer or a rebuilt copy moves it out, and the arena is built
-again (the old one is freed once nothing points into it; meanwhile both are held); on another device than the CPU
-the links are dropped. A ``state_dict`` of a part of the model saved with ``torch.save`` writes the whole arena (views
-save their storage).
+How: :func:`prepare` copies every tensor a module class lists in ``_arena_tensors`` (``Int8Linear``'s weight and scales,
+``PackedLinear``'s panels, a ``GatedLoRALinear``'s fused copies) into the model's arena and puts a view of the arena in
+its place: the same values, and what shared a tensor or a storage (a drafter's fused ``[W; A]`` and the base weight that
+views it) still does; ``state_dict`` and loading in place see the views, a tensor taken from a layer before keeps its
+own memory. Inside the compiled step (:func:`in_use`) a layer reads ``kernel_tensor(self, name)``, a slice of the arena;
+anywhere else (eager, a user's own ``torch.compile``) its own tensor. :func:`prepare` runs before each compiled
+generation and checks that every listed tensor still lies where the arena put it: a ``model.to(...)``, an assigned
+buffer or a rebuilt copy moves it out, and the arena is built again (the old one is freed once nothing points into it);
+on another device than the CPU the links are dropped. A ``state_dict`` of a part of the model saved with ``torch.save``
+writes the whole arena (a view saves its storage).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 
@@ -104,9 +104,21 @@ def _unlink(model: nn.Module) -> None:
     model.__dict__.pop(MODEL_ARENA, None)
 
 
+def _put(m: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Set ``m``'s listed tensor ``name`` (a buffer, a parameter or a plain attribute) to ``t``."""
+    for d in (m._buffers, m._parameters):
+        if name in d:
+            d[name] = t
+            return
+    m.__dict__[name] = t
+
+
 @torch.no_grad()
 def _build(model: nn.Module, listed: list) -> Arena:
-    """Move every listed tensor's storage into new flat buffers (one per dtype) and link the modules to them."""
+    """Copy every listed tensor's storage (``listed`` is emptied) into new flat buffers (one per dtype), give each
+    module views of them in place of its tensors (one new object per old one: what shared an object or a storage still
+    does) and link the modules. New objects, not the old ones moved (``set_``): a kernel in another thread that still
+    reads an old tensor (an eager generation) keeps its storage alive until it returns."""
     groups: dict[tuple, list] = {}  # (dtype, storage address) -> the listed tensors on that storage
     for entry in listed:
         t = entry[2]
@@ -122,24 +134,36 @@ def _build(model: nn.Module, listed: list) -> Arena:
     flats = {str(d)[6:]: constant_weight(torch.empty(n, dtype=d)) for d, n in sizes.items()}
     arena = Arena(flats)
     links: dict[int, tuple[nn.Module, dict]] = {}
-    for (dtype, ptr), entries in groups.items():
+    listed.clear()  # each old storage is freed as soon as its tensors are replaced: peak memory ~ 1x, not 2x
+    for dtype, ptr in list(groups):
+        entries = groups.pop((dtype, ptr))
         flat, at = flats[str(dtype)[6:]], slots[(dtype, ptr)]
         old = entries[0][2].untyped_storage()
-        n = old.nbytes() // flat.element_size()
-        flat.data[at : at + n].copy_(torch.empty(0, dtype=dtype).set_(old))
-        offsets: dict[int, int] = {}  # a tensor listed under two names moves once
+        flat.data[at : at + old.nbytes() // flat.element_size()].copy_(torch.empty(0, dtype=dtype).set_(old))
+        new: dict[int, torch.Tensor] = {}  # id(old tensor) -> its view of the arena
         for m, name, t in entries:
-            if id(t) not in offsets:
-                offsets[id(t)] = at + t.storage_offset()
-                t.set_(flat.untyped_storage(), offsets[id(t)], t.shape, t.stride())
+            if id(t) not in new:
+                view = flat.detach().as_strided(t.shape, t.stride(), at + t.storage_offset())
+                new[id(t)] = constant_weight(view) if isinstance(t, nn.Parameter) else view
+            _put(m, name, new[id(t)])
             if t.is_contiguous():
-                spec = (str(dtype)[6:], offsets[id(t)], tuple(t.shape))
+                spec = (str(dtype)[6:], at + t.storage_offset(), tuple(t.shape))
                 links.setdefault(id(m), (m, {}))[1][name] = spec
     _unlink(model)
     for m, specs in links.values():
         m.__dict__[LINK] = (arena, specs)
     model.__dict__[MODEL_ARENA] = arena
+    _trim()
     return arena
+
+
+def _trim() -> None:
+    """Give the freed old storages back to the OS: glibc keeps freed heap blocks below its mmap threshold (SmolLM2
+    w8a8: ~100 MB more resident after a build without it)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def prepare(model: nn.Module, device: torch.device | str = "cpu") -> Arena | None:

@@ -37,22 +37,25 @@ def _in_arena(t: torch.Tensor, arena: weight_arena.Arena) -> bool:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_prepare_moves_each_kernel_tensor_keeping_values_identity_and_outputs(scheme):
+def test_prepare_moves_each_kernel_tensor_keeping_values_and_outputs(scheme):
     model = sbd_ext.quantize(tiny_llama(seed=3), scheme)
     ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(0))
     want, state = _logits(model, ids), {k: v.clone() for k, v in model.state_dict().items()}
-    listed = weight_arena._listed(model)
-    objects = [t for _, _, t in listed]
+    before = [(name, t, t.clone()) for _, name, t in weight_arena._listed(model)]
     arena = weight_arena.prepare(model)
-    assert arena is not None and len(listed) >= 14  # 2 layers x 7 projections (+ scales, the head)
-    assert {str(t.dtype)[6:] for t in objects} == set(arena.flats)  # one buffer per dtype
-    for (m, name, t), before in zip(weight_arena._listed(model), objects, strict=True):
-        assert t is before and _in_arena(t, arena), name  # the same object, its storage the arena's
+    assert arena is not None and len(before) >= 14  # 2 layers x 7 projections (+ scales, the head)
+    assert {str(t.dtype)[6:] for _, t, _ in before} == set(arena.flats)  # one buffer per dtype
+    for (m, name, t), (name0, old, value) in zip(weight_arena._listed(model), before, strict=True):
+        assert name == name0 and _in_arena(t, arena) and torch.equal(t, value)
+        assert type(t) is type(old) and t.requires_grad is False  # a constant weight stays one (dynamo)
+        assert torch.equal(old, value)  # the old tensor (a caller may hold it) keeps its memory and values
         key, off, shape = m.__dict__[weight_arena.LINK][1][name]
         assert torch.equal(arena.flats[key][off : off + t.numel()].view(shape), t)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(_logits(model, ids), want)
     assert weight_arena.prepare(model) is arena  # nothing moved: kept
+    model.load_state_dict(state)  # in place: into the arena
+    assert weight_arena.prepare(model) is arena and torch.equal(_logits(model, ids), want)
 
 
 def test_a_tensor_moved_out_rebuilds_the_arena_with_its_new_values():
@@ -62,11 +65,11 @@ def test_a_tensor_moved_out_rebuilds_the_arena_with_its_new_values():
     new = constant_weight(layer.weight_packed.clone() * 2)
     layer.weight_packed = new  # an assigned buffer: not in the arena
     arena = weight_arena.prepare(model)
-    assert arena is not first and layer.weight_packed is new and _in_arena(new, arena)
+    assert arena is not first and _in_arena(layer.weight_packed, arena) and torch.equal(layer.weight_packed, new)
     key, off, shape = layer.__dict__[weight_arena.LINK][1]["weight_packed"]
     assert torch.equal(arena.flats[key][off : off + new.numel()].view(shape), new)
     with torch.no_grad():
-        new.data = new.data.clone()  # the same object on another storage
+        layer.weight_packed.data = layer.weight_packed.data.clone()  # the same object on another storage
     assert weight_arena.prepare(model) is not arena
 
 
@@ -92,12 +95,13 @@ def test_a_drafters_fused_copy_and_its_base_view_still_share(scheme):
     if scheme == "w8a8" and not fused:
         pytest.skip("w8a8 weights are packed (and fused) on AVX512-VNNI only")
     assert fused
+    name = "weight_packed" if scheme == "packed" else "weight_int8_packed"
+    copies = [m._fused for m in fused]
     for m in fused:
-        name = "weight_packed" if scheme == "packed" else "weight_int8_packed"
         base_w = m.base._buffers[name]
         assert base_w is m._fused_view and base_w.data_ptr() == m._fused.data_ptr() and _in_arena(base_w, arena)
     model.sbd_drafter.refresh(model, "cpu")  # nothing changed: no copy rebuilt, the arena kept
-    assert weight_arena.prepare(model) is arena
+    assert weight_arena.prepare(model) is arena and all(m._fused is c for m, c in zip(fused, copies, strict=True))
 
 
 def test_a_deep_copy_keeps_its_own_arena():

@@ -44,7 +44,8 @@ class RowGate:
 class GatedLoRALinear(nn.Module):
     """``base(x) + gate · scale · (x A^T) B^T`` over a frozen linear layer; with no gate set, exactly ``base(x)``."""
 
-    _arena_tensors = ("_fused", "_fused_scale", "_packed_b")  # decoding copies a compiled step reads: weight_arena
+    # decoding copies a compiled step reads (weight_arena), and the base's view of _fused, which must stay its view
+    _arena_tensors = ("_fused", "_fused_view", "_fused_scale", "_packed_b")
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, holder: RowGate):
         super().__init__()
