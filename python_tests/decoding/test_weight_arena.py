@@ -166,3 +166,36 @@ def test_the_compiled_step_reads_the_arena_and_decodes_the_same_tokens(monkeypat
     assert torch.equal(got["1"], got["0"])
     eager = sbd_ext.generate(sbd_ext.quantize(copy.deepcopy(base), "w8a8"), ids, **{**kw, "compile": False})
     assert torch.equal(got["1"], eager.sequences)
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else None
+
+
+def _huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages (kB) of the mapping that holds ``t``'s first byte (/proc/self/smaps)."""
+    found = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            found = lo <= t.data_ptr() < hi
+        elif found and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="Linux transparent huge pages are off here")
+def test_a_large_arena_starts_on_a_huge_page_and_asks_for_them(monkeypatch):
+    model = sbd_ext.quantize(tiny_llama(seed=9, hidden=512, intermediate=1024), "packed")  # ~20 MB of panels
+    flat = weight_arena.prepare(model).flats["float32"]
+    assert flat.data_ptr() % weight_arena.HUGE_PAGE == 0
+    assert _huge_kb(flat) >= 2048  # at least one 2 MB page under the arena
+    if _thp_mode() == "madvise":  # huge pages only on request: without it, none
+        monkeypatch.setenv("SBD_EXT_WEIGHT_ARENA", "nohuge")
+        model = sbd_ext.quantize(tiny_llama(seed=9, hidden=512, intermediate=1024), "packed")
+        assert _huge_kb(weight_arena.prepare(model).flats["float32"]) == 0
