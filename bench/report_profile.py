@@ -5,8 +5,8 @@ For SmolLM2-135M-Instruct (as the chat suite loads it, with its drafter attached
 w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forward:
 
 - ``weights_mb``: the bytes a one-row forward streams (every linear's weight buffers and the head's);
-  ``read_gbs``: a plain read of that many bytes on one core (``torch.sum`` over a buffer of that size, the best of a
-  few rounds): the copy rate the issue measures against;
+  ``read_gbs``: a plain read of that many bytes on one core (``torch.sum`` over a buffer of that size on the pages
+  the weight arena uses, the best of a few rounds): the copy rate the issue measures against;
 - ``linears_ms``: the linears and the head at one row, their kernels alone (:func:`kernels_ms`), with
   ``linears_vs_read`` = the plain read's time for the same bytes over it (1.0: at the read rate);
 - ``attention_ms``: ``block_attention`` at one row over the cache's mean length, once per layer, likewise;
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import sbd_ext
+from sbd_ext import weight_arena
 from sbd_ext.decoding import compiled as compiled_step
 from sbd_ext.decoding.step import EagerStep
 from sbd_ext.demo import models
@@ -47,8 +48,9 @@ def weight_bytes(model) -> int:
 
 
 def read_rate(nbytes: int, rounds: int) -> float:
-    """GB/s of a plain one-core read of ``nbytes`` (a float32 sum over a buffer of that size, the best round)."""
-    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    """GB/s of a plain one-core read of ``nbytes`` (a float32 sum over a buffer of that size, the best round), on
+    the pages the compiled step's weights sit on (the weight arena's: huge pages where Linux gives them)."""
+    buf = weight_arena.flat_buffer(max(nbytes // 4, 1), torch.float32, huge=True).fill_(1.0)
     return buf.nbytes / _best(buf.sum, rounds) / 1e9
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from .packing import constant_weight
 
-__all__ = ["Arena", "in_use", "kernel_tensor", "prepare"]
+__all__ = ["Arena", "flat_buffer", "in_use", "kernel_tensor", "prepare"]
 
 LINK = "_sbd_arena"  # a module's link: (Arena, {name: (dtype name, offset, shape)})
 MODEL_ARENA = "_sbd_weight_arena"  # the model's Arena
@@ -134,7 +134,7 @@ def _build(model: nn.Module, listed: list) -> Arena:
         slots[(dtype, ptr)] = at
         sizes[dtype] = at + n
     huge = os.environ.get("SBD_EXT_WEIGHT_ARENA", "1") != "nohuge"
-    flats = {str(d)[6:]: constant_weight(_flat(n, d, huge)) for d, n in sizes.items()}
+    flats = {str(d)[6:]: constant_weight(flat_buffer(n, d, huge)) for d, n in sizes.items()}
     arena = Arena(flats)
     links: dict[int, tuple[nn.Module, dict]] = {}
     listed.clear()  # each old storage is freed as soon as its tensors are replaced: peak memory ~ 1x, not 2x
@@ -160,7 +160,7 @@ def _build(model: nn.Module, listed: list) -> Arena:
     return arena
 
 
-def _flat(n: int, dtype: torch.dtype, huge: bool) -> torch.Tensor:
+def flat_buffer(n: int, dtype: torch.dtype, huge: bool) -> torch.Tensor:
     """An uninitialised 1-D buffer of ``n`` elements; with ``huge`` (and over 2 MB) starting on a 2 MB boundary, on
     huge pages where Linux gives them (:func:`_huge_pages`)."""
     item = torch.empty((), dtype=dtype).element_size()
