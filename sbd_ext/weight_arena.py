@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import threading
 
@@ -166,9 +167,13 @@ def flat_buffer(n: int, dtype: torch.dtype, huge: bool) -> torch.Tensor:
     item = torch.empty((), dtype=dtype).element_size()
     if not huge or n * item < HUGE_PAGE:
         return torch.empty(n, dtype=dtype)
-    raw = torch.empty(n + HUGE_PAGE // item, dtype=dtype)
-    skip = (-raw.data_ptr() % HUGE_PAGE) // item
-    flat = raw[skip : skip + n]
+    # A fresh anonymous mapping: its pages are untouched, so the kernel can back them with huge pages on first touch
+    # (memory from the allocator may be heap pages already mapped at 4 KB: a long-lived process reuses freed blocks
+    # up to glibc's mmap threshold, 32 MB). The tensor keeps the mapping alive; it is unmapped with the last view.
+    mapping = mmap.mmap(-1, n * item + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    flat = raw[skip : skip + n * item].view(dtype)
     _huge_pages(flat)
     return flat
 
