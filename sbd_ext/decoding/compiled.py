@@ -173,16 +173,11 @@ def _static_forward(
 DIRECT_CALLS = True
 _GRAPH_GLOBALS = _static_forward.__globals__  # where dynamo installs the compiled graphs of _static_forward
 
-# The CPU step's inductor options. The C++ wrapper is one function per graph with every layer unrolled (SmolLM2's
-# verify graph: a 935 KB main.cpp, 15k lines); built with its kernels in one g++ -O3 run it took 23.5 min on one
-# AMD EPYC Zen 3 thread (cold first call 1411.6 s; Zen 4: 1100.7 s). cpp_wrapper_build_separate compiles the kernels
-# at -O3 on their own and the wrapper -- glue that calls them -- at inductor's wrapper level (-O1): cold first call
-# 252.8 s, and the same forward afterwards (56.0 / 60.7 / 65.0 ms vs 61.7 / 55.1 / 63.4 ms per verify forward, the
-# runs interleaved on one busy 1-thread Zen 3: within this machine's noise). The Python wrapper compiles in 183 s but
-# runs ~10 % slower (64-69 ms).
-# size_asserts off: the wrapper checked the sizes and strides of every input and extern kernel output on every call
-# (788 checks in a SmolLM2 verify forward, ~1-2 ms of ~50); dynamo's guards already check the inputs, and the ops'
-# fake kernels are tested against their CPU kernels (python_tests/ops).
+# The CPU step's inductor options. The C++ wrapper is one function per graph with every layer unrolled; built with its
+# kernels in one g++ -O3 run SmolLM2's verify graph took 23.5 min (Zen 3), so cpp_wrapper_build_separate compiles
+# the kernels at -O3 and the wrapper (glue) at -O1: 252.8 s, the same forward. The Python wrapper compiles in 183 s
+# but runs ~10 % slower. size_asserts off: 788 size / stride checks per SmolLM2 verify forward (~1-2 ms of ~50) that
+# dynamo's guards and the ops' tested fake kernels already cover. (docs/notes/benchmarks-log.md)
 CPU_COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "size_asserts": False}
 
 _COMPILED: dict[tuple, object] = {}  # (function, device type) -> its compiled form
@@ -224,16 +219,15 @@ def cache_tag() -> str:
     return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
 
 
-# How the step's guards are built (patched around each call of the step, since any call may compile and the guards
-# are built then; ~20 us a call; outside the step the process's settings hold):
+# How the step's guards are built (patched around each of its calls, ~20 us; the process's settings elsewhere):
 # - skip_nnmodule_hook_guards=False: dynamo's default skips guards on module hooks, so a forward hook a user adds
 #   after the first compiled generation was silently ignored (stale graph, other tokens than eager); now it recompiles.
 # - recursive dict tags: dynamo checks ~10k guards on every call of the step (a SmolLM2 verify forward with its
 #   drafter: 10.8k, mostly the modules' structure: types, hook dicts, attributes not shadowed), ~2.2 ms of a ~35 ms
 #   forward on one Zen 4 thread. With recursive dict tags (dynamo's own check, off by default) a module whose
 #   __dict__ is unchanged since the last call (its version tag) skips its subtree's guards; an assignment to any
-#   module attribute at any depth changes a tag and the full guards run. compile_wrapper's own time per forward
-#   (cProfile, 2026-11-26): 2.25 ms before, 1.35 ms with both settings. The pointer budget covers a large model.
+#   module attribute at any depth changes a tag and the full guards run (2.25 -> 1.35 ms per forward in
+#   compile_wrapper, 2026-11-26). The pointer budget covers a large model.
 _GUARD_CONFIG = dict(
     skip_nnmodule_hook_guards=False,
     use_recursive_dict_tags_for_guards=True,
@@ -287,8 +281,15 @@ def compiled_rows_forward(
     tokens = torch.stack([ids, pos])
     meta = torch.tensor([cache.seq_lens, n_commit, n_valid], dtype=torch.int32)
     torch._dynamo.mark_dynamic(tokens, 2)
+    args, key = (model, cache, tokens, meta, rows, True, 0, row_from), ("rows-forward", id(model))
     with cache.static_forwards(), weight_arena.in_use(model, device, checked=False):
-        logits = _compiled_forward(device)(model, cache, tokens, meta, rows, True, 0, row_from)
+        try:
+            logits = (_static_forward if key in _EAGER else _compiled_forward(device))(*args)
+        except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
+            if not _recompile_limit_hit(e):
+                raise
+            _fall_back(key)  # dynamo's graph bound on the step's code: this forward uncompiled from now on
+            logits = _static_forward(*args)
     cache.advance(n_commit)
     return logits
 
