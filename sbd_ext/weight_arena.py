@@ -5,7 +5,7 @@ wrapper's handle for it, its allocation, a slot in AOT's argument list). With th
 scales and a drafter's fused copies in one buffer per dtype, sliced inside the graph, a SmolLM2 w8a8 NTP graph takes 127
 inputs instead of 547, the same tokens, and its call is ~0.6 ms shorter (7.4-7.7 -> 6.9-7.0 ms median; AMD EPYC Zen 4, 1
 thread; docs/notes/benchmarks-log.md). The arena also sits on transparent huge pages where Linux gives them
-(:func:`_huge_pages`): ~17 % less per packed fp32 graph call, ~12 % less in w8a8.
+(:func:`flat_buffer`): ~17 % less per packed fp32 graph call, ~12 % less in w8a8.
 
 How: :func:`prepare` copies every tensor a module class lists in ``_arena_tensors`` (``Int8Linear``'s weight and scales,
 ``PackedLinear``'s panels, a ``GatedLoRALinear``'s fused copies) into the model's arena and puts a view of the arena in
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -58,10 +59,7 @@ def kernel_tensor(m: nn.Module, name: str) -> torch.Tensor:
             spec = link[1].get(name)
             if spec is not None:
                 key, off, shape = spec
-                n = 1
-                for s in shape:
-                    n *= s
-                return link[0].flats[key][off : off + n].view(shape)
+                return link[0].flats[key][off : off + math.prod(shape)].view(shape)
     return getattr(m, name)
 
 
@@ -129,9 +127,8 @@ def _build(model: nn.Module, listed: list) -> Arena:
     sizes: dict[torch.dtype, int] = {}
     slots = {}
     for (dtype, ptr), entries in groups.items():
-        item = torch.empty((), dtype=dtype).element_size()
-        n = entries[0][2].untyped_storage().nbytes() // item
-        at = -(-sizes.get(dtype, 0) * item // ALIGN) * ALIGN // item  # aligned start
+        n = entries[0][2].untyped_storage().nbytes() // dtype.itemsize
+        at = -(-sizes.get(dtype, 0) * dtype.itemsize // ALIGN) * ALIGN // dtype.itemsize  # aligned start
         slots[(dtype, ptr)] = at
         sizes[dtype] = at + n
     huge = os.environ.get("SBD_EXT_WEIGHT_ARENA", "1") != "nohuge"
@@ -163,34 +160,23 @@ def _build(model: nn.Module, listed: list) -> Arena:
 
 def flat_buffer(n: int, dtype: torch.dtype, huge: bool) -> torch.Tensor:
     """An uninitialised 1-D buffer of ``n`` elements; with ``huge`` (and over 2 MB) starting on a 2 MB boundary, on
-    huge pages where Linux gives them (:func:`_huge_pages`)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    huge pages where Linux gives them."""
+    item = dtype.itemsize
     if not huge or n * item < HUGE_PAGE:
         return torch.empty(n, dtype=dtype)
     # A fresh anonymous mapping: its pages are untouched, so the kernel can back them with huge pages on first touch
     # (memory from the allocator may be heap pages already mapped at 4 KB: a long-lived process reuses freed blocks
     # up to glibc's mmap threshold, 32 MB). The tensor keeps the mapping alive; it is unmapped with the last view.
     mapping = mmap.mmap(-1, n * item + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
+    # Transparent huge pages (2 MB), asked for before a page is touched: a forward streams every weight once, and on
+    # 4 KB pages that is a TLB miss per 4 KB (~135k per SmolLM2 fp32 forward). Where the kernel gives huge pages only
+    # on request (/sys/kernel/mm/transparent_hugepage/enabled: madvise, this project's AMD EPYC VMs) a SmolLM2 NTP
+    # graph call took ~17 % less in packed fp32 and ~12 % less in w8a8 (Zen 4, 1 thread).
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
-    flat = raw[skip : skip + n * item].view(dtype)
-    _huge_pages(flat)
-    return flat
-
-
-def _huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux for transparent huge pages (2 MB) under ``t``, before its pages are touched: a forward streams every
-    weight once, and with 4 KB pages that is a TLB miss per 4 KB (~135k per SmolLM2 fp32 forward). Where the kernel
-    gives huge pages only on request (``/sys/kernel/mm/transparent_hugepage/enabled``: madvise, this project's AMD EPYC
-    VMs) a SmolLM2 NTP graph call took ~17 % less in packed fp32 and ~12 % less in w8a8 (Zen 4, 1 thread)."""
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if end > start:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-        except (AttributeError, OSError):
-            pass
+    return raw[skip : skip + n * item].view(dtype)
 
 
 def _trim() -> None:
