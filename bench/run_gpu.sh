@@ -39,9 +39,11 @@
 #             chat's verify k=2 and NTP, arith's NTP / SBD / verify) -> report/gpu-<name>.json, committed as
 #             bench/results/report/gpu-<name>.json, ~6-9 min
 #   gguf-part stores a carried part of the SmolLM2 GGUF on the machine (see below)
-#   cpu       the GPU machine's host CPU (issue 13: AMX / AVX512-BF16 where it has them): lscpu, the CPU op tests
-#             (block_attention on both matrix paths, entropy_sample), then the CPU cases of
-#             bench/ops/bench_block_attention.py and bench_entropy_sample.py on one thread -> cpu_ops.csv
+#   cpu       the GPU machine's host CPU (issues 13 and 63: AMX / AVX512-BF16 where it has them): lscpu, the CPU op
+#             tests (block_attention on both matrix paths, entropy_sample, row_linear's w8a8 panels and their AMX-INT8
+#             tiles on the hardware), then on one thread the w8a8 linears of a SmolLM2 forward at 1 / 4 / 16 rows on
+#             VNNI and on AMX (bench/ops/bench_row_linear.py), and the CPU cases of bench_block_attention.py and
+#             bench_entropy_sample.py -> cpu_ops.csv, bench_cpu_linear.json
 # --dry-run (or SBD_RUNBOOK_CPU=1): on a CPU machine, run every stage's steps in a checking form -- pytest
 # collects the selected tests instead of running them, the profiler/sanitizer target runs its cases on the CPU,
 # the build evaluates setup.py without compiling -- and pack the results the same way. CI runs it for every
@@ -397,8 +399,12 @@ stage_cpu() {
   step lscpu 30 bash -c "lscpu; grep -m1 '^flags' /proc/cpuinfo"
   # shellcheck disable=SC2086
   step cpu_tests 240 env CUDA_VISIBLE_DEVICES= $py python_tests/ops/test_block_attention.py \
-    python_tests/ops/test_entropy_sample.py -q -rfE --junitxml="$RES/tests_cpu.xml"
+    python_tests/ops/test_entropy_sample.py python_tests/ops/test_row_linear_amx.py \
+    python_tests/ops/test_row_linear_w8a8.py -q -rfE --junitxml="$RES/tests_cpu.xml"
   py=${py/--timeout=120/--timeout=300}
+  # shellcheck disable=SC2086
+  step cpu_linear 180 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py bench/ops/bench_row_linear.py -m "not cuda" \
+    --benchmark-only -q -s -k "forward and w8a8 and (-1- or -4- or -16-)" --benchmark-json="$RES/bench_cpu_linear.json"
   # shellcheck disable=SC2086
   step cpu_bench 420 env OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $py \
     bench/ops/bench_block_attention.py bench/ops/bench_entropy_sample.py -m "not cuda" --benchmark-only -q -s \

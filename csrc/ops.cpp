@@ -102,6 +102,12 @@ pybind11::dict build_info() {
   d["cpu_vnni"] = false;
   d["cpu_avx512_bf16"] = false;
 #endif
+  // row_linear's packed int8 weights at >= cpu_amx_min_rows x rows on AMX-INT8 tiles (cpu/isa.h): whether this CPU,
+  // OS and process allow it (and if not, why), and the current mode ("on", "off", "emulate")
+  d["cpu_amx_int8"] = sbd_cpu::amx_int8_usable();
+  d["cpu_amx_int8_status"] = sbd_cpu::amx_int8_status();
+  d["cpu_amx"] = std::string(sbd_cpu::amx_mode_name(sbd_cpu::amx_mode()));
+  d["cpu_amx_min_rows"] = sbd_cpu::kAmxMinRows;
   d["cpu_bf16_matmul_units"] = sbd_cpu::cpu_has_bf16_matmul();
   d["cpu_fp16_matmul_units"] = sbd_cpu::cpu_has_fp16_matmul();
   d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
@@ -122,6 +128,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AMX-BF16 / AMX-FP16, the micro-kernel otherwise), \"vector\" or \"gemm\" for every type.");
   m.def("block_attention_cpu_paths", &sbd_cpu::block_attention_path_counts,
         "(vector, gemm): CPU block_attention calls per matrix path since the process started.");
+  m.def("set_cpu_amx", &sbd_cpu::set_amx, pybind11::arg("mode"),
+        "row_linear's packed int8 weights on AMX-INT8 tiles: \"auto\" (where usable), \"off\", \"on\" (raises "
+        "where unusable) or \"emulate\" (the same kernel over a C++ model of the tiles: for tests, slow).");
+  m.def("row_linear_amx_calls", &sbd_cpu::amx_range_calls,
+        "row_linear weight ranges that ran on AMX tiles (or their emulation) since the process started.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

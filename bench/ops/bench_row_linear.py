@@ -8,6 +8,9 @@ CPU work: every linear of one SmolLM2-135M forward for M rows (30 layers x q, k,
 decoding forward does), M in {1, 2, 3, 4, 8, 16, 24} (NTP; verify at k = 2: 3-4 rows; an SBD block of 8; verify's
 committed block + block; the limit region), fp32; and the output head alone. GB/s = weight bytes / time (the
 one-row case's floor is the memory's rate). The reference (float64) runs the head only, at M = 8.
+w8a8 (``sbd_ext.quantize(model, "w8a8")``'s packed int8 panels, x quantised per block of 32; AVX512-VNNI CPUs only):
+``row_linear_w8a8`` on the VNNI panels (AMX off) and, where the CPU has AMX-INT8, ``row_linear_w8a8_amx`` on the
+tiles from ``cpu_amx_min_rows`` rows (issue 63: a 16-row forward at <= 1.3x a one-row one); GB/s over the int8 bytes.
 CUDA: Llama-3.1-8B's MLP up projection (14336 x 4096) and output head (128256 x 4096), fp32, M in {1, 16}: the op is
 cuBLAS there (at::mm), so this checks it adds nothing.
 """
@@ -18,9 +21,11 @@ from cuda_timing import CUDA, ROUNDS, measure
 
 import sbd_ext
 from sbd_ext import reference as R
-from sbd_ext.packing import pack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_int8, pack_row_linear_weight
+from sbd_ext.quantization import quantize_weight
 
-ISA = sbd_ext.build_info()["cpu_isa"]
+INFO = sbd_ext.build_info()
+ISA = INFO["cpu_isa"]
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49153
 ROWS = [1, 2, 3, 4, 8, 16, 24]
 LAYER_SHAPES = [  # [out, in] of one SmolLM2-135M layer: q, k, v, o, gate, up, down (also bench_gated_lora_linear.py)
@@ -65,8 +70,39 @@ def _packed(M, ws):
     return lambda x: [sbd_ext.row_linear(x[w.shape[1]], p)[:, : w.shape[0]] for p, w in zip(packed, ws, strict=True)]
 
 
+_INT8: dict = {}
+
+
+def _w8a8(amx):
+    """row_linear on the weights as sbd_ext.quantize(model, "w8a8") keeps them on an AVX512-VNNI CPU (packed int8
+    panels, N padded to 16, one scale per row), with the AMX tiles on or off (restored to "auto" after each call)."""
+
+    def make(M, ws):
+        if not INFO["cpu_vnni"] or (amx and not INFO["cpu_amx_int8"]):
+            pytest.skip("needs AVX512-VNNI" + (" and AMX-INT8" if amx else ""))
+        key = tuple(w.shape for w in ws)
+        if key not in _INT8:
+            qs = [quantize_weight(w) for w in ws]
+            _INT8[key] = [(pack_row_linear_int8(q, pad=True), s) for q, s in qs]
+        layers = [(p, torch.nn.functional.pad(s, (0, p.shape[0] * 16 - w.shape[0]), value=1.0), w.shape)
+                  for (p, s), w in zip(_INT8[key], ws, strict=True)]
+
+        def run(x):
+            sbd_ext._C.set_cpu_amx("on" if amx else "off")
+            try:
+                return [sbd_ext.row_linear(x[k], p, s, quantize_x=True)[:, :n] for p, s, (n, k) in layers]
+            finally:
+                sbd_ext._C.set_cpu_amx("auto")
+
+        return run
+
+    return make
+
+
 IMPLS = {
     "row_linear": ("ours", lambda M, ws: lambda x: [sbd_ext.row_linear(x[w.shape[1]], w) for w in ws]),
+    "row_linear_w8a8": ("ours", _w8a8(amx=False)),
+    "row_linear_w8a8_amx": ("ours", _w8a8(amx=True)),
     "row_linear_packed": ("ours", _packed),
     "F.linear": ("baseline", lambda M, ws: lambda x: [torch.nn.functional.linear(x[w.shape[1]], w) for w in ws]),
     "mkl_packed": ("baseline", _mkl_packed),
@@ -77,13 +113,15 @@ def _run(benchmark, what, M, impl):
     ws = _stack() if what == "forward" else _stack()[-1:]
     role, make = IMPLS[impl]
     fn, x = make(M, ws), _inputs(M, ws)
+    dtype = "w8a8" if "w8a8" in impl else "fp32"
     benchmark.group = (
-        f"row_linear: {'one SmolLM2-135M forward' if what == 'forward' else 'output head'}, {M} rows, fp32 (CPU, {ISA})"
+        f"row_linear: {'one SmolLM2-135M forward' if what == 'forward' else 'output head'}, {M} rows, {dtype} "
+        f"(CPU, {ISA})"
     )
     benchmark.extra_info["role"] = role
     out = benchmark.pedantic(fn, args=(x,), rounds=5 if what == "forward" else 10, warmup_rounds=1, iterations=1)
     if benchmark.stats is not None:
-        benchmark.extra_info["GB/s"] = _bytes(ws) / benchmark.stats.stats.median / 1e9
+        benchmark.extra_info["GB/s"] = _bytes(ws) / (4 if dtype == "w8a8" else 1) / benchmark.stats.stats.median / 1e9
     return out, x, ws
 
 
@@ -93,8 +131,11 @@ def _run(benchmark, what, M, impl):
 def test_cpu(benchmark, what, M, impl):
     out, x, ws = _run(benchmark, what, M, impl)
     w = ws[-1]
-    want = R.row_linear(x[w.shape[1]], w)
-    torch.testing.assert_close(out[-1], want, atol=1e-3, rtol=1e-4)
+    if "w8a8" in impl:
+        q, s = quantize_weight(w)
+        torch.testing.assert_close(out[-1], R.row_linear(x[w.shape[1]], q, s, quantize_x=True), atol=1e-3, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out[-1], R.row_linear(x[w.shape[1]], w), atol=1e-3, rtol=1e-4)
 
 
 def test_reference(benchmark):

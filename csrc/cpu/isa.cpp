@@ -4,6 +4,15 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace sbd_cpu {
 namespace {
@@ -103,5 +112,112 @@ void set_isa(const std::string& name) {
                     built(isa) ? "the CPU lacks it" : "it was not built", ")");
   current().store(static_cast<int>(isa));
 }
+
+namespace {
+
+// Why AMX-INT8 cannot run here, or "" (usable). Asks Linux for the tile data once (the grant is per process).
+std::string amx_check() {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return "the CPU has no CPUID leaf 7";
+  __cpuid_count(7, 0, a, b, c, d);
+  if (!(d & (1u << 24)) || !(d & (1u << 25))) return "the CPU does not report AMX-TILE and AMX-INT8";
+  __cpuid(1, a, b, c, d);
+  if (!(c & (1u << 27))) return "the OS has not enabled XSAVE (OSXSAVE)";
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return "the OS has not enabled the tile state (XCR0 bits 17-18)";
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kArchGetXcompPerm = 0x1022, kXtileData = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) != 0) return "Linux refused the tile data (arch_prctl)";
+  unsigned long long granted = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || !(granted & (1ull << kXtileData)))
+    return "Linux did not grant the tile data (arch_prctl)";
+  return "";
+#else
+  return "AMX is used on Linux only";
+#endif
+#else
+  return "not an x86-64 CPU";
+#endif
+}
+
+const std::string& amx_reason() {
+  static const std::string reason = amx_check();
+  return reason;
+}
+
+bool emulate_usable() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return usable(Isa::AVX512) && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+Amx parse_amx(const std::string& name) {
+  if (name == "auto") return amx_int8_usable() ? Amx::HW : Amx::OFF;
+  if (name == "off") return Amx::OFF;
+  if (name == "on") {
+    TORCH_CHECK_VALUE(amx_int8_usable(), "sbd_ext: AMX-INT8 is not usable here: ", amx_reason());
+    return Amx::HW;
+  }
+  if (name == "emulate") {
+    TORCH_CHECK_VALUE(emulate_usable(), "sbd_ext: the AMX emulation runs in the AVX-512 variant and needs an "
+                                        "AVX512-VNNI CPU");
+    return Amx::EMULATE;
+  }
+  TORCH_CHECK_VALUE(false, "sbd_ext: unknown AMX mode \"", name, "\"; expected \"auto\", \"off\", \"on\" or \"emulate\"");
+}
+
+std::atomic<int>& amx_current() {
+  static std::atomic<int> value{[] {
+    const char* env = std::getenv("SBD_EXT_CPU_AMX");
+    const std::string name = env != nullptr && *env != '\0' ? env : "auto";
+    TORCH_CHECK_VALUE(name == "auto" || name == "off" || name == "on" || name == "emulate",
+                      "sbd_ext: SBD_EXT_CPU_AMX=\"", name, "\"; expected \"auto\", \"off\", \"on\" or \"emulate\"");
+    try {
+      return static_cast<int>(parse_amx(name));
+    } catch (const c10::Error&) {
+      return static_cast<int>(parse_amx("auto"));  // "on" or "emulate" where unusable: the automatic choice
+    }
+  }()};
+  return value;
+}
+
+std::atomic<long>& amx_calls() {
+  static std::atomic<long> n{0};
+  return n;
+}
+
+}  // namespace
+
+bool amx_int8_usable() { return amx_reason().empty(); }
+
+const std::string& amx_int8_status() {
+  static const std::string usable_text = "usable";
+  return amx_int8_usable() ? usable_text : amx_reason();
+}
+
+Amx amx_mode() { return static_cast<Amx>(amx_current().load(std::memory_order_relaxed)); }
+
+void set_amx(const std::string& name) { amx_current().store(static_cast<int>(parse_amx(name))); }
+
+const char* amx_mode_name(Amx mode) {
+  switch (mode) {
+    case Amx::HW:
+      return "on";
+    case Amx::EMULATE:
+      return "emulate";
+    default:
+      return "off";
+  }
+}
+
+bool amx_rows(long M) { return M >= kAmxMinRows && amx_mode() != Amx::OFF && active_isa() == Isa::AVX512; }
+
+long amx_range_calls() { return amx_calls().load(std::memory_order_relaxed); }
+
+void count_amx_range() { amx_calls().fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace sbd_cpu

@@ -18,6 +18,30 @@ std::vector<std::string> available_isas();
 // "" restores the automatic choice; an unknown or unusable name throws.
 void set_isa(const std::string& name);
 
+// AMX-INT8 (Intel Sapphire Rapids and later): row_linear's packed int8 weights times several quantised x rows on the
+// matrix tiles (row_linear_amx_kernel.cpp), in the AVX-512 variant. Usable when the CPU reports AMX-TILE and
+// AMX-INT8, the OS has enabled the tile state (XCR0 bits 17-18: a VM may hide it while CPUID shows AMX) and Linux
+// grants this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once); anything else falls back to VNNI.
+// The mode: HW (the tiles), EMULATE (the same kernel over a C++ model of the tile instructions: tests the kernel's
+// layouts and sums on any AVX512-VNNI CPU, slowly) or OFF. The two paths give the same bits (integer block sums).
+enum class Amx : int { OFF = 0, HW = 1, EMULATE = 2 };
+Amx amx_mode();
+bool amx_int8_usable();
+// "usable", or why not (which check failed)
+const std::string& amx_int8_status();
+// "auto" (HW where usable, else OFF; the start-up choice unless SBD_EXT_CPU_AMX names another), "off", "on" (HW;
+// throws where unusable) or "emulate" (throws without an AVX-512 variant on an AVX512-VNNI CPU).
+void set_amx(const std::string& name);
+const char* amx_mode_name(Amx mode);
+// x rows from which a packed int8 row_linear runs on the tiles (fewer: the VNNI tiles, which are at the weight
+// stream's bound there). Set before an AMX machine measured it: see row_linear_amx_kernel.cpp.
+constexpr long kAmxMinRows = 4;
+// Whether a packed int8 row_linear of M x rows takes the AMX path under the current ISA and mode.
+bool amx_rows(long M);
+// row_linear_range calls that ran on the tiles (HW or EMULATE) since the process started.
+long amx_range_calls();
+void count_amx_range();
+
 }  // namespace sbd_cpu
 
 #if defined(SBD_EXT_HAVE_AVX512)

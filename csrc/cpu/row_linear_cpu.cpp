@@ -37,7 +37,7 @@ void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std:
 // so a thread keeps no more than a few MB. The chunks get raw pointers (inside them the names are the worker's own).
 class XScratch {
  public:
-  enum Slot : int { kXq, kXd, kXq4, kXdt, kXct, kSlots };
+  enum Slot : int { kXq, kXd, kXq4, kXdt, kXct, kXqRows, kSlots };
   template <typename T>
   T* get(Slot slot, int64_t n, at::ScalarType dtype) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
@@ -140,7 +140,10 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
       int32_t* xq4 = xs.get<int32_t>(XScratch::kXq4, p.x_blocks * 8 * s.M, at::kInt);
       float* xdt = xs.get<float>(XScratch::kXdt, p.x_blocks * s.M, at::kFloat);
       int32_t* xct = xs.get<int32_t>(XScratch::kXct, p.x_blocks * s.M, at::kInt);
-      SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4, xdt, xct);
+      // the AMX path (cpu/isa.h) also reads x row-major; its presence is what sends the chunks there
+      int8_t* xq_rows = sbd_cpu::amx_rows(s.M) ? xs.get<int8_t>(XScratch::kXqRows, s.M * p.xq_stride, at::kChar) : nullptr;
+      SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4, xdt, xct, xq_rows);
+      s.xq = xq_rows;
       s.xq4 = xq4;
       s.xdt = xdt;
       s.xct = xct;

@@ -892,7 +892,8 @@ void row_linear_quantize_x(const RowLinearParams& p, int8_t* xq, float* xd, int6
   }
 }
 
-void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float* xdt, int32_t* xct) {
+void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float* xdt, int32_t* xct,
+                                  int8_t* xq_rows) {
   const int64_t M = p.M;
   alignas(64) int8_t q[kB];
   for (int64_t m = 0; m < M; ++m) {
@@ -904,6 +905,7 @@ void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float*
       for (int64_t c = 0; c < kB; ++c) sum += q[c];
       xct[b * M + m] = 128 * sum;
       for (int64_t j = 0; j < kB / 4; ++j) std::memcpy(xq4 + (b * 8 + j) * M + m, q + 4 * j, 4);
+      if (xq_rows != nullptr) std::memcpy(xq_rows + m * p.xq_stride + k, q, kB);
     }
   }
 }
@@ -911,6 +913,8 @@ void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float*
 void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   if (p.wq_packed != nullptr) {
 #if defined(CPU_CAPABILITY_AVX512)
+    // the binding fills the row-major x (p.xq) exactly when cpu/isa.h's amx_rows(M) held
+    if (p.xq != nullptr) return row_linear_amx_range(p, n0, n1, amx_mode() == Amx::EMULATE);
     if (cpu_has_vnni()) return panel_range<Q8PanelsVnni>(p, n0, n1);
 #endif
     panel_range<Q8PanelsScalar>(p, n0, n1);

@@ -66,8 +66,17 @@ SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x, const RowLinearParams& p, in
                        int64_t m1)
 
 // x quantised as row_linear_quantize_x does (the same values), written in the packed int8 path's layout (see
-// RowLinearParams::wq_packed): xq4 [x_blocks * 8, M] (4 bytes each), xdt and xct [x_blocks, M], for all M rows.
+// RowLinearParams::wq_packed): xq4 [x_blocks * 8, M] (4 bytes each), xdt and xct [x_blocks, M], for all M rows;
+// and, unless xq_rows is nullptr, row-major as well (the AMX path's A operand: [M, xq_stride], zero past K).
 SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x_packed, const RowLinearParams& p, int32_t* xq4, float* xdt,
-                       int32_t* xct)
+                       int32_t* xct, int8_t* xq_rows)
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace AVX512 {
+// Packed int8 weight rows [n0, n1) times p.M quantised x rows on AMX-INT8 tiles (row_linear_amx_kernel.cpp): p as
+// for the VNNI panels plus xq / xq_stride (row-major x); the same bits. emulate: the tile model instead of AMX.
+void row_linear_amx_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate);
+}  // namespace AVX512
+#endif
 
 }  // namespace sbd_cpu

@@ -30,7 +30,7 @@ STEPS = {  # the steps each stage's summary must list as ok
     "roofline": ["roofline"],
     "report": ["report"],
     "gguf-part": [],
-    "cpu": ["lscpu", "cpu_tests", "cpu_bench"],
+    "cpu": ["lscpu", "cpu_tests", "cpu_linear", "cpu_bench"],
 }
 
 RETURNS = {"drafter-train": ["drafter-artifact.tar.part00", "drafter-samples.npz"]}

@@ -1,0 +1,243 @@
+// row_linear's packed int8 weights times several quantised x rows on AMX-INT8 tiles (Intel Sapphire Rapids and
+// later), in the AVX-512 variant only (the other variants compile nothing here). See cpu/isa.h for when it runs.
+//
+// Why: at one x row a packed int8 linear is a pass over the weight and the VNNI tile (row_linear_kernel.cpp,
+// q8_panel_tile) keeps up with memory; at 4-32 rows (a verify or SBD forward) it does 8 vpdpbusd and 8 broadcasts per
+// row, block of 32 values and panel of 16 outputs, and the multiply-adds, not the stream, set the time. One
+// tdpbsud does a block for 16 rows x 16 outputs: the target is a 16-row forward at <= 1.3x a one-row one.
+//
+// The sums are the VNNI path's, bit for bit, so the choice of path by row count (cpu/isa.h, kAmxMinRows) keeps
+// row_linear batch invariant. Per x row m, panel output n and block b of 32 values: the block's integer dot product
+// sum_k x[m, 32 b + k] * (q[n, 32 b + k] + 128) -- exact in int32 on both paths (vpdpbusd / tdpbsud, no
+// saturation) -- minus 128 x (the block's x sum), converted to fp32 and added with one FMA times the block's x scale,
+// the blocks in ascending order from zero; the weight row's scale multiplies the finished sum.
+//
+// Tiles (palette 1): the packed panel's block of 32 values is 8 rows of 64 bytes ([K / 4][16 outputs][4 values],
+// sbd_ext.packing.pack_row_linear_int8), which is the B operand's layout (row k: 4 consecutive values of each of 16
+// columns); A is the quantised x, row-major ([M, 32 * blocks], signed), 32 bytes of one block per row. Per block:
+// tileloadd A and B, tilezero C, tdpbsud, tilestored C to a 1 KB buffer in L1, then per row one load, a subtraction,
+// a conversion and an FMA into the row's fp32 accumulator. Consecutive blocks alternate between two sets of tiles, so
+// a block's dot product overlaps the store and epilogue of the one before. Rows come in groups of up to 16 (A's and
+// C's row count), each group a pass over the range's panels (the second pass reads them from L2).
+//
+// Tile numbers are literals (the intrinsics paste them into the instruction), so each operation is its own small
+// function, once for the hardware (HwTiles) and once for a C++ model of the same instructions (EmuTiles, from the
+// Intel SDM's pseudo-code: zeroing, row/column limits, the configuration's shape rules), which the tests run on any
+// AVX512-VNNI CPU so that the layouts and the loop are checked where no AMX exists.
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu/row_linear_kernel.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+
+namespace sbd_cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kB = kRowLinearXBlock;                       // values per block
+constexpr int64_t kPanelBlockBytes = kRowLinearPanel * kB;     // one block of one panel: 8 tile rows of 64 bytes
+constexpr int kGroupRows = 16;                                 // A's and C's rows
+constexpr int64_t kAhead = 4096;                               // the weight stream's prefetch (as the VNNI tile's)
+
+// ldtilecfg's 64-byte operand (Intel SDM, "TILECFG"): palette 1, per tile its bytes per row and its rows.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// The kernel's tiles, two sets that alternate by block (so that a block's dot product need not wait for the tile
+// store of the one before): 0 / 1 = C (int32 [rows][16]), 2 / 3 = A (int8 [rows][32]), 4 / 5 = B (uint8 [8][64]).
+TileConfig config_for(int rows) {
+  TileConfig c;
+  for (int s = 0; s < 2; ++s) {
+    c.rows[0 + s] = c.rows[2 + s] = static_cast<uint8_t>(rows);
+    c.colsb[0 + s] = 64;
+    c.colsb[2 + s] = static_cast<uint16_t>(kB);
+    c.rows[4 + s] = static_cast<uint8_t>(kB / 4);
+    c.colsb[4 + s] = 64;
+  }
+  return c;
+}
+
+#define SBD_AMX __attribute__((target("amx-tile,amx-int8"))) inline
+struct HwTiles {
+  // the whole 64 bytes as the asm's operand (the intrinsic names only 8 of them, so the compiler could drop the
+  // stores of the rest)
+  SBD_AMX static void configure(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
+  SBD_AMX static void release() { _tile_release(); }
+  // one block on tile set S: C = A . B from zero, stored to c ([rows][16] int32, 64-byte rows)
+  template <int S>
+  SBD_AMX static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c) {
+    if constexpr (S == 0) {
+      _tile_loadd(2, a, a_stride);
+      _tile_loadd(4, b, 64);
+      _tile_zero(0);
+      _tile_dpbsud(0, 2, 4);
+      _tile_stored(0, c, 64);
+    } else {
+      _tile_loadd(3, a, a_stride);
+      _tile_loadd(5, b, 64);
+      _tile_zero(1);
+      _tile_dpbsud(1, 3, 5);
+      _tile_stored(1, c, 64);
+    }
+  }
+};
+#undef SBD_AMX
+
+// The same operations on a model of the tile registers (this thread's), per the SDM: ldtilecfg zeroes every tile;
+// a load or tilezero writes the configured rows x bytes and zeroes the rest of the tile; tdpbsud requires
+// A.rows == C.rows, B.rows == A.colsb / 4 and B.colsb == C.colsb and adds, per C row m and dword n, the 4 products
+// of A's signed bytes [m][4k .. 4k + 3] with B's unsigned bytes [k][4n .. 4n + 3] for k < A.colsb / 4. A violated
+// rule throws (the hardware raises #UD).
+struct EmuTiles {
+  struct State {
+    TileConfig cfg;
+    bool configured = false;
+    uint8_t t[8][16][64];
+  };
+  static State& s() {
+    static thread_local State st;
+    return st;
+  }
+  static void need(bool ok, const char* what) {
+    if (!ok) throw std::logic_error(std::string("sbd_ext AMX emulation: ") + what);
+  }
+  static void configure(const TileConfig& c) {
+    need(c.palette == 1, "palette must be 1");
+    for (int i = 0; i < 8; ++i) need(c.rows[i] <= 16 && c.colsb[i] <= 64, "a tile over 16 rows x 64 bytes");
+    s().cfg = c;
+    s().configured = true;
+    std::memset(s().t, 0, sizeof(s().t));
+  }
+  static void release() { s().configured = false; }
+  static void zero(int i) {
+    need(s().configured, "tilezero before ldtilecfg");
+    std::memset(s().t[i], 0, sizeof(s().t[i]));
+  }
+  static void load(int i, const void* p, int64_t stride) {
+    need(s().configured && s().cfg.rows[i] > 0, "tileloadd of an unconfigured tile");
+    std::memset(s().t[i], 0, sizeof(s().t[i]));
+    for (int r = 0; r < s().cfg.rows[i]; ++r)
+      std::memcpy(s().t[i][r], static_cast<const uint8_t*>(p) + r * stride, s().cfg.colsb[i]);
+  }
+  static void store(int i, void* p, int64_t stride) {
+    need(s().configured && s().cfg.rows[i] > 0, "tilestored of an unconfigured tile");
+    for (int r = 0; r < s().cfg.rows[i]; ++r)
+      std::memcpy(static_cast<uint8_t*>(p) + r * stride, s().t[i][r], s().cfg.colsb[i]);
+  }
+  static void dpbsud(int c, int a, int b) {
+    const TileConfig& g = s().cfg;
+    need(s().configured, "tdpbsud before ldtilecfg");
+    need(g.rows[a] == g.rows[c] && g.rows[b] * 4 == g.colsb[a] && g.colsb[b] == g.colsb[c] && g.colsb[c] % 4 == 0,
+         "tdpbsud's tile shapes do not agree");
+    for (int m = 0; m < g.rows[c]; ++m) {
+      for (int n = 0; n < g.colsb[c] / 4; ++n) {
+        int32_t acc;
+        std::memcpy(&acc, s().t[c][m] + 4 * n, 4);
+        for (int k = 0; k < g.colsb[a] / 4; ++k)
+          for (int i = 0; i < 4; ++i)
+            acc += static_cast<int32_t>(static_cast<int8_t>(s().t[a][m][4 * k + i])) *
+                   static_cast<int32_t>(s().t[b][k][4 * n + i]);
+        std::memcpy(s().t[c][m] + 4 * n, &acc, 4);
+      }
+    }
+  }
+  template <int S>
+  static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c) {
+    load(2 + S, a, a_stride);
+    load(4 + S, b, 64);
+    zero(S);
+    dpbsud(S, 2 + S, 4 + S);
+    store(S, c, 64);
+  }
+};
+
+// One block's int32 sums of a row group (c: [rows][16]) into its fp32 accumulators, as q8_panel_tile does.
+template <int MR>
+inline void add_block(const int32_t* c, const int32_t* xc, const float* xd, __m512* acc) {
+  for (int i = 0; i < MR; ++i) {
+    const __m512i t = _mm512_sub_epi32(_mm512_load_si512(c + 16 * i), _mm512_set1_epi32(xc[i]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(xd[i]), acc[i]);
+  }
+}
+
+template <int MR>
+inline void store_rows(const RowLinearParams& p, int64_t m0, int64_t panel, const __m512* acc) {
+  const __m512 scale = _mm512_loadu_ps(p.w_scale + panel * kRowLinearPanel);
+  for (int i = 0; i < MR; ++i)
+    _mm512_storeu_ps(p.out + (m0 + i) * p.out_stride + panel * kRowLinearPanel, _mm512_mul_ps(acc[i], scale));
+}
+
+inline void prefetch_block(const uint8_t* wb, const char* end) {
+  for (int64_t line = 0; line < kPanelBlockBytes; line += 64) {
+    const char* ahead = reinterpret_cast<const char*>(wb) + kAhead + line;
+    if (ahead < end) __builtin_prefetch(ahead, 0, 3);
+  }
+}
+
+// Rows [m0, m0 + MR) times panels [p0, p1), the blocks of a panel on alternating tile sets. The tiles are configured
+// for MR rows by the caller.
+template <class T, int MR>
+void group_panels(const RowLinearParams& p, int64_t m0, int64_t p0, int64_t p1, bool prefetch) {
+  const int64_t M = p.M, nb = p.x_blocks, panel_bytes = nb * kPanelBlockBytes;
+  const char* end = reinterpret_cast<const char*>(p.wq_packed + (p.N / kRowLinearPanel) * panel_bytes);
+  const int8_t* xa = p.xq + m0 * p.xq_stride;
+  alignas(64) int32_t c[2][kGroupRows * 16];
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    const uint8_t* w = p.wq_packed + panel * panel_bytes;
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * kPanelBlockBytes;
+      if (prefetch) prefetch_block(wb, end);
+      if (b % 2 == 0) {
+        T::template block<0>(xa + b * kB, p.xq_stride, wb, c[0]);
+      } else {
+        T::template block<1>(xa + b * kB, p.xq_stride, wb, c[1]);
+      }
+      add_block<MR>(c[b % 2], p.xct + b * M + m0, p.xdt + b * M + m0, acc);
+    }
+    store_rows<MR>(p, m0, panel, acc);
+  }
+}
+
+template <class T, int R>
+void group_rows(const RowLinearParams& p, int64_t m0, int64_t rows, int64_t p0, int64_t p1, bool prefetch) {
+  if constexpr (R > 0) {
+    if (rows == R) return group_panels<T, R>(p, m0, p0, p1, prefetch);
+    group_rows<T, R - 1>(p, m0, rows, p0, p1, prefetch);
+  }
+}
+
+template <class T>
+void amx_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
+  const int64_t groups = (p.M + kGroupRows - 1) / kGroupRows, base = p.M / groups, extra = p.M % groups;
+  int64_t m = 0;
+  for (int64_t g = 0; g < groups; ++g) {  // as equal groups as 16 rows allow (20 rows: 10 + 10)
+    const int64_t rows = base + (g < extra ? 1 : 0);
+    T::configure(config_for(static_cast<int>(rows)));
+    group_rows<T, kGroupRows>(p, m, rows, n0 / kRowLinearPanel, n1 / kRowLinearPanel, g == 0);
+    m += rows;
+  }
+  T::release();
+}
+
+}  // namespace
+
+void row_linear_amx_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate) {
+  count_amx_range();
+  if (emulate) return amx_range<EmuTiles>(p, n0, n1);
+  amx_range<HwTiles>(p, n0, n1);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace sbd_cpu
+#endif
