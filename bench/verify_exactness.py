@@ -41,6 +41,7 @@ def main() -> None:
         quant = None if scheme in ("plain", "bf16") else scheme
         model, tok = models.load("smollm2-drafter", dtype=dtype, quantize=quant)
         equal, diffs, tpf, t0 = 0, [], [], time.perf_counter()
+        tokens = forwards = 0
         for i, text in enumerate(chosen):
             ids = torch.tensor([chat_prompt(tok, text)])
             ntp = sbd_ext.generate(model, ids, mode="ntp", verify=False, max_new_tokens=a.tokens)
@@ -52,9 +53,15 @@ def main() -> None:
                 at = next((j for j, (x, y) in enumerate(zip(n, v)) if x != y), min(len(n), len(v)))
                 diffs.append({"prompt": i, "first_difference_at": at - ids.shape[1]})
             tpf.append(float(ver.tokens_per_forward.item()))
+            tokens, forwards = tokens + int(ver.num_generated.sum()), forwards + int(ver.nfe.sum())
             print(f"{scheme} prompt {i}: {'equal' if n == v else 'DIFFERENT'}", flush=True)
         result["schemes"][scheme] = {"equal": equal, "of": len(chosen), "differences": diffs,
-                                     "verify_tokens_per_forward": sum(tpf) / len(tpf),
+                                     # all prompts' tokens over all their forwards (what generate and the drafter
+                                     # eval report), and the mean of each prompt's own ratio (short answers weigh
+                                     # as much as long ones)
+                                     "verify_tokens": tokens, "verify_forwards": forwards,
+                                     "verify_tokens_per_forward": tokens / max(forwards, 1),
+                                     "verify_tokens_per_forward_mean_over_prompts": sum(tpf) / len(tpf),
                                      "seconds": round(time.perf_counter() - t0, 1)}
         print(scheme, result["schemes"][scheme], flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
