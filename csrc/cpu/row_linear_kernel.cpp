@@ -416,6 +416,18 @@ constexpr int kF32PrefetchMinRows = 3;
 constexpr int64_t kF32PanelAhead = kPanelAhead;
 constexpr int kF32PrefetchMinRows = 1;
 #endif
+// One x row on AVX-512: 1 KB ahead. On the AMD EPYC Zen 4 (1 thread, 2026-12-01, SmolLM2's linears + head in the
+// weight arena on huge pages, direct op calls, best of 7, processes of each build alternated): fp32 panels 4 KB
+// ahead 18.3-22.0 ms (0.78-0.87x a plain read of the same pages), 1 KB 17.0-18.3 (0.88-0.95x), 2 KB 18.1-19.1, none
+// 17.1-19.3, 8-16 KB 23.5-25.3; bf16 panels 4 KB 11.8-12.1 ms, 1 KB 9.5-10.3, 512 B or none the same as 1 KB.
+// (4 KB had been chosen on 4 KB pages, before the weight arena put the weights on huge pages.)
+template <int MR>
+constexpr int64_t f32_panel_ahead() {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (MR == 1) return 1024;
+#endif
+  return kF32PanelAhead;
+}
 
 // Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above). AVX2 and
 // the default build: about 8 FMA chains in flight (one x row: all 4 segments, a bandwidth-bound stream; three rows:
@@ -450,7 +462,7 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
       const W* wk = w + ks * P;
       const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
-        const char* ahead = reinterpret_cast<const char*>(wk) + kF32PanelAhead;
+        const char* ahead = reinterpret_cast<const char*>(wk) + f32_panel_ahead<MR>();
         if (ahead < end) __builtin_prefetch(ahead, 0, MR == 1 ? 1 : 3);
       }
       PVec wv[kPV];
