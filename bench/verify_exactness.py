@@ -34,8 +34,14 @@ def main() -> None:
     prompts = eval_prompts()
     step = max(1, len(prompts) // a.prompts)
     chosen = [p["text"] for p in prompts[::step]][: a.prompts]  # spread over the kinds
-    result = {"cpu": cpu_class(), "machine": platform.machine(), "torch": torch.__version__, "prompts": len(chosen),
-              "new_tokens": a.tokens, "schemes": {}}
+    result = {
+        "cpu": cpu_class(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "prompts": len(chosen),
+        "new_tokens": a.tokens,
+        "schemes": {},
+    }
     for scheme in a.schemes.split(","):
         dtype = torch.bfloat16 if scheme == "bf16" else torch.float32
         quant = None if scheme in ("plain", "bf16") else scheme
@@ -50,19 +56,24 @@ def main() -> None:
             if n == v:
                 equal += 1
             else:
-                at = next((j for j, (x, y) in enumerate(zip(n, v)) if x != y), min(len(n), len(v)))
+                at = next((j for j, (x, y) in enumerate(zip(n, v, strict=False)) if x != y), min(len(n), len(v)))
                 diffs.append({"prompt": i, "first_difference_at": at - ids.shape[1]})
             tpf.append(float(ver.tokens_per_forward.item()))
             tokens, forwards = tokens + int(ver.num_generated.sum()), forwards + int(ver.nfe.sum())
             print(f"{scheme} prompt {i}: {'equal' if n == v else 'DIFFERENT'}", flush=True)
-        result["schemes"][scheme] = {"equal": equal, "of": len(chosen), "differences": diffs,
-                                     # all prompts' tokens over all their forwards (what generate and the drafter
-                                     # eval report), and the mean of each prompt's own ratio (short answers weigh
-                                     # as much as long ones)
-                                     "verify_tokens": tokens, "verify_forwards": forwards,
-                                     "verify_tokens_per_forward": tokens / max(forwards, 1),
-                                     "verify_tokens_per_forward_mean_over_prompts": sum(tpf) / len(tpf),
-                                     "seconds": round(time.perf_counter() - t0, 1)}
+        result["schemes"][scheme] = {
+            "equal": equal,
+            "of": len(chosen),
+            "differences": diffs,
+            # all prompts' tokens over all their forwards (what generate and the drafter
+            # eval report), and the mean of each prompt's own ratio (short answers weigh
+            # as much as long ones)
+            "verify_tokens": tokens,
+            "verify_forwards": forwards,
+            "verify_tokens_per_forward": tokens / max(forwards, 1),
+            "verify_tokens_per_forward_mean_over_prompts": sum(tpf) / len(tpf),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         print(scheme, result["schemes"][scheme], flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

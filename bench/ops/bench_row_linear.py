@@ -84,8 +84,10 @@ def _w8a8(amx):
         if key not in _INT8:
             qs = [quantize_weight(w) for w in ws]
             _INT8[key] = [(pack_row_linear_int8(q, pad=True), s) for q, s in qs]
-        layers = [(p, torch.nn.functional.pad(s, (0, p.shape[0] * 16 - w.shape[0]), value=1.0), w.shape)
-                  for (p, s), w in zip(_INT8[key], ws, strict=True)]
+        layers = [
+            (p, torch.nn.functional.pad(s, (0, p.shape[0] * 16 - w.shape[0]), value=1.0), w.shape)
+            for (p, s), w in zip(_INT8[key], ws, strict=True)
+        ]
 
         def run(x):
             sbd_ext._C.set_cpu_amx("on" if amx else "off")
