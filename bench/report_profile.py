@@ -10,7 +10,7 @@ w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forw
 - ``linears_ms``: the linears and the head at one row, their kernels alone (:func:`kernels_ms`), with
   ``linears_vs_read`` = the plain read's time for the same bytes over it (1.0: at the read rate);
 - ``attention_ms``: ``block_attention`` at one row over the cache's mean length, once per layer, likewise;
-- ``step_ms``: the compiled step (the graph and its call), timed around its calls;
+- ``step_ms``: the compiled step (the graph and its call), timed around its calls (the median call);
   ``fixed_ms`` = step - linears - attention: the compiled step's cost beyond its kernels (norms, rotary and
   residuals in inductor's code, the ~240 op calls, the graph's inputs; the issue's bar is 1 ms);
 - ``forward_ms``: the whole decoding loop per forward (the step, the host's reveal, the prompt's eager prefill
@@ -19,6 +19,7 @@ w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forw
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -106,15 +107,16 @@ def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, 
 
 
 def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
-    """(ms per call of the step, ms per forward of the whole loop) decoding ``prompts`` once each."""
-    acc = {"step": 0.0, "calls": 0}
+    """(ms per call of the step: the median call, ms per forward of the whole loop) decoding ``prompts`` once each.
+    The median, not the mean: on a shared VM a few calls that a neighbour slowed moved the mean by 1-3 ms between
+    runs (2026-12-01, Zen 4), and the kernels it is set against are timed as the best of a few rounds."""
+    calls = []
     real = step_cls.__call__
 
     def timed(self, fw):
         t0 = time.perf_counter()
         out = real(self, fw)
-        acc["step"] += time.perf_counter() - t0
-        acc["calls"] += 1
+        calls.append(time.perf_counter() - t0)
         return out
 
     step_cls.__call__ = timed
@@ -127,7 +129,7 @@ def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
             forwards += int(res.nfe.sum())
     finally:
         step_cls.__call__ = real
-    return 1e3 * acc["step"] / max(acc["calls"], 1), 1e3 * wall / max(forwards, 1)
+    return 1e3 * (statistics.median(calls) if calls else 0.0), 1e3 * wall / max(forwards, 1)
 
 
 def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
