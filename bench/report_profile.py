@@ -106,6 +106,10 @@ def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, 
     return 1e3 * lin, 1e3 * att
 
 
+# Interleaved rounds per figure: 5 since 2026-12-01 (3 left single figures 1-3 ms off on a noisy hour of the Zen 4 VM).
+ROUNDS = 5
+
+
 def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
     """(ms per call of the step: the median call, ms per forward of the whole loop) decoding ``prompts`` once each.
     The median, not the mean: on a shared VM a few calls that a neighbour slowed moved the mean by 1-3 ms between
@@ -151,7 +155,7 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
         # Each figure is the best of a few rounds, the rounds interleaved (decoding, kernels, plain read), so that
         # one slow minute of a shared machine does not land on one figure only.
         best = {}
-        for _ in range(3 if compiled else 1):
+        for _ in range(ROUNDS if compiled else 1):
             got = dict(zip(("step", "forward"), _decode_round(model, prompts, kw, step_cls), strict=True))
             got.update(zip(("linears", "attention"), kernels_ms(model, scheme, mid, rounds), strict=True))
             got["read_s"] = nbytes / read_rate(nbytes, 5) / 1e9
@@ -175,7 +179,7 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
     return {
         "what": f"SmolLM2-135M-Instruct, NTP {mode}, host loop, {n} held-out chat prompts x {max_new}, per forward; "
         "linears / attention: their kernels at one row, the calls' own overhead taken out; each figure the best of "
-        f"{3 if compiled else 1} interleaved rounds",
+        f"{ROUNDS if compiled else 1} interleaved rounds (the step: its median call)",
         "rows": rows,
     }
 
