@@ -155,32 +155,31 @@ bool emulate_usable() {
 #endif
 }
 
-Amx parse_amx(const std::string& name) {
-  if (name == "auto") return amx_int8_usable() ? Amx::HW : Amx::OFF;
+// The mode `name` asks for. An unknown name throws (naming `what`); "on" or "emulate" where unusable throws when
+// `strict`, else gives the automatic choice (a start-up setting that this machine cannot honour).
+Amx parse_amx(const std::string& name, bool strict, const char* what) {
+  const Amx automatic = amx_int8_usable() ? Amx::HW : Amx::OFF;
+  if (name == "auto") return automatic;
   if (name == "off") return Amx::OFF;
   if (name == "on") {
+    if (!strict && !amx_int8_usable()) return automatic;
     TORCH_CHECK_VALUE(amx_int8_usable(), "sbd_ext: AMX-INT8 is not usable here: ", amx_reason());
     return Amx::HW;
   }
   if (name == "emulate") {
+    if (!strict && !emulate_usable()) return automatic;
     TORCH_CHECK_VALUE(emulate_usable(), "sbd_ext: the AMX emulation runs in the AVX-512 variant and needs an "
                                         "AVX512-VNNI CPU");
     return Amx::EMULATE;
   }
-  TORCH_CHECK_VALUE(false, "sbd_ext: unknown AMX mode \"", name, "\"; expected \"auto\", \"off\", \"on\" or \"emulate\"");
+  TORCH_CHECK_VALUE(false, "sbd_ext: unknown ", what, " \"", name, "\"; expected \"auto\", \"off\", \"on\" or \"emulate\"");
 }
 
 std::atomic<int>& amx_current() {
   static std::atomic<int> value{[] {
     const char* env = std::getenv("SBD_EXT_CPU_AMX");
     const std::string name = env != nullptr && *env != '\0' ? env : "auto";
-    TORCH_CHECK_VALUE(name == "auto" || name == "off" || name == "on" || name == "emulate",
-                      "sbd_ext: SBD_EXT_CPU_AMX=\"", name, "\"; expected \"auto\", \"off\", \"on\" or \"emulate\"");
-    try {
-      return static_cast<int>(parse_amx(name));
-    } catch (const c10::Error&) {
-      return static_cast<int>(parse_amx("auto"));  // "on" or "emulate" where unusable: the automatic choice
-    }
+    return static_cast<int>(parse_amx(name, false, "SBD_EXT_CPU_AMX value"));
   }()};
   return value;
 }
@@ -201,7 +200,7 @@ const std::string& amx_int8_status() {
 
 Amx amx_mode() { return static_cast<Amx>(amx_current().load(std::memory_order_relaxed)); }
 
-void set_amx(const std::string& name) { amx_current().store(static_cast<int>(parse_amx(name))); }
+void set_amx(const std::string& name) { amx_current().store(static_cast<int>(parse_amx(name, true, "AMX mode"))); }
 
 const char* amx_mode_name(Amx mode) {
   switch (mode) {
