@@ -18,10 +18,11 @@ cuBLAS there (at::mm), so this checks it adds nothing.
 import pytest
 import torch
 from cuda_timing import CUDA, ROUNDS, measure
+from torch import nn
 
 import sbd_ext
 from sbd_ext import reference as R
-from sbd_ext.packing import pack_row_linear_int8, pack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_weight
 from sbd_ext.quantization import quantize_weight
 
 INFO = sbd_ext.build_info()
@@ -81,18 +82,18 @@ def _w8a8(amx):
         if not INFO["cpu_vnni"] or (amx and not INFO["cpu_amx_int8"]):
             pytest.skip("needs AVX512-VNNI" + (" and AMX-INT8" if amx else ""))
         key = tuple(w.shape for w in ws)
-        if key not in _INT8:
-            qs = [quantize_weight(w) for w in ws]
-            _INT8[key] = [(pack_row_linear_int8(q, pad=True), s) for q, s in qs]
-        layers = [
-            (p, torch.nn.functional.pad(s, (0, p.shape[0] * 16 - w.shape[0]), value=1.0), w.shape)
-            for (p, s), w in zip(_INT8[key], ws, strict=True)
-        ]
+        if key not in _INT8:  # the library's own w8a8 layers, their kernel arguments as their forward passes them
+            lins = nn.ModuleList(nn.Linear(w.shape[1], w.shape[0], bias=False) for w in ws)
+            with torch.no_grad():
+                for lin, w in zip(lins, ws, strict=True):
+                    lin.weight.copy_(w)
+            _INT8[key] = [(*m.kernel_weight(), m.out_features, m.in_features) for m in sbd_ext.quantize(lins, "w8a8")]
+        layers = _INT8[key]
 
         def run(x):
             sbd_ext._C.set_cpu_amx("on" if amx else "off")
             try:
-                return [sbd_ext.row_linear(x[k], p, s, quantize_x=True)[:, :n] for p, s, (n, k) in layers]
+                return [sbd_ext.row_linear(x[k], p, s, quantize_x=True)[:, :n] for p, s, n, k in layers]
             finally:
                 sbd_ext._C.set_cpu_amx("auto")
 
