@@ -66,6 +66,24 @@ def _best(fn, rounds: int) -> float:
     return best
 
 
+def _paired(fn, base, pairs: int) -> float:
+    """The median over ``pairs`` back-to-back pairs of (a timed call of ``fn`` less a timed call of ``base``), in
+    seconds, the order within a pair alternating, after one untimed call of each. A difference of two best-of-few
+    times went negative on a small one (attention over a short cache: ~0.05 ms out of a 0.7 ms loop on the Zen 4
+    VM, 2026-12-01); the median of paired differences stays on the right side of it."""
+    fn(), base()
+    diffs = []
+    for i in range(pairs):
+        order = (fn, base) if i % 2 == 0 else (base, fn)
+        ts = []
+        for f in order:
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        diffs.append(ts[0] - ts[1] if i % 2 == 0 else ts[1] - ts[0])
+    return statistics.median(diffs)
+
+
 def _op_args(m, x: torch.Tensor) -> tuple:
     """The arguments a quantized / packed linear module passes ``row_linear`` for the rows ``x`` (its forward's
     kernel call, without the module's Python around it)."""
@@ -74,12 +92,12 @@ def _op_args(m, x: torch.Tensor) -> tuple:
     return x, m.weight_packed, None, False
 
 
-def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, float]:
+def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, float]:
     """(linears + head, attention) ms of one one-row forward's kernels: ``row_linear`` at one row on each of the
     model's linear modules' weights in turn (the arguments its forward passes), and ``block_attention`` at one row
-    over ``cache_len`` cached keys once per layer (SmolLM2's heads), each the best of ``rounds`` less the same number
-    of calls of the same kind with almost no work (a 32 -> 16 layer of the scheme; attention over an empty cache):
-    the Python call overhead those loops pay and a compiled graph does not."""
+    over ``cache_len`` cached keys once per layer (SmolLM2's heads), each less the same number of calls of the same
+    kind with almost no work (a 32 -> 16 layer of the scheme; attention over an empty cache): the Python call
+    overhead those loops pay and a compiled graph does not; the median of ``pairs`` paired differences."""
     mods = [m for m in model.modules() if isinstance(m, (Int8Linear, PackedLinear))]
     xs = {k: torch.randn(1, k) for k in {m.in_features for m in mods}}
     calls = [_op_args(m, xs[m.in_features]) for m in mods]
@@ -100,9 +118,8 @@ def kernels_ms(model, scheme: str, cache_len: int, rounds: int) -> tuple[float, 
         ]
 
     with torch.no_grad():
-        lin = _best(lambda: [op(*c) for c in calls], rounds)
-        lin -= _best(lambda: [op(*tiny) for _ in calls], rounds)
-        att = _best(attn(cache_len), rounds) - _best(attn(0), rounds)
+        lin = _paired(lambda: [op(*c) for c in calls], lambda: [op(*tiny) for _ in calls], pairs)
+        att = _paired(attn(cache_len), attn(0), pairs)
     return 1e3 * lin, 1e3 * att
 
 
@@ -113,7 +130,7 @@ ROUNDS = 5
 def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
     """(ms per call of the step: the median call, ms per forward of the whole loop) decoding ``prompts`` once each.
     The median, not the mean: on a shared VM a few calls that a neighbour slowed moved the mean by 1-3 ms between
-    runs (2026-12-01, Zen 4), and the kernels it is set against are timed as the best of a few rounds."""
+    runs (2026-12-01, Zen 4), and the kernels it is set against are medians of paired differences."""
     calls = []
     real = step_cls.__call__
 
@@ -137,7 +154,7 @@ def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
 
 
 def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
-    rounds = 7 if compiled else 2
+    pairs = 15  # paired kernel timings per round (~0.3 s for fp32's linears)
     if device.type != "cpu":
         raise ValueError("the profile suite is the CPU's (on a GPU the roofline stage measures the forward)")
     tok = checkpoint.load_smollm2(attn_implementation="sdpa")[1]
@@ -157,7 +174,7 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
         best = {}
         for _ in range(ROUNDS if compiled else 1):
             got = dict(zip(("step", "forward"), _decode_round(model, prompts, kw, step_cls), strict=True))
-            got.update(zip(("linears", "attention"), kernels_ms(model, scheme, mid, rounds), strict=True))
+            got.update(zip(("linears", "attention"), kernels_ms(model, scheme, mid, pairs), strict=True))
             got["read_s"] = nbytes / read_rate(nbytes, 5) / 1e9
             best = {k: min(v, best.get(k, v)) for k, v in got.items()}
         step, linears, attention, gbs = best["step"], best["linears"], best["attention"], nbytes / best["read_s"] / 1e9
