@@ -89,14 +89,15 @@ def _suite_table(suite: dict) -> list[str]:
     if "fixed_ms" in rows[0]:  # where a one-row forward's time goes
         lines = [
             "| weights | MB read | plain read GB/s | linears + head ms (× read rate) | attention ms | compiled step ms "
-            "| of it beyond the kernels | loop per forward ms |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| of it beyond the kernels | fixed cost (tiny twin) ms | loop per forward ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             vs = f" ({r['linears_vs_read']:.2f}×)" if r.get("linears_vs_read") else ""
+            twin = f"{r['twin_step_ms']:.2f}" if "twin_step_ms" in r else "–"
             lines.append(
                 f"| {r['scheme']} | {r['weights_mb']:.0f} | {r['read_gbs']:.1f} | {r['linears_ms']:.2f}{vs} | "
-                f"{r['attention_ms']:.2f} | {r['step_ms']:.2f} | {r['fixed_ms']:.2f} | {r['forward_ms']:.2f} |"
+                f"{r['attention_ms']:.2f} | {r['step_ms']:.2f} | {r['fixed_ms']:.2f} | {twin} | {r['forward_ms']:.2f} |"
             )
         return lines
     if "decoder" not in rows[0]:  # the forward-cost curve

@@ -12,7 +12,13 @@ w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forw
 - ``attention_ms``: ``block_attention`` at one row over the cache's mean length, once per layer, likewise;
 - ``step_ms``: the compiled step (the graph and its call), timed around its calls (the median call);
   ``fixed_ms`` = step - linears - attention: the compiled step's cost beyond its kernels (norms, rotary and
-  residuals in inductor's code, the ~240 op calls, the graph's inputs; the issue's bar is 1 ms);
+  residuals in inductor's code, the ~240 op calls, the graph's inputs; the issue's bar is 1 ms), a difference of
+  figures that each move by 1-3 ms between runs on a shared VM;
+- ``twin_step_ms``: the fixed cost measured directly: the same compiled step (median call) of a random model of the
+  same structure -- SmolLM2's layers, heads, op calls and graph inputs, the same scheme, the prompts' lengths and
+  answer length -- at tiny widths (hidden 72, MLP 96, vocabulary 512: ~1 MB of weights), where almost nothing is
+  left to stream: every per-forward cost that does not grow with the weights (the op calls and their own set-up,
+  attention's per-call work, inductor's code, the graph's inputs, the step's Python);
 - ``forward_ms``: the whole decoding loop per forward (the step, the host's reveal, the prompt's eager prefill
   amortised over the answer).
 """
@@ -153,6 +159,32 @@ def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
     return 1e3 * (statistics.median(calls) if calls else 0.0), 1e3 * wall / max(forwards, 1)
 
 
+def twin_model(config, scheme: str) -> nn.Module:
+    """A random Llama with ``config``'s layers, heads and key/value heads (so the same op calls and graph inputs)
+    at tiny widths, in ``scheme``: its compiled step is the fixed cost of the real model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = config.num_attention_heads
+    cfg = LlamaConfig(
+        vocab_size=TWIN["vocab"],
+        hidden_size=heads * TWIN["head_dim"],
+        intermediate_size=TWIN["mlp"],
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=TWIN["head_dim"],
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+    )
+    cfg._attn_implementation = "sbd"
+    torch.manual_seed(0)
+    return sbd_ext.quantize(LlamaForCausalLM(cfg).eval(), scheme)
+
+
+TWIN = {"head_dim": 8, "mlp": 96, "vocab": 512}
+
+
 def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
     pairs = 15  # paired kernel timings per round (~0.3 s for fp32's linears)
     if device.type != "cpu":
@@ -168,6 +200,12 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
             sbd_ext.generate(model, p, **kw)
         step_cls = compiled_step.StaticStep if compiled else EagerStep
         nbytes = weight_bytes(model)
+        twin = twin_model(model.config, scheme)
+        gen = torch.Generator().manual_seed(0)
+        twin_prompts = [torch.randint(0, TWIN["vocab"], tuple(p.shape), generator=gen) for p in prompts]
+        twin_kw = {**kw, "eos_token_id": ()}  # no stop token: every answer max_new tokens long
+        for p in twin_prompts:
+            sbd_ext.generate(twin, p, **twin_kw)
         mid = sum(p.shape[1] for p in prompts) // len(prompts) + max_new // 2  # the cache's mean length
         # Each figure is the best of a few rounds, the rounds interleaved (decoding, kernels, plain read), so that
         # one slow minute of a shared machine does not land on one figure only.
@@ -175,6 +213,7 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
         for _ in range(ROUNDS if compiled else 1):
             got = dict(zip(("step", "forward"), _decode_round(model, prompts, kw, step_cls), strict=True))
             got.update(zip(("linears", "attention"), kernels_ms(model, scheme, mid, pairs), strict=True))
+            got["twin"] = _decode_round(twin, twin_prompts, twin_kw, step_cls)[0]
             got["read_s"] = nbytes / read_rate(nbytes, 5) / 1e9
             best = {k: min(v, best.get(k, v)) for k, v in got.items()}
         step, linears, attention, gbs = best["step"], best["linears"], best["attention"], nbytes / best["read_s"] / 1e9
@@ -188,10 +227,11 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
                 "attention_ms": round(attention, 3),
                 "step_ms": round(step, 3),
                 "fixed_ms": round(step - linears - attention, 3),
+                "twin_step_ms": round(best["twin"], 3),
                 "forward_ms": round(best["forward"], 3),
             }
         )
-        del model
+        del model, twin
     mode = "compiled" if compiled else "eager (a dry run)"
     return {
         "what": f"SmolLM2-135M-Instruct, NTP {mode}, host loop, {n} held-out chat prompts x {max_new}, per forward; "

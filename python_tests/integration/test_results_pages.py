@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import sbd_ext
+from sbd_ext.quantization import PackedLinear
+
 ROOT = Path(__file__).resolve().parents[2]
 if not (ROOT / "bench" / "render_results.py").is_file():
     pytest.skip("not a source checkout", allow_module_level=True)
@@ -201,6 +204,19 @@ def test_profile_suite_splits_a_forward_and_renders(monkeypatch):
     assert abs(row["weights_mb"] * 1e6 - expect) / expect < 0.01, (row["weights_mb"], expect)
     assert row["read_gbs"] > 0 and row["linears_ms"] > 0 and row["attention_ms"] > 0
     assert row["step_ms"] > row["linears_ms"] + row["attention_ms"] and row["forward_ms"] >= row["step_ms"]
+    # the tiny twin: the same layers, heads and linear modules (so the same op calls), far fewer bytes, a cheaper step
+    twin = report_profile.twin_model(cfg, "packed")
+    tc = twin.config
+    assert (tc.num_hidden_layers, tc.num_attention_heads, tc.num_key_value_heads) == (
+        L,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
+    packed = sbd_ext.quantize(checkpoint.load_smollm2(attn_implementation="sbd")[0], "packed")
+    names = [n for n, m in packed.named_modules() if isinstance(m, PackedLinear)]
+    assert [n for n, m in twin.named_modules() if isinstance(m, PackedLinear)] == names and len(names) > 200
+    assert report_profile.weight_bytes(twin) < expect / 100
+    assert 0 < row["twin_step_ms"] < row["step_ms"], row
     rep = {
         "class": "cpu-x",
         "machine": "M",
