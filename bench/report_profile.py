@@ -159,6 +159,9 @@ def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
     return 1e3 * (statistics.median(calls) if calls else 0.0), 1e3 * wall / max(forwards, 1)
 
 
+TWIN = {"head_dim": 8, "mlp": 96, "vocab": 512}  # the twin's widths: ~1 MB of weights for SmolLM2's structure
+
+
 def twin_model(config, scheme: str) -> nn.Module:
     """A random Llama with ``config``'s layers, heads and key/value heads (so the same op calls and graph inputs)
     at tiny widths, in ``scheme``: its compiled step is the fixed cost of the real model's."""
@@ -182,9 +185,6 @@ def twin_model(config, scheme: str) -> nn.Module:
     return sbd_ext.quantize(LlamaForCausalLM(cfg).eval(), scheme)
 
 
-TWIN = {"head_dim": 8, "mlp": 96, "vocab": 512}
-
-
 def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
     pairs = 15  # paired kernel timings per round (~0.3 s for fp32's linears)
     if device.type != "cpu":
@@ -192,6 +192,8 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
     tok = checkpoint.load_smollm2(attn_implementation="sdpa")[1]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])]) for p in eval_prompts()[:n]]
+    gen = torch.Generator().manual_seed(0)
+    twin_prompts = [torch.randint(0, TWIN["vocab"], tuple(p.shape), generator=gen) for p in prompts]
     rows = []
     for scheme in ("packed", "bf16", "w8a8") if compiled else ("packed",):
         model, _ = models.load("smollm2-drafter", quantize=scheme)
@@ -201,8 +203,6 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
         step_cls = compiled_step.StaticStep if compiled else EagerStep
         nbytes = weight_bytes(model)
         twin = twin_model(model.config, scheme)
-        gen = torch.Generator().manual_seed(0)
-        twin_prompts = [torch.randint(0, TWIN["vocab"], tuple(p.shape), generator=gen) for p in prompts]
         twin_kw = {**kw, "eos_token_id": ()}  # no stop token: every answer max_new tokens long
         for p in twin_prompts:
             sbd_ext.generate(twin, p, **twin_kw)
