@@ -28,6 +28,8 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``sbd_verify_branch`` / ``_compiled`` / ``_packed_compiled`` (ours): verify with ``branch=True`` (each forward
   also drafts a block behind the last verified token, the next cycle's drafts when the first draft is rejected);
   ``..._no_head`` (ablation): the same without the drafter's sampler head (slot 1 in the drafter's own order);
+- ``sbd_verify_alternates_packed_compiled`` (ours): verify + branch with ``alternates=3`` (the first draft's three
+  runners-up checked in the same forward, each a base row with a block behind it);
 - ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
   CUDA's default merged ``[W; W + sBA]`` GEMMs (``drafter.merge``; on the CPU the products are the default and the
   merged GEMMs take 2x as long: 147.5 vs 75.2 ms per compiled SmolLM2 verify forward at 1 thread, unpacked);
@@ -37,7 +39,7 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``ungated_verify`` (reference): the shipped ungated conversion ``smollm2-sbd`` in verify mode (its own model's
   answers, which differ from the base's).
 
-``test_paired``: HF ``generate`` and the four packed compiled rows interleaved prompt by prompt (a drift of the
+``test_paired``: HF ``generate`` and the packed compiled rows interleaved prompt by prompt (a drift of the
 machine's speed during a run falls on all of them alike), their speed-ups from the same prompts' times.
 
 extra_info: tokens, tokens/s, forwards (HF rows: the model's forward calls, counted by a hook), tokens per forward,
@@ -216,6 +218,7 @@ ROWS = {
     "sbd_verify_branch": dict(verify=True, branch=True),
     "sbd_verify_branch_compiled": dict(verify=True, branch=True, compile=True),
     "sbd_verify_branch_packed_compiled": dict(verify=True, branch=True, compile=True, packed=True),
+    "sbd_verify_alternates_packed_compiled": dict(verify=True, branch=True, alternates=3, compile=True, packed=True),
     # the drafter's own ranking of slot 1 (its sampler head off: model.sbd_drafter.sampler_head = None)
     "sbd_verify_branch_packed_compiled_no_head": dict(
         verify=True, branch=True, compile=True, packed=True, sampler_head=False
@@ -310,6 +313,7 @@ PAIRED = [
     "sbd_ntp_packed_compiled",
     "sbd_verify_packed_compiled",
     "sbd_verify_branch_packed_compiled",
+    "sbd_verify_alternates_packed_compiled",
     "sbd_verify_branch_packed_compiled_no_head",
 ]
 PASSES = int(os.environ.get("SBD_BENCH_PASSES", "2"))

@@ -237,19 +237,44 @@ class SBDCache(Cache):
                 )
         return [L + a for L, a in zip(self.seq_lens, at, strict=True)], bv
 
+    def check_alternates(self, n_commit: Sequence[int], branch, alternates) -> tuple:
+        """Validate a forward's alternates (see :class:`SBDForwardPlan`) -> (rows, valid as [A][B] int lists). A
+        sequence with an alternate has a branch (at ``branch_at[b]``) and commits its first draft (row
+        ``branch_at[b]``)."""
+        S, valid = int(alternates[0]), [[int(v) for v in group] for group in alternates[1]]
+        at = [int(a) for a in branch[1]] if branch is not None and int(branch[0]) else [0] * self.batch_size
+        if S < 2 or any(len(group) != self.batch_size for group in valid):
+            raise ValueError(f"SBDCache.forward_plan: alternates need rows >= 2 and {self.batch_size} entries each")
+        for b in range(self.batch_size):
+            used = [group[b] for group in valid]
+            if any(v not in (0, S) for v in used):
+                raise ValueError(f"SBDCache.forward_plan: sequence {b}'s alternates need 0 or {S} valid rows: {used}")
+            if any(used):
+                if not 0 < at[b] < int(n_commit[b]):
+                    raise ValueError(
+                        f"SBDCache.forward_plan: sequence {b}'s alternates sit behind its branch point and need it "
+                        f"to commit the first draft (0 < branch_at < n_commit), got branch_at {at[b]}, n_commit "
+                        f"{int(n_commit[b])}"
+                    )
+        return S, valid
+
     @contextlib.contextmanager
     def forward_plan(
         self,
         n_commit: Sequence[int],
         n_valid: Sequence[int],
         branch: tuple[int, Sequence[int], Sequence[int]] | None = None,
+        alternates: tuple[int, Sequence[Sequence[int]]] | None = None,
     ):
         """Validate and expose one forward's plan (eager forwards); on a normal exit, advance ``seq_lens`` by
         ``n_commit``. See :meth:`check_plan` for what the counts mean; ``branch``: ``(rows, branch_at,
-        branch_valid)``, the forward's last ``rows`` rows are a second set block (:class:`SBDForwardPlan`)."""
+        branch_valid)``, the forward's last ``rows`` rows are a second set block (:class:`SBDForwardPlan`);
+        ``alternates``: ``(rows, valid)``, after the branch ``len(valid)`` groups of ``rows`` rows, ``valid[j][b]``
+        of group j real for sequence b (0 or ``rows``; only beside a branch)."""
         n_commit, n_valid = self.check_plan(n_commit, n_valid)
         R = int(branch[0]) if branch is not None else 0
         rows = [self.seq_lens, n_commit, n_valid] + (list(self.check_branch(n_commit, *branch[1:], R)) if R else [])
+        alts = self.check_alternates(n_commit, branch, alternates) if alternates is not None else None
         self._claim()
         device = self.layers[0].keys.device
         try:
@@ -259,6 +284,8 @@ class SBDCache(Cache):
             plan = SBDForwardPlan(self, meta[0], meta[1], meta[2], block_rows=block_rows)
             if R:
                 plan.set_branch(R, meta[3], meta[4])
+            if alts is not None:
+                plan.set_alternates(alts[0], torch.tensor(alts[1], dtype=torch.int32).to(device, non_blocking=True))
             yield plan
         finally:
             self._planned = False
@@ -325,9 +352,30 @@ class SBDForwardPlan:
     branch_valid: torch.Tensor | None = None  # [B] int32
     branch_commit: torch.Tensor | None = None  # [B] int32 zeros: the branch commits nothing
 
+    # The alternates (verify with ``alternates``): after the branch, groups of ``alt_rows`` rows, each a committed
+    # row (a runner-up of the first draft, at the first draft's position) and a set block behind it. They see the
+    # cache up to the branch point, as the branch does; each group's first row writes its K/V where the first
+    # draft's are, so after the last group the first draft's row is appended there again (``alt_restore[b]`` = 1
+    # where sequence b had an alternate): the cache is as the forward without them left it.
+    alt_rows: int = 0
+    alt_valid: tuple = ()  # per group, [B] int32 valid rows (0 or alt_rows)
+    alt_commit: tuple = ()  # per group, [B] int32 (1 where valid)
+    alt_restore: torch.Tensor | None = None  # [B] int32
+
     def set_branch(self, rows: int, lens: torch.Tensor, valid: torch.Tensor) -> None:
         self.branch_rows, self.branch_lens, self.branch_valid = int(rows), lens, valid
         self.branch_commit = torch.zeros_like(valid)  # once per forward, not per layer
+
+    def set_alternates(self, rows: int, valid: torch.Tensor) -> None:
+        """``valid`` [A, B] int32: group j's valid rows of sequence b (0 or ``rows``); after :meth:`set_branch`."""
+        commit = (valid > 0).to(torch.int32)  # once per forward, not per layer
+        self.alt_rows, self.alt_valid, self.alt_commit = int(rows), tuple(valid.unbind(0)), tuple(commit.unbind(0))
+        self.alt_restore = commit.amax(0)
+
+    @property
+    def tail_rows(self) -> int:
+        """The rows after the main ones: the branch's, then the alternates'."""
+        return self.branch_rows + len(self.alt_valid) * self.alt_rows
 
     def attend(
         self,
@@ -354,9 +402,11 @@ class SBDForwardPlan:
             )
         if layer.keys.dtype != query.dtype:
             raise TypeError(f"SBDCache holds {layer.keys.dtype} but the model computes in {query.dtype}")
-        T, R = query.shape[2], self.branch_rows
+        T, R = query.shape[2], self.tail_rows
         if R and not 0 < R < T:
             raise RuntimeError(f"sbd_plan: a branch of {R} rows in a forward of {T} rows")
+        if self.alt_valid and not self.branch_rows:
+            raise RuntimeError("sbd_plan: alternates without a branch")
 
         def attend_rows(rows: slice, cache_lens, n_commit, n_valid) -> torch.Tensor:
             q, k, v = query[:, :, rows], key[:, :, rows], value[:, :, rows]
@@ -366,8 +416,23 @@ class SBDForwardPlan:
 
         out = attend_rows(slice(0, T - R), self.cache_lens, self.n_commit, self.n_valid)
         if R:  # the branch: over the cache as the first call left it, cut at the branch point; writes nothing
-            branch = attend_rows(slice(T - R, T), self.branch_lens, self.branch_commit, self.branch_valid)
-            out = torch.cat([out, branch], dim=1)
+            Rb, parts = self.branch_rows, [out]
+            parts.append(attend_rows(slice(T - R, T - R + Rb), self.branch_lens, self.branch_commit, self.branch_valid))
+            at = T - R + Rb
+            for valid, commit in zip(self.alt_valid, self.alt_commit, strict=True):  # each over the same cut
+                parts.append(attend_rows(slice(at, at + self.alt_rows), self.branch_lens, commit, valid))
+                at += self.alt_rows
+            if self.alt_valid:  # the first draft's row (forward row branch_lens - cache_lens) appended again
+                B, at = query.shape[0], (self.branch_lens - self.cache_lens).long()
+
+                def row(t: torch.Tensor) -> torch.Tensor:
+                    return t.gather(2, at.view(B, 1, 1, 1).expand(B, t.shape[1], 1, t.shape[3]))
+
+                ops.block_attention(
+                    row(query), row(key), row(value), layer.keys, layer.values, self.branch_lens, self.alt_restore,
+                    self.alt_restore, scaling, softcap, window_left,
+                )  # fmt: skip
+            out = torch.cat(parts, dim=1)
         self.layers_done += 1
         return out
 

@@ -72,7 +72,7 @@ def generate(
               ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA); same tokens as eager decoding. Compiled
               generations run one at a time in a process (eager ones stay concurrent).
             - ``cycle``: "host" or "device" (the whole decoding cycle as tensor operations on the model's device:
-              one graph per cycle with ``compile``; greedy, no lookup / branch, no trace;
+              one graph per cycle with ``compile``; greedy, no lookup / branch / alternates, no trace;
               :mod:`sbd_ext.decoding.device_cycle`).
         The mask token (``config.mask_token_id``) is never generated, in any mode: its logit is excluded at every
         position.

@@ -55,7 +55,7 @@ _FALLBACK_WARNED = False
 
 
 def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
-    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows)
+    key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows, job.alternates)
     return key + (dtype, device.type, row_linear_state(model), quantized_scheme(model))  # linear layers: own graph
 
 
@@ -130,17 +130,19 @@ def _static_forward(
     sbd: bool = True,
     branch_rows: int = 0,
     block_from: int = 0,
+    alternates: int = 0,
 ) -> torch.Tensor:
     """One forward of the static step, traced by torch.compile (fullgraph): nothing here reads a host length.
 
     tokens: [2, B, T] int64, the input ids and the position ids; meta: [3, B] int32, per sequence the cache length,
     committed rows and valid rows ([5, B] with ``branch_rows``: then the branch's cache length and valid rows, the
-    branch being the last ``branch_rows`` rows). Runs the decoder and the output head; with ``block_rows`` > 0 only each
-    sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest matmul of a
-    small model with a large vocabulary); ``block_from`` shifts that range (-1: the last committed row too, whose
-    logits are the model's next token). ``sbd`` False (NTP forwards): the plan says there are no set-block rows,
-    so a gated drafter adds nothing to the graph (not even a zero-gated adapter). Returns logits [B, block_rows or
-    T, V].
+    branch being the last ``branch_rows`` rows; ``alternates`` > 0: that many groups of ``1 + branch_rows`` rows after
+    it, meta's next ``alternates`` rows their valid rows). Runs the decoder and the output head; with ``block_rows``
+    > 0 only each sequence's block rows [n_commit, n_commit + block_rows) reach the head (the head is the costliest
+    matmul of a small model with a large vocabulary); ``block_from`` shifts that range (-1: the last committed row
+    too, whose logits are the model's next token). ``sbd`` False (NTP forwards): the plan says there are no
+    set-block rows, so a gated drafter adds nothing to the graph (not even a zero-gated adapter). Returns logits
+    [B, block_rows or T, V].
     """
     B = tokens.shape[1]
     # Every layer's K/V buffers have the cache's row count S, marked dynamic (SBDCache.static_forwards): said here,
@@ -151,6 +153,8 @@ def _static_forward(
         torch._check(layer.keys.shape[2] == S)
         torch._check(layer.values.shape[2] == S)
     plan = cache.device_plan(meta[0], meta[1], meta[2], (branch_rows, meta[3], meta[4]) if branch_rows else None)
+    if alternates:
+        plan.set_alternates(1 + branch_rows, meta[5 : 5 + alternates])
     if not sbd:
         plan.block_rows = (0, 0)
     hidden = model.get_decoder()(
@@ -348,6 +352,7 @@ class StaticStep(DecodeStep):
         self.block_rows = job.block_size if job.sbd and not job.first_from_ntp else 0
         self.branch_rows = job.branch_rows  # every forward carries them (one graph), used or not
         self.static_branch = self.branch_rows > 0
+        self.static_alternates = job.alternates  # the alternates' groups too
         self.fn = _compiled_forward(device)
         self._guarded: set[tuple] = set()  # the calls (shapes, arguments) that passed the full guards
         self._direct: dict[tuple, direct_call.DirectCall] = {}  # their captured graph calls (CPU)
@@ -377,6 +382,10 @@ class StaticStep(DecodeStep):
             if fw.branch_rows != self.branch_rows:
                 raise RuntimeError(f"internal: a static forward needs {self.branch_rows} branch rows")
             rows += self.cache.check_branch(n_commit, *fw.branch[1:], self.branch_rows)
+        if self.static_alternates:
+            if fw.n_alt_groups != self.static_alternates:
+                raise RuntimeError(f"internal: a static forward needs {self.static_alternates} alternates' groups")
+            rows += self.cache.check_alternates(n_commit, fw.branch, fw.alternates)[1]
         meta = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
@@ -386,9 +395,10 @@ class StaticStep(DecodeStep):
             torch._dynamo.mark_dynamic(tokens, 2)
         # The full guards on this call's first occurrence in the generation, then only those that tell the graphs
         # apart, when no other thread exists (see COMPILED_RUN_LOCK)
-        args = (self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows)
+        A = self.static_alternates
+        args = (self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows, 0, A)
         rows_s = self.cache.layers[0].keys.shape[2]  # the cache's capacity: a grown cache is checked in full again
-        seen = (tuple(tokens.shape), tuple(meta.shape), rows_s, self.block_rows, self.sbd, self.branch_rows)
+        seen = (tuple(tokens.shape), tuple(meta.shape), rows_s, self.block_rows, self.sbd, self.branch_rows, A)
         direct = self._direct.get(seen)
         # a full call whose argument list later calls of these shapes replay (direct_call); a second try where the
         # first call compiled the graph (it ran a function installed during the call, not the captured one)

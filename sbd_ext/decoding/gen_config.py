@@ -1,6 +1,6 @@
 """SBD settings carried by a HuggingFace ``GenerationConfig``: the ``sbd_*`` fields (``sbd_block_size``,
 ``sbd_sampler``, ``sbd_threshold``, ``sbd_verify``, ``sbd_mode``, ``sbd_compile``, ``sbd_strict_block_size``,
-``sbd_lookup``, ``sbd_branch``), saved in
+``sbd_lookup``, ``sbd_branch``, ``sbd_alternates``), saved in
 ``generation_config.json`` so that a checkpoint carries its recommended SBD settings to :func:`sbd_ext.generate` and
 to ``model.generate``.
 
@@ -39,9 +39,10 @@ SBD_FIELDS = {
     "sbd_strict_block_size": "strict_block_size",
     "sbd_lookup": "lookup",
     "sbd_branch": "branch",
+    "sbd_alternates": "alternates",
 }
 # The settings that only apply to SBD decoding: a lower layer's are dropped under a higher layer's mode="ntp".
-SBD_ONLY = ("verify", "first_from_ntp", "lookup", "branch")
+SBD_ONLY = ("verify", "first_from_ntp", "lookup", "branch", "alternates")
 # Every sbd_* generation-config field: the settings above, and sbd_seed (the Philox seed of ``model.generate``).
 KNOWN_SBD_FIELDS = (*SBD_FIELDS, "sbd_seed")
 

@@ -16,6 +16,7 @@ from ..samplers import check_threshold, get_sampler
 __all__ = ["GenerationSettings", "Job", "make_job", "check_prompts", "model_device_dtype"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_ALTERNATES = 8  # runners-up of the first draft per forward (each 1 + k rows)
 MAX_LOOKUP = 2**16  # drafts a lookup may propose per cycle (each is a committed row of the next forward)
 MAX_BLOCK_SIZE = 2**16  # far above any trained block (SBD trains k <= 64); 2**16 x a 128k vocabulary = 32 GiB fp32
 
@@ -83,6 +84,12 @@ class GenerationSettings:
     rejected the next cycle has drafts after the correction instead of none: one forward per cycle yields
     1 + a tokens at a first-draft acceptance rate a instead of 2 / (2 - a), for k more rows per forward. Same
     output as verify without it; like ``lookup``, it does nothing outside verify mode.
+    alternates (verify with ``branch``): the drafter's next ``alternates`` most likely tokens for the first draft
+    (its runners-up; 0: off), each checked in the same forward as a row of its own behind the last verified token
+    (a base row: its next-token choice is exact) with a block of k rows behind it: when the first draft is rejected
+    and the correction is one of them, the cycle keeps the correction, that row's next-token choice (a second
+    verified token) and its block's drafts, instead of the branch's. ``1 + k`` more rows per forward each; same
+    output as verify without it; without the branch (and outside verify mode) it does nothing.
 
     ``GenerationSettings.of(settings, **overrides)`` builds one from another plus keyword changes (what
     :func:`generate`'s keywords do).
@@ -104,6 +111,7 @@ class GenerationSettings:
     compile: bool = False
     lookup: int = 0
     branch: bool = False
+    alternates: int = 0
     cycle: str = "host"
 
     def __post_init__(self):
@@ -149,6 +157,12 @@ class GenerationSettings:
                 f"lookup must be an int in [0, {MAX_LOOKUP}] (drafts per cycle; 0: off), got {self.lookup!r}"
             )
         set_("lookup", int(self.lookup))
+        if not _is_int(self.alternates) or not 0 <= self.alternates <= MAX_ALTERNATES:
+            raise ValueError(
+                f"alternates must be an int in [0, {MAX_ALTERNATES}] (the first draft's runners-up checked per "
+                f"forward; 0: off), got {self.alternates!r}"
+            )
+        set_("alternates", int(self.alternates))
         if self.cycle not in ("host", "device"):
             raise ValueError(f"cycle must be 'host' or 'device', got {self.cycle!r}")
         if self.cycle == "device" and self.temperature != 0.0:
@@ -215,6 +229,10 @@ class Job:
     filler = property(lambda self: self.pad_id if self.pad_id != self.mask_id else (0 if self.mask_id != 0 else 1))
     # The branch's rows per forward (verify with ``branch``; 0: none): a block of the job's size.
     branch_rows = property(lambda self: self.block_size if self.settings.verify and self.settings.branch else 0)
+    # The first draft's runners-up checked per forward (verify with ``branch`` and a block of >= 2; 0: none), each
+    # ``alt_rows`` rows: the candidate's own (a committed base row) and a block of the job's size behind it.
+    alternates = property(lambda self: self.settings.alternates if self.branch_rows and self.block_size >= 2 else 0)
+    alt_rows = property(lambda self: 1 + self.block_size)
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:

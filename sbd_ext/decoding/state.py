@@ -83,6 +83,8 @@ class SequenceState:
         self.lookup_cap = min(job.lookup, LOOKUP_START)  # the lookup's drafts this cycle (see LOOKUP_START)
         self.n_looked = 0  # of the pending drafts, how many (after slot 0) the lookup proposed
         self.draft_cap: int | None = None  # most tokens one cycle may draft (a static step's rows); None: any
+        self.runners_up: list[int] = []  # the drafter's next choices for the first pending draft (alternates)
+        self.alternates_taken = 0  # corrections that were an alternate (verify with alternates)
         if job.sbd:
             self._start_block()
 
@@ -94,11 +96,30 @@ class SequenceState:
     def block_start(self) -> int:
         return len(self.prompt) + len(self.gen) + self.n_draft
 
+    def anchor(self) -> int:
+        """The pending rows up to the last verified token (its row checks the first draft ``pending[anchor]``): 1
+        after a finished block (its slot 0, verified, counts among the drafts) or a branch, 2 after an alternate
+        (the correction and its row's verified next token)."""
+        return max(len(self.pending) - self.n_draft, 1)
+
     def branch_size(self) -> int:
         """Rows of this sequence's branch in the next forward (verify with ``branch``): the job's branch rows when
-        the pending rows are a verified token followed by drafts (the first draft, ``pending[1]``, is checked by
-        row 0, behind which the branch sits), else 0."""
-        return self.job.branch_rows if self.n_draft > 0 and len(self.pending) >= 2 else 0
+        the pending rows are verified tokens followed by drafts (the first draft, ``pending[anchor]``, is checked by
+        row ``anchor - 1``, behind which the branch sits), else 0."""
+        return self.job.branch_rows if self.n_draft > 0 and len(self.pending) > self.anchor() else 0
+
+    def alternates(self) -> list[int]:
+        """The first draft's runners-up the next forward checks beside it (verify with ``alternates``, where it
+        has a branch): the drafter's next choices for that position, not the draft, a stop or the mask id."""
+        A = self.job.alternates
+        if not A or not self.branch_size():
+            return []
+        first, skip = self.pending[self.anchor()], self.job.stop_ids
+        out = []
+        for t in self.runners_up:
+            if t != first and t not in skip and t != self.job.mask_id and t not in out:
+                out.append(t)
+        return out[:A]
 
     def _start_block(self) -> None:
         k = min(self.job.block_size, self.job.max_new_tokens - len(self.gen) - self.n_draft)
@@ -175,27 +196,39 @@ class SequenceState:
         confidence: list[float] | None = None,
         branch: list[int] | None = None,
         branch_confidence: list[float] | None = None,
+        top: list[int] | None = None,
+        branch_top: list[int] | None = None,
+        alts: list[tuple] | None = None,
     ) -> int | None:
         """Update after an SBD forward (``block``: the block as revealed in place; ``ntp``, verify mode: the NTP
         choice after each of this sequence's committed rows, None where not computed; ``confidence``, verify with
         lookup: each block slot's probability of its token, None: the lookup always wins; ``branch`` /
-        ``branch_confidence``: the same for the branch block behind row 0, its slot 0 that row's NTP choice, when
-        the forward had one). Returns, after a correction, how many of this forward's committed rows keep their K/V
-        (the caller rolls the cache back to the length before the forward + that); else None."""
+        ``branch_confidence``: the same for the branch block behind the anchor, its slot 0 that row's NTP choice,
+        when the forward had one; ``top`` / ``branch_top``, verify with alternates: slot 1's most likely tokens in
+        the block / the branch; ``alts``: per alternate checked, ``(token, block, confidence, top)``, its block's
+        slot 0 the NTP choice of its row). Returns, after a correction, how many of this forward's committed rows
+        keep their K/V (the caller rolls the cache back to the length before the forward + that); else None."""
         job = self.job
         self.nfe += 1
         n_commit = len(self.pending)
         if self.n_draft:  # verify mode: this forward committed a finished block's drafts
+            anchor, checked = self.anchor(), self.alternates()
             keep_rows = self._verify(f, ntp)
+            self.runners_up = []
             if keep_rows is not None:
                 # The block's predictions of this forward were conditioned on rejected drafts: drop them. The next
-                # cycle drafts from the branch (which sat behind row 0) if the first draft was the rejected one,
-                # else from a new block after the correction.
+                # cycle drafts from the alternate that the correction is, if the first draft was the rejected one
+                # and it had one; else from the branch (which sat behind the anchor); else from a new block after
+                # the correction.
                 self.block = []
+                first_rejected = keep_rows == anchor
+                alt = next((a for a in alts or () if a[0] == self.pending[0]), None) if first_rejected else None
                 if self._finished():
                     self.done = True
-                elif keep_rows == 1 and branch and branch[0] == self.pending[0]:
-                    self._take_branch(f, branch, branch_confidence)
+                elif alt is not None and alt[0] in checked:
+                    self._take_alternate(f, *alt[1:])
+                elif first_rejected and branch and branch[0] == self.pending[0]:
+                    self._take_branch(f, branch, branch_confidence, branch_top)
                 else:
                     self._start_block()
                 return keep_rows
@@ -253,6 +286,7 @@ class SequenceState:
         self.block = []
         if job.verify and len(finished) > self.block_verified:
             self.pending, self.n_draft = finished, len(finished)  # checked by the next forward's committed rows
+            self.runners_up = list(top or ())
         else:
             self.gen.extend(finished)
             self.pending = finished
@@ -262,10 +296,35 @@ class SequenceState:
             self._start_block()  # (after a stop token only the drafts' verification is left)
         return None
 
-    def _take_branch(self, f: int, branch: list[int], confidence: list[float] | None) -> None:
+    def _take_alternate(self, f: int, block: list[int], confidence: list[float] | None, top: list[int] | None) -> None:
+        """After a correction of the first draft that is one of the alternates checked: that alternate's row was a
+        base row at the correction's position, so its NTP choice (its block's slot 0) is verified too and joins the
+        output; the block's revealed slots after it are drafts, as the branch's are (:meth:`_take_branch`)."""
+        c = self.pending[0]
+        self.alternates_taken += 1
+        nxt = block[0]
+        if nxt is None or nxt < 0:
+            raise RuntimeError(f"verify: an alternate's row got an invalid next-token distribution at forward {f}")
+        self.trace.append((f, [len(self.prompt) + len(self.gen)], [nxt]))
+        self.gen.append(nxt)
+        self.pending = [c, nxt]
+        if self._finished():  # the budget, or a stop token, ends the output here
+            self.done, self.block = True, []
+            return
+        self._take_branch(f, block, confidence, top, verified=2)
+
+    def _take_branch(
+        self,
+        f: int,
+        branch: list[int],
+        confidence: list[float] | None,
+        top: list[int] | None = None,
+        verified: int = 1,
+    ) -> None:
         """After a correction of the first draft: the branch's slot 0 is the correction (the NTP choice of row 0,
         now the output's last token) and its revealed slots after it are drafts for the next forward to check,
-        as a finished block's are (with the lookup's proposals from the context ending in the correction)."""
+        as a finished block's are (with the lookup's proposals from the context ending in the correction).
+        ``verified``: the pending tokens that stay (the correction, and an alternate's verified next token)."""
         job = self.job
         room = job.max_new_tokens - len(self.gen)  # drafts that still fit the budget
         if self.draft_cap is not None:
@@ -284,7 +343,8 @@ class SequenceState:
         if drafts:
             start = len(self.prompt) + len(self.gen)
             self.trace.append((f, list(range(start, start + len(drafts))), list(drafts)))
-        self.pending, self.n_draft = [self.pending[0]] + drafts, len(drafts)
+        self.pending, self.n_draft = self.pending[:verified] + drafts, len(drafts)
+        self.runners_up = list(top or ())
         if not stopped:
             self._start_block()
 

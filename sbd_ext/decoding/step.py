@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SBDCache
+from .alternates import runners_up, sample_alternates
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
@@ -49,13 +50,33 @@ class ForwardRows:
     # them are real (0: sequence b has none), behind its first committed row.
     branch_rows: int = 0
     branch_valid: tuple[int, ...] = ()
+    # Where each sequence's branch sits: behind its first ``branch_at[b]`` committed rows (its anchor; () : 1).
+    branch_at: tuple[int, ...] = ()
+    # The alternates (verify with ``alternates``): after the branch, ``len(alts[b])`` groups of ``alt_rows`` rows
+    # of sequence b (of the forward's ``n_alt_groups``), each the alternate token and a block behind it.
+    alt_rows: int = 0
+    n_alt_groups: int = 0
+    alts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def branch(self) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
         """``(rows, branch_at, branch_valid)`` for :meth:`SBDCache.forward_plan` (None: no branch rows)."""
         if not self.branch_rows:
             return None
-        return self.branch_rows, tuple(int(v > 0) for v in self.branch_valid), self.branch_valid
+        at = self.branch_at or tuple(1 for _ in self.branch_valid)
+        return (
+            self.branch_rows,
+            tuple(a if v > 0 else 0 for a, v in zip(at, self.branch_valid, strict=True)),
+            self.branch_valid,
+        )
+
+    @property
+    def alternates(self) -> tuple[int, list[list[int]]] | None:
+        """``(rows, valid)`` for :meth:`SBDCache.forward_plan` (None: no alternates)."""
+        if not self.n_alt_groups:
+            return None
+        S = self.alt_rows
+        return S, [[S if j < len(a) else 0 for a in self.alts] for j in range(self.n_alt_groups)]
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,9 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
     # are drafts: the block the next cycle drafts from if the first draft is rejected (SequenceState._take_branch).
     branch = tuple(seq.branch_size() if a else 0 for seq, a in zip(seqs, active, strict=True))
     R = job.branch_rows if any(branch) or step.static_branch else 0
+    anchors = tuple(seq.anchor() if n else 0 for seq, n in zip(seqs, branch, strict=True))
+    alts = tuple(tuple(seq.alternates()) if n else () for seq, n in zip(seqs, branch, strict=True))
+    A, S = (step.static_alternates if R else 0) or max(map(len, alts), default=0), job.alt_rows
     T = step.rows(max(n_valid))
     if T < max(n_valid):
         raise RuntimeError(f"internal: a forward of {T} rows cannot hold {max(n_valid)} rows")
@@ -99,15 +123,25 @@ def plan_forward(seqs: list[SequenceState], job: Job, step: DecodeStep) -> Forwa
         pad = [0] * (T - len(row))
         ids.append(row + pad)
         pos.append(list(range(seq.n_cached, seq.n_cached + len(row))) + pad)
-        if R:  # the branch's rows: mask slots at the positions after the branch point (row 0)
-            n = branch[b]
+        if R:  # the branch's rows: mask slots at the positions after the branch point (the anchor)
+            n, at = branch[b], seq.n_cached + anchors[b]
             ids[b] += [job.mask_id] * n + [0] * (R - n)
-            pos[b] += list(range(seq.n_cached + 1, seq.n_cached + 1 + n)) + [0] * (R - n)
+            pos[b] += list(range(at, at + n)) + [0] * (R - n)
+        for j in range(A):  # the alternates: each token at the first draft's position, a block behind it
+            if j < len(alts[b]):
+                ids[b] += [alts[b][j]] + [job.mask_id] * (S - 1)
+                pos[b] += list(range(seq.n_cached + anchors[b], seq.n_cached + anchors[b] + S))
+            else:
+                ids[b] += [0] * S
+                pos[b] += [0] * S
     both = torch.tensor([ids, pos], dtype=torch.int64)
     # Rows read: SBD, block rows [c, c+k) of each sequence; NTP, row c-1; verify, also the committed rows that
     # check the drafts and reveal the block's first position, [c - n_draft - 1, c).
     first = min(first_row_read(seq, c, job) for seq, c, a in zip(seqs, n_commit, active, strict=True) if a)
-    return ForwardRows(both[0], both[1], n_commit, n_valid, first, R, branch if R else ())
+    return ForwardRows(
+        both[0], both[1], n_commit, n_valid, first, R, branch if R else (), anchors if R else (), S if A else 0, A,
+        alts if A else (),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -119,6 +153,7 @@ class DecodeStep:
     cache: SBDCache
     max_drafts: int | None = None  # most drafts a cycle may commit (verify's lookup past the block); None: any
     static_branch: bool = False  # every forward carries the branch's rows (static shapes), used or not
+    static_alternates: int = 0  # and this many alternates' groups
 
     def rows(self, needed: int) -> int:
         """The row count T of a forward whose longest sequence has ``needed`` rows (a static step pads)."""
@@ -137,7 +172,7 @@ class EagerStep(DecodeStep):
 
     def __call__(self, fw: ForwardRows) -> StepLogits:
         T = fw.ids.shape[1]
-        with self.cache.forward_plan(fw.n_commit, fw.n_valid, fw.branch) as plan:
+        with self.cache.forward_plan(fw.n_commit, fw.n_valid, fw.branch, fw.alternates) as plan:
             logits = self.model(
                 input_ids=fw.ids.to(self.device, non_blocking=True),
                 position_ids=fw.pos.to(self.device, non_blocking=True),
@@ -269,16 +304,19 @@ def _sample_branch(
     branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, job.filler).long().to(device)
     first = ntp[:, 0]
     branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
-    x = gather_rows(out, (T - Rb + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    start = T - Rb - fw.n_alt_groups * fw.alt_rows  # the alternates' rows come after the branch's
+    x = gather_rows(out, (start + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
     if job.sampler_head is not None and Rb >= 2:
         _rescore_slot1(job, x, branch)
+    top = runners_up(job, x)
+    at = fw.branch_at or (1,) * B
     keys = None
     if job.temperature > 0:  # drafts drawn with the noise their checks will use
-        keys = [position_key(b, seqs[b].n_cached + 1 + j) for b in range(B) for j in range(Rb)]
+        keys = [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(B) for j in range(Rb)]
     _, _, _, pmax, _ = sample_block(
         x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
     )
-    return branch, pmax
+    return branch, pmax, top
 
 
 def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> dict[int, int]:
@@ -298,6 +336,7 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
         x = gather_rows(out, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
     if job.sampler_head is not None and K >= 2:  # verify: slot 1's draft given slot 0's token (the commit row's)
         _rescore_slot1(job, x, block)
+    top = runners_up(job, x) if job.verify else None
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
@@ -308,18 +347,25 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     lookup = job.verify and job.lookup > 0
     if lookup:  # the block rows' confidence, which decides between their tokens and the lookup's (in millionths)
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
-    Rb = fw.branch_rows
-    if Rb:  # the branch behind row 0: its slot 0 is row 0's NTP choice, the rest revealed by the sampler
-        branch, bpmax = _sample_branch(out, fw, seqs, job, f, ntp)
+    Rb, A, n_top = fw.branch_rows, fw.n_alt_groups, job.alternates + 1
+    if Rb:  # the branch behind the anchor: its slot 0 is that row's NTP choice, the rest revealed by the sampler
+        branch, bpmax, btop = _sample_branch(out, fw, seqs, job, f, ntp)
         parts += [branch] + ([(bpmax * CONFIDENCE_SCALE).round().long()] if lookup else [])
+    if top is not None:  # verify with alternates: the runners-up of the block's and the branch's slot 1
+        parts += [top] + ([btop] if Rb else [])
+    if A:  # the alternates' NTP choices, blocks, confidence and runners-up
+        alt = sample_alternates(out, fw, seqs, job, f)
+        parts += alt[:2] + [(alt[2] * CONFIDENCE_SCALE).round().long(), alt[3]]
     back = torch.cat(parts, dim=1).cpu()  # the one sync
     R = ntp.shape[1] if job.verify else 0  # the columns: n_rev, n_rem, block [K], ntp [R], confidence [K]
     cb = 2 + K + R + (K if lookup else 0)  # then the branch [Rb] and its confidence [Rb]
+    ct = cb + (Rb + (Rb if lookup else 0) if Rb else 0)  # then the runners-up [n_top], the branch's [n_top]
+    ca = ct + (n_top * (2 if Rb else 1) if top is not None else 0)  # then the alternates' [A], [A k] x 2, [A n_top]
     rollback = {}
     for b, seq in enumerate(seqs):
         if seq.done:
             continue
-        ntp_b = conf = br = br_conf = None
+        ntp_b = conf = br = br_conf = top_b = br_top = alts = None
         if job.verify:
             ntp_b = [None] * lo[b] + back[b, 2 + K : 2 + K + R].tolist()[: fw.n_commit[b] - lo[b]]
         if lookup:
@@ -328,6 +374,17 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
             br = back[b, cb : cb + fw.branch_valid[b]].tolist()
             if lookup:
                 br_conf = [c / CONFIDENCE_SCALE for c in back[b, cb + Rb : cb + Rb + fw.branch_valid[b]].tolist()]
+        if top is not None:
+            top_b = back[b, ct : ct + n_top].tolist()
+            br_top = back[b, ct + n_top : ct + 2 * n_top].tolist() if Rb else None
+        if A and fw.alts[b]:
+            row, k = back[b, ca:].tolist(), Rb
+            alts = []
+            for j, token in enumerate(fw.alts[b]):
+                blk = row[A + j * k : A + (j + 1) * k]
+                a_conf = [c / CONFIDENCE_SCALE for c in row[A + A * k + j * k : A + A * k + (j + 1) * k]]
+                a_top = row[A + 2 * A * k + j * n_top : A + 2 * A * k + (j + 1) * n_top]
+                alts.append((token, blk, a_conf if lookup else None, a_top))
         keep = seq.after_sbd_forward(
             f,
             back[b, 2 : 2 + K].tolist(),
@@ -338,6 +395,9 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
             confidence=conf,
             branch=br,
             branch_confidence=br_conf,
+            top=top_b,
+            branch_top=br_top,
+            alts=alts,
         )
         if keep is not None:
             rollback[b] = keep

@@ -68,10 +68,12 @@ class Drafter(nn.Module):
         if ids is None and args:
             ids = args[0]
         self.holder.clear()  # nothing left over from a forward that raised
-        T, R = ids.shape[1], plan.branch_rows  # the branch's rows: the last R, branch_valid[b] of them real
+        # The branch's rows and the alternates': the last R, branch_valid[b] of the branch's real
+        T, R = ids.shape[1], plan.tail_rows
         if plan.block_rows is None:  # a device plan (compiled step): the gate over every row, traceable
             branch = (T - R, plan.branch_valid) if R else None
-            self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, T, ids.device, branch)
+            alts = (T - R + plan.branch_rows, plan.alt_rows, plan.alt_valid) if plan.alt_valid else None
+            self.holder.gate = gate_rows(plan.n_commit, plan.n_valid, T, ids.device, branch, alts)
             return None
         lo, hi = plan.block_rows
         if R:
@@ -81,7 +83,8 @@ class Drafter(nn.Module):
         self.holder.rows = (lo, hi)
         if ids.shape[0] > 1 or R:  # sequences' blocks differ, or padding between a block and the branch: 0/1 gate
             branch = (T - R - lo, plan.branch_valid) if R else None
-            self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device, branch)
+            alts = (T - R - lo + plan.branch_rows, plan.alt_rows, plan.alt_valid) if plan.alt_valid else None
+            self.holder.gate = gate_rows(plan.n_commit - lo, plan.n_valid - lo, hi - lo, ids.device, branch, alts)
         return None
 
     def _clear_plan_gate(self, module, args, kwargs, output):
@@ -142,10 +145,13 @@ def gate_rows(
     rows: int,
     device,
     branch: tuple[int, torch.Tensor] | None = None,
+    alternates: tuple[int, int, tuple[torch.Tensor, ...]] | None = None,
 ) -> torch.Tensor:
     """The block-row gate [B, rows, 1] (float 0/1): row r of sequence b is a set-block row iff
     ``n_commit[b] <= r < n_valid[b]``, or, with ``branch = (start, branch_valid)``, iff
-    ``start <= r < start + branch_valid[b]`` (the branch block's rows)."""
+    ``start <= r < start + branch_valid[b]`` (the branch block's rows), or, with ``alternates = (start, size,
+    valid)``, iff it is one of rows 1 .. valid[j][b] - 1 of group j (rows ``start + j * size`` on; row 0 of a group
+    is a committed row: the base's)."""
     r = torch.arange(rows, device=device).view(1, rows)
     lo = n_commit.to(device=device, dtype=torch.long).view(-1, 1)
     hi = n_valid.to(device=device, dtype=torch.long).view(-1, 1)
@@ -153,6 +159,11 @@ def gate_rows(
     if branch is not None:
         start, valid = branch
         gate |= (r >= start) & (r < start + valid.to(device=device, dtype=torch.long).view(-1, 1))
+    if alternates is not None:
+        start, size, valid = alternates
+        for j, v in enumerate(valid):
+            at = start + j * size
+            gate |= (r > at) & (r < at + v.to(device=device, dtype=torch.long).view(-1, 1))
     return gate.to(torch.float32).unsqueeze(-1)
 
 

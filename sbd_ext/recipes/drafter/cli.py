@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
     e.add_argument("--lookups", type=count(0), nargs="*", default=[0], help="verify rows' lookup (drafts per cycle)")
     e.add_argument("--branches", type=int, nargs="*", choices=[0, 1], default=[0], help="verify rows' branch (1: on)")
     e.add_argument(
+        "--alternates", type=count(0), nargs="*", default=[0], help="verify + branch rows' alternates (0: off)"
+    )
+    e.add_argument(
         "--slot-accuracy",
         type=count(0),
         default=0,
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
     s.add_argument("--threshold", type=number(), default=0.35)
     s.add_argument("--lookup", type=count(0), default=0, help="drafts from the context per cycle (0: off)")
     s.add_argument("--branch", action="store_true", help="recommend verify's branch (behind the verified token)")
+    s.add_argument("--alternates", type=count(0), default=0, help="recommend verify's alternates (with --branch)")
     s.add_argument("--check-n", type=count(1), default=8)
     s.add_argument("--max-new-tokens", type=count(1), help="default: 96 for arith (its answers), else 64")
     s.add_argument("--threads", type=count(1))
@@ -153,10 +157,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
         settings = [
             # lookup 0 / branch 0: off, whatever the artifact recommends
             dict(block_size=k, verify=True, sampler="eb", threshold=g, lookup=n, branch=bool(br))
+            | ({"alternates": a} if a else {})
             for k in args.block_sizes
             for g in args.thresholds
             for n in args.lookups
             for br in args.branches
+            for a in args.alternates
+            if br or not a  # alternates sit beside the branch
         ]
         settings += [
             dict(block_size=k, verify=False, sampler="eb", threshold=g)
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
             }
             | ({"sbd_lookup": args.lookup} if args.lookup else {})
             | ({"sbd_branch": True} if args.branch else {})
+            | ({"sbd_alternates": args.alternates} if args.alternates else {})
         )
         task = artifact_task(out / "artifact")
         if not args.dest and artifact_base(out / "artifact"):

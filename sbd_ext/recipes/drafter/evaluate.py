@@ -107,4 +107,5 @@ def verify_settings(generation: dict) -> dict:
         verify=True,
         lookup=generation.get("sbd_lookup", 0),
         branch=generation.get("sbd_branch", False),
+        alternates=generation.get("sbd_alternates", 0),
     )

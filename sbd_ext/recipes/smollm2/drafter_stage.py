@@ -196,7 +196,7 @@ def phase_head(work: Path, cfg: dict, a, st: dict, log) -> None:
 
 def phase_eval(work: Path, cfg: dict, a, st: dict, log) -> None:
     kw = recipe.verify_settings(drafter_mod.read_drafter_config(SHIPPED)["sbd"]["generation"])
-    settings = [kw | {"branch": False}, kw | {"branch": True}]
+    settings = [kw | {"branch": False}, kw | {"branch": True}, kw | {"branch": True, "alternates": 3}]
     cands = {"new": work / "head" / "artifact"} | ({} if a.base else {"shipped": SHIPPED})
     ev = st.setdefault("eval", {})
     for name, art in cands.items():
