@@ -238,7 +238,7 @@ class SBDCache(Cache):
         return [L + a for L, a in zip(self.seq_lens, at, strict=True)], bv
 
     def check_alternates(self, n_commit: Sequence[int], branch, alternates) -> tuple:
-        """Validate a forward's alternates (see :class:`SBDForwardPlan`) -> (rows, valid as [A][B] int lists). A
+        """Validate a forward's alternates (see :class:`SBDForwardPlan`) -> (rows, valid: per group, a list of its valid rows per sequence). A
         sequence with an alternate has a branch (at ``branch_at[b]``) and commits its first draft (row
         ``branch_at[b]``)."""
         S, valid = int(alternates[0]), [[int(v) for v in group] for group in alternates[1]]
