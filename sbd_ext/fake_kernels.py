@@ -128,7 +128,8 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
     if x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16:
         raise TypeError(
-            f"row_linear: bf16 x goes with a bf16 weight (a bf16 layer); weight has dtype {weight.dtype} (pass x in fp32)"
+            f"row_linear: bf16 x goes with a bf16 weight (a bf16 layer); weight has dtype {weight.dtype} "
+            "(pass x in fp32)"
         )
     for name, t in (("weight", weight),) + ((("scale", scale),) if scale is not None else ()):
         if t.device != x.device:

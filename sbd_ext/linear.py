@@ -9,8 +9,8 @@ x rows (csrc/cpu/row_linear_kernel.cpp).
 
 :func:`use_row_linear` switches a model's plain ``nn.Linear`` layers (not subclasses: quantised or adapter
 layers keep their own forward) to :class:`RowLinear` in place, by class: parameters, hooks, ``state_dict`` and
-``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 and bf16 CPU models on its first call (once, like the
-attention switch) unless :func:`use_row_linear` was called with ``False`` for that model. A RowLinear forward
+``repr`` are unchanged. :func:`sbd_ext.generate` does this for fp32 and bf16 CPU models on its first call (once,
+like the attention switch) unless :func:`use_row_linear` was called with ``False`` for that model. A RowLinear forward
 falls back to ``F.linear`` for other dtypes or devices and whenever autograd needs a graph, so training is
 unaffected. It calls the op for any row count: past :data:`ROW_LIMIT` rows (a prefill) the op itself runs the
 framework's GEMM, so the layer never branches on its row count -- under torch.compile, whose decode step marks the row
@@ -92,7 +92,9 @@ def use_row_linear(model: nn.Module, enable: bool = True) -> int:
 
 def ensure_row_linear(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """What :func:`sbd_ext.generate` calls: switch an fp32 or bf16 CPU model once, unless it was opted out."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or getattr(model, _OPT_OUT, None) is not None:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return
+    if getattr(model, _OPT_OUT, None) is not None:
         return
     use_row_linear(model)
 

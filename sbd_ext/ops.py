@@ -232,7 +232,8 @@ def row_linear(
     Args:
         x: [M, K] fp32 (or bf16, with a bf16 weight), contiguous along K (rows may be strided).
         weight: [N, K] (``nn.Linear.weight``'s layout), contiguous along K, on x's device: fp32, bf16 (a bf16 layer:
-            widened exactly, summed in fp32), or int8 for weight-only quantisation (:func:`sbd_ext.quantize`); or fp32 packed in panels of 16 weight rows,
+            widened exactly, summed in fp32), or int8 for weight-only quantisation (:func:`sbd_ext.quantize`); or fp32
+            packed in panels of 16 weight rows,
             [N / 16, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`;
             ``sbd_ext.quantize(model, "packed")``), which
             the CPU kernel multiplies at the FMA rate (one weight vector times a broadcast x value per step, no

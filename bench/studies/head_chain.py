@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sbd_ext.decoding import step
+from sbd_ext.decoding import branch, step
 from sbd_ext.decoding.sampling import ban_mask
 from sbd_ext.recipes.smollm2 import drafter as recipe
 
@@ -29,7 +29,7 @@ DRAFTER = Path(__file__).resolve().parents[2] / "sbd_ext" / "demo" / "models" / 
 
 
 def chained(job, x, block):
-    """``step._rescore_slot1`` over every slot j >= 1 of ``x`` [B, K, V], given slot j-1's token."""
+    """``rows.rescore_slot1`` over every slot j >= 1 of ``x`` [B, K, V], given slot j-1's token."""
     head, emb = job.sampler_head
     ban_mask(x, job.mask_id)
     prev = block[:, 0]
@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "chain":
-        step._rescore_slot1 = chained  # reveal and the branch look it up by name
+        step.rescore_slot1 = branch.rescore_slot1 = chained  # reveal and the branch look it up by name
     verify = dict(verify=True, sampler="eb", threshold=100.0, branch=True)
     settings = [verify | dict(block_size=k, lookup=16) for k in (2, 3, 4)]
     settings += [verify | dict(block_size=k, lookup=0) for k in (2, 3)]

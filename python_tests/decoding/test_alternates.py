@@ -12,9 +12,9 @@ import pytest
 import torch
 from sbd_models import (
     MASK_ID,
+    random_drafter,
     random_prompts,
     single_thread,  # noqa: F401  (fixture)
-    tiny_llama,
 )
 
 import sbd_ext.decoding.state as state
@@ -141,15 +141,7 @@ def test_compiled_alternates_equal_eager(models, taken):
 
 def test_alternates_with_a_gated_drafter_keep_the_base(taken):
     """The alternates' blocks are block rows (the drafter's gate covers them), their own rows are the base's."""
-    from sbd_ext import drafter
-
-    base = tiny_llama(seed=3, block_size_range=(2, 8), lm_scale=8.0)
-    model = copy.deepcopy(base)
-    params = drafter.attach(model, MASK_ID, rank=4)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    base, model = random_drafter(seed=3, rank=4, lm_scale=8.0)
     ids, mask = random_prompts([3, 7], seed=2)
     kw = dict(max_new_tokens=30, eos_token_id=[])
     want = generate(base, ids, mask, mode="ntp", **kw)

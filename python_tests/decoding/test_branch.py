@@ -9,9 +9,9 @@ import pytest
 import torch
 from sbd_models import (
     MASK_ID,
+    random_drafter,
     random_prompts,
     single_thread,  # noqa: F401  (fixture)
-    tiny_llama,
 )
 
 from sbd_ext.decoding import GenerationSettings, SBDCache, generate
@@ -122,17 +122,7 @@ def test_compiled_branch_equals_eager_and_saves_forwards(models):
 
 def test_branch_with_a_gated_drafter_keeps_the_base():
     """The branch rows are block rows: the drafter's gate covers them (and only them); the output is the base's."""
-    import copy
-
-    from sbd_ext import drafter
-
-    base = tiny_llama(seed=3, block_size_range=(2, 8))
-    model = copy.deepcopy(base)
-    params = drafter.attach(model, MASK_ID, rank=4)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    base, model = random_drafter(seed=3, rank=4)
     ids, mask = random_prompts([3, 7], seed=2)
     kw = dict(max_new_tokens=30, eos_token_id=[])
     want = generate(base, ids, mask, mode="ntp", **kw)

@@ -19,7 +19,7 @@ import sbd_ext
 import sbd_ext.hf
 import sbd_ext.linear
 from sbd_ext.cache import SBDCache
-from sbd_ext.decoding import GenerationSettings, c_shims, generate
+from sbd_ext.decoding import GenerationSettings, c_shims, compile_options, generate
 from sbd_ext.decoding import compiled as compiled_mod
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
@@ -364,7 +364,7 @@ def test_compiled_calls_put_the_op_schemas_in_inductors_cache_key(monkeypatch):
     (row_linear without ``scale``) was loaded and called the op with the old arguments, a segfault. Every compiled
     call now carries a tag of the schemas (a user's own tag kept), so an upgrade compiles afresh."""
     seen = []
-    monkeypatch.setattr(compiled_mod, "_COMPILED", {})
+    monkeypatch.setattr(compile_options, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: seen.append(torch.compiler.config.cache_key_tag))
     fn = compiled_mod._compiled_forward(torch.device("cpu"))
     # every op the extension defines (a new op left out of the tag would keep stale compiled code)

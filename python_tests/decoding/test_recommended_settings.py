@@ -4,14 +4,11 @@ SBD, the recommended verify / lookup / branch dropped, and the other way round."
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from sbd_models import MASK_ID, random_prompts, single_thread, tiny_llama  # noqa: F401
+from sbd_models import random_drafter, random_prompts, single_thread  # noqa: F401
 
 import sbd_ext
-from sbd_ext import drafter
 from sbd_ext.decoding.gen_config import layered_settings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -22,13 +19,7 @@ RECOMMENDED = {"sbd_mode": "sbd", "sbd_block_size": 4, "sbd_verify": True, "sbd_
 @pytest.fixture(scope="module")
 def models():
     """(base, the base with a gated drafter and the recommended settings of a shipped drafter)."""
-    base = tiny_llama(seed=4, block_size_range=(2, 8))
-    model = copy.deepcopy(base)
-    params = drafter.attach(model, MASK_ID, rank=2)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    base, model = random_drafter(seed=4, rank=2)
     for key, value in RECOMMENDED.items():
         setattr(model.generation_config, key, value)
     return base, model

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -91,12 +93,17 @@ def main() -> None:
         hist = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
         with open(a.out, "w") as f:
             json.dump({"world": trainer.accelerator.num_processes, "history": hist}, f)
-    # Tear the process group down before the interpreter exits, as torch asks: left to the exit, gloo's threads can
-    # be destroyed while joinable ("terminate called without an active exception", SIGABRT after a finished run).
+    # Leave without tearing gloo down. Freed at the end of main(), DDP's reducer drops the last reference to the
+    # process group; ~ProcessGroupGloo joins its worker thread while the main thread holds the GIL, and the worker,
+    # still destroying the last barrier's work, waits for the GIL to release that work's tensors: a deadlock (torch
+    # 2.13; py-spy: MainThread in std::thread::join under ~Reducer, the worker in gil_scoped_acquire under
+    # ~AsyncBarrierWork), in 2 of 3 launches on a loaded 2-core machine. Left to the interpreter's exit instead,
+    # gloo's threads could be destroyed while joinable (SIGABRT). Both ranks have passed the barrier, so nothing is
+    # in flight: flush and exit the process directly.
     trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

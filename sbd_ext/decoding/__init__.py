@@ -59,9 +59,9 @@ from ..samplers import DEFAULT_THRESHOLDS
 from ..samplers import NAMES as SAMPLERS
 from .api import generate
 from .nocache import generate_reference
+from .output import SBDGenerateOutput
 from .sampling import position_key, sample_block, sample_positions
 from .settings import GenerationSettings
-from .state import SBDGenerateOutput
 
 __all__ = [
     "MASK_TOKEN_ATTR",
@@ -89,12 +89,12 @@ _MOVED = {
     "_model_device_dtype": "settings.model_device_dtype",
     "_Seq": "state.SequenceState",
     "_block_tensor": "state.block_tensor",
-    "_finish": "state.finish",
+    "_finish": "output.finish",
     "_Forward": "step.ForwardRows",
     "_next_forward": "step.plan_forward",
     "_first_row": "step.first_row_read",
     "_run_forward": "step.EagerStep",
-    "_gather_rows": "step.gather_rows",
+    "_gather_rows": "rows.gather_rows",
     "_reveal": "step.reveal",
     "_decode": "step.decode",
     "_StaticStep": "compiled.StaticStep",

@@ -16,8 +16,9 @@ from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
 from .device_loop import decode_device
 from .gen_config import resolve_settings
+from .output import SBDGenerateOutput, finish
 from .settings import GenerationSettings, make_job, model_device_dtype
-from .state import SBDGenerateOutput, SequenceState, finish
+from .state import SequenceState
 from .step import EagerStep, TwoForwardStep, decode
 from .streaming import FinalTokensCallback, StreamingState
 

@@ -5,7 +5,6 @@ generations apart."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 import threading
 import warnings
@@ -17,7 +16,8 @@ from .. import families, ops, weight_arena
 from ..cache import SBDCache
 from ..linear import row_linear_state
 from ..quantization import quantized_scheme
-from . import c_shims, direct_call
+from . import direct_call
+from .compile_options import _COMPILE_LOCK, CPU_COMPILE_OPTIONS, cache_tag, compiled_once  # noqa: F401 (re-exported)
 from .settings import Job
 from .state import SequenceState
 from .step import DecodeStep, EagerStep, ForwardRows, StepLogits, decode
@@ -177,16 +177,6 @@ def _static_forward(
 DIRECT_CALLS = True
 _GRAPH_GLOBALS = _static_forward.__globals__  # where dynamo installs the compiled graphs of _static_forward
 
-# The CPU step's inductor options. The C++ wrapper is one function per graph with every layer unrolled; built with its
-# kernels in one g++ -O3 run SmolLM2's verify graph took 23.5 min (Zen 3), so cpp_wrapper_build_separate compiles
-# the kernels at -O3 and the wrapper (glue) at -O1: 252.8 s, the same forward. The Python wrapper compiles in 183 s
-# but runs ~10 % slower. size_asserts off: 788 size / stride checks per SmolLM2 verify forward (~1-2 ms of ~50) that
-# dynamo's guards and the ops' tested fake kernels already cover. (docs/notes/benchmarks-log.md)
-CPU_COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "size_asserts": False}
-
-_COMPILED: dict[tuple, object] = {}  # (function, device type) -> its compiled form
-_COMPILE_LOCK = threading.Lock()
-
 
 def _compiled_forward(device: torch.device):
     """torch.compile of :func:`_static_forward`, one per device type. On CUDA mode "reduce-overhead" captures each
@@ -198,59 +188,6 @@ def _compiled_forward(device: torch.device):
     # (~150 calls per forward of the embedded model, ~1 ms; a SmolLM2 verify forward with its drafter makes ~1900
     # calls, 631 of them row_linear), built apart from the kernels (CPU_COMPILE_OPTIONS).
     return compiled_once(_static_forward, device)
-
-
-def compiled_once(fn, device: torch.device):
-    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with this module's per-device options (CUDA graphs on
-    CUDA, the C++ wrapper on the CPU) and the op schemas in inductor's cache key; built once per (fn, device
-    type)."""
-    kw = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": c_shims.cpu_options(CPU_COMPILE_OPTIONS)}
-    with _COMPILE_LOCK:
-        key = (fn, device.type)
-        if key not in _COMPILED:
-            _COMPILED[key] = _with_cache_tag(torch.compile(fn, fullgraph=True, dynamic=False, **kw))
-        return _COMPILED[key]
-
-
-def cache_tag() -> str:
-    """A tag of sbd_ext's op schemas for inductor's on-disk cache key. The key does not cover a custom op's schema:
-    code compiled against an earlier sbd_ext whose op took other arguments (row_linear gained ``scale``) would be
-    loaded from the cache and call the op with the old argument list, a crash. With the schemas in the key, an
-    upgrade compiles afresh."""
-    ops = ("block_attention", "entropy_sample", "gated_lora_linear", "mask_replace", "row_linear")
-    schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
-    schemas += "|c_shims" if c_shims.shims_available() else ""  # the C functions' signatures follow the schemas
-    return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
-
-
-# How the step's guards are built (patched around each of its calls, ~20 us; the process's settings elsewhere):
-# - skip_nnmodule_hook_guards=False: dynamo's default skips guards on module hooks, so a forward hook a user adds
-#   after the first compiled generation was silently ignored (stale graph, other tokens than eager); now it recompiles.
-# - recursive dict tags: dynamo checks ~10k guards on every call of the step (a SmolLM2 verify forward with its
-#   drafter: 10.8k, mostly the modules' structure: types, hook dicts, attributes not shadowed), ~2.2 ms of a ~35 ms
-#   forward on one Zen 4 thread. With recursive dict tags (dynamo's own check, off by default) a module whose
-#   __dict__ is unchanged since the last call (its version tag) skips its subtree's guards; an assignment to any
-#   module attribute at any depth changes a tag and the full guards run (2.25 -> 1.35 ms per forward in
-#   compile_wrapper, 2026-11-26). The pointer budget covers a large model.
-_GUARD_CONFIG = dict(
-    skip_nnmodule_hook_guards=False,
-    use_recursive_dict_tags_for_guards=True,
-    max_saved_pointers_for_recursive_dict_tags_check=1 << 14,
-)
-
-
-def _with_cache_tag(fn):
-    tag = cache_tag()
-
-    def run(*args):
-        outer = torch.compiler.config.cache_key_tag  # a user's own tag is kept
-        with (
-            torch.compiler.config.patch(cache_key_tag=f"{outer}|{tag}" if outer else tag),
-            torch._dynamo.config.patch(**_GUARD_CONFIG),
-        ):
-            return fn(*args)
-
-    return run
 
 
 def compiled_rows_forward(

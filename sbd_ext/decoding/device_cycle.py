@@ -162,7 +162,7 @@ def cycle(
         x = logits.gather(1, brows.unsqueeze(-1).expand(B, K, V))
     else:
         x = logits
-    if head is not None and K >= 2:  # slot 1 rescored given slot 0's token (step._rescore_slot1)
+    if head is not None and K >= 2:  # slot 1 rescored given slot 0's token (rows.rescore_slot1)
         ban_mask(x, mask_id)
         cond = (blk[:, 0] != mask_id) & (blk[:, 1] == mask_id)
         new1 = head.rescore_(x[:, 1].clone(), torch.where(cond, blk[:, 0], 0), emb)

@@ -14,7 +14,8 @@ from ..cache import SBDCache
 from . import compiled as _compiled
 from . import device_cycle as dcyc
 from . import direct_call
-from .compiled import _COMPILE_LOCK, _compiled_variant_ok, _variant_key, compiled_once
+from .compile_options import _COMPILE_LOCK, compiled_once
+from .compiled import _compiled_variant_ok, _variant_key
 from .device_cycle import ERRORS, FIELDS, SYNC_EVERY
 from .settings import Job
 from .state import SequenceState

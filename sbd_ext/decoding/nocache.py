@@ -12,9 +12,10 @@ import torch
 
 from .. import families, reference
 from .gen_config import resolve_settings
+from .output import SBDGenerateOutput, finish
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import GenerationSettings, make_job, model_device_dtype
-from .state import SBDGenerateOutput, SequenceState, block_tensor, finish
+from .state import SequenceState, block_tensor
 
 __all__ = ["generate_reference"]
 

@@ -1,14 +1,10 @@
 """The host-side state of decoding: :class:`SequenceState`, the per-sequence state machine shared by the cached
-decoder and the no-cache reference, and :class:`SBDGenerateOutput`, what both return."""
+decoder and the no-cache reference (what both return is :mod:`sbd_ext.decoding.output`'s)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from transformers.utils import ModelOutput
 
-from ..cache import SBDCache
 from .lookup import NgramIndex
 from .settings import Job
 
@@ -24,36 +20,7 @@ LOOKUP_YIELD_BELOW = 0.5
 # tokens/s, 8: 36.3, 4: 38.1-38.3, 2: 37.9.)
 LOOKUP_START = 4
 
-__all__ = ["SBDGenerateOutput", "SequenceState", "block_tensor", "finish"]
-
-
-@dataclass
-class SBDGenerateOutput(ModelOutput):
-    """Result of :func:`generate` / :func:`generate_reference`.
-
-    sequences: [B, L] int64, row b = its prompt (padding removed) + its generated tokens, right-padded with
-        ``pad_token_id``.
-    prompt_lengths, num_generated, nfe: [B] int64; nfe = model forwards the sequence took part in (the fused
-        prefill included). tokens_per_forward: [B] float, num_generated / nfe.
-    trace: per sequence, one ``(forward index, positions revealed, tokens)`` tuple per forward (positions index
-        into the row of ``sequences``); only positions kept in the output are listed. None unless return_trace.
-    past_key_values: the :class:`SBDCache` (only with ``return_cache=True``; :func:`generate` only).
-    num_accepted, num_corrected: [B] int64 (verify mode; zeros otherwise): generated tokens that SBD revealed and
-        verification kept, and corrections (each the NTP choice that replaced the first disagreeing token of a
-        block, the rest of the block dropped); num_accepted + num_corrected = num_generated.
-    corrections: per sequence, the positions (in the row of ``sequences``) of corrected tokens (verify mode).
-    """
-
-    sequences: torch.Tensor | None = None
-    prompt_lengths: torch.Tensor | None = None
-    num_generated: torch.Tensor | None = None
-    nfe: torch.Tensor | None = None
-    tokens_per_forward: torch.Tensor | None = None
-    trace: list | None = None
-    past_key_values: SBDCache | None = None
-    num_accepted: torch.Tensor | None = None
-    num_corrected: torch.Tensor | None = None
-    corrections: list | None = None
+__all__ = ["SequenceState", "block_tensor"]
 
 
 class SequenceState:
@@ -84,7 +51,6 @@ class SequenceState:
         self.n_looked = 0  # of the pending drafts, how many (after slot 0) the lookup proposed
         self.draft_cap: int | None = None  # most tokens one cycle may draft (a static step's rows); None: any
         self.runners_up: list[int] = []  # the drafter's next choices for the first pending draft (alternates)
-        self.alternates_taken = 0  # corrections that were an alternate (verify with alternates)
         if job.sbd:
             self._start_block()
 
@@ -212,7 +178,7 @@ class SequenceState:
         self.nfe += 1
         n_commit = len(self.pending)
         if self.n_draft:  # verify mode: this forward committed a finished block's drafts
-            anchor, checked = self.anchor(), self.alternates()
+            anchor = self.anchor()
             keep_rows = self._verify(f, ntp)
             self.runners_up = []
             if keep_rows is not None:
@@ -225,7 +191,7 @@ class SequenceState:
                 alt = next((a for a in alts or () if a[0] == self.pending[0]), None) if first_rejected else None
                 if self._finished():
                     self.done = True
-                elif alt is not None and alt[0] in checked:
+                elif alt is not None:  # (``alts``: the ones this forward checked, from :meth:`alternates`)
                     self._take_alternate(f, *alt[1:])
                 elif first_rejected and branch and branch[0] == self.pending[0]:
                     self._take_branch(f, branch, branch_confidence, branch_top)
@@ -300,10 +266,8 @@ class SequenceState:
         """After a correction of the first draft that is one of the alternates checked: that alternate's row was a
         base row at the correction's position, so its NTP choice (its block's slot 0) is verified too and joins the
         output; the block's revealed slots after it are drafts, as the branch's are (:meth:`_take_branch`)."""
-        c = self.pending[0]
-        self.alternates_taken += 1
-        nxt = block[0]
-        if nxt is None or nxt < 0:
+        c, nxt = self.pending[0], block[0]
+        if nxt < 0:
             raise RuntimeError(f"verify: an alternate's row got an invalid next-token distribution at forward {f}")
         self.trace.append((f, [len(self.prompt) + len(self.gen)], [nxt]))
         self.gen.append(nxt)
@@ -402,29 +366,3 @@ def block_tensor(seqs: list[SequenceState], active: list[bool], job: Job) -> tor
         if active[b] and seq.block:
             block[b, : len(seq.block)] = torch.tensor(seq.block, dtype=torch.int64)
     return block
-
-
-def finish(seqs: list[SequenceState], job: Job, device, return_trace: bool, cache=None) -> SBDGenerateOutput:
-    """The output of a finished generation: the sequences (prompt + generated tokens, right-padded) and counts."""
-    B = len(seqs)
-    L = max(len(seq.prompt) + len(seq.gen) for seq in seqs)
-    out = torch.full((B, L), job.pad_id, dtype=torch.int64)
-    for b, seq in enumerate(seqs):
-        row = seq.prompt + seq.gen
-        out[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    n_gen = torch.tensor([len(seq.gen) for seq in seqs], dtype=torch.int64)
-    nfe = torch.tensor([seq.nfe for seq in seqs], dtype=torch.int64)
-    return SBDGenerateOutput(
-        sequences=out.to(device),
-        prompt_lengths=torch.tensor([len(seq.prompt) for seq in seqs], dtype=torch.int64),
-        num_generated=n_gen,
-        nfe=nfe,
-        tokens_per_forward=n_gen.double() / nfe.clamp_min(1).double(),
-        trace=[seq.trace for seq in seqs] if return_trace else None,
-        past_key_values=cache,
-        num_accepted=torch.tensor(
-            [len(seq.gen) - seq.corrected if job.verify else 0 for seq in seqs], dtype=torch.int64
-        ),
-        num_corrected=torch.tensor([seq.corrected for seq in seqs], dtype=torch.int64),
-        corrections=[list(seq.corrections) for seq in seqs],
-    )

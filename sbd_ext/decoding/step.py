@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SBDCache
-from .alternates import runners_up, sample_alternates
+from .branch import sample_alternates, sample_branch
+from .rows import gather_rows, rescore_slot1, runners_up
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
@@ -232,20 +233,6 @@ class TwoForwardStep(EagerStep):
 # --------------------------------------------------------------------------------------------------------
 # reveal
 # --------------------------------------------------------------------------------------------------------
-def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of absolute forward rows ``rows`` [B, R] (host) -> [B, R, V]; rows outside ``out`` are clamped (their
-    values are never used). Where every sequence reads the same run of consecutive rows (always at batch 1) it is a
-    view of ``out.logits`` (a verify forward's two copies of 2-4 rows x 49k logits cost ~0.4 ms on one CPU thread),
-    else a copy. Callers write it in place (the mask ban) and never read those rows again."""
-    logits = out.logits
-    rows = (rows - out.first_row).clamp_(0, logits.shape[1] - 1)
-    first, R = int(rows[0, 0]), rows.shape[1]
-    if bool((rows == first + torch.arange(R).view(1, R)).all()):
-        return logits[:, first : first + R]
-    rows = rows.to(logits.device)
-    return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, logits.shape[2]))
-
-
 def _reveal_ntp(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> None:
     """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
     B, V = len(seqs), out.logits.shape[2]
@@ -279,46 +266,6 @@ def _commit_row_choices(
     return ntp, lo
 
 
-def _rescore_slot1(job: Job, x: torch.Tensor, block: torch.Tensor) -> None:
-    """Verify with a drafter's sampler head: slot 1's logits (``x`` [B, K, V], in place) rescored given the token in
-    slot 0 (``block`` [B, K]), where slot 0 holds a token and slot 1 is still masked; no host sync."""
-    head, emb = job.sampler_head
-    ban_mask(x, job.mask_id)
-    t0, cond = block[:, 0], (block[:, 0] != job.mask_id) & (block[:, 1] == job.mask_id)
-    new = head.rescore_(x[:, 1].clone(), torch.where(cond, t0, 0), emb)
-    x[:, 1] = torch.where(cond.view(-1, 1), new, x[:, 1])
-
-
-def _sample_branch(
-    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The branch block of each sequence ([B, Rb] tokens and the slots' max probabilities): slot 0 is the NTP choice
-    of committed row 0 (the token after the last verified one: the correction if the first draft is rejected),
-    the others revealed from the branch rows (the last Rb rows of the forward) by the sampler, as the block is.
-    Sequences without a branch get a filler that is not the mask id (nothing revealed). A sequence with a branch
-    reads its committed rows' choices from row 0 on (``first_row_read`` is 0 when the rows after row 0 are all
-    drafts), so row 0's choice is column 0 of ``ntp``."""
-    B, Rb, T = len(seqs), fw.branch_rows, fw.ids.shape[1]
-    device = out.logits.device
-    valid = torch.tensor(fw.branch_valid).view(B, 1)
-    branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, job.filler).long().to(device)
-    first = ntp[:, 0]
-    branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
-    start = T - Rb - fw.n_alt_groups * fw.alt_rows  # the alternates' rows come after the branch's
-    x = gather_rows(out, (start + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
-    if job.sampler_head is not None and Rb >= 2:
-        _rescore_slot1(job, x, branch)
-    top = runners_up(job, x)
-    at = fw.branch_at or (1,) * B
-    keys = None
-    if job.temperature > 0:  # drafts drawn with the noise their checks will use
-        keys = [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(B) for j in range(Rb)]
-    _, _, _, pmax, _ = sample_block(
-        x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )
-    return branch, pmax, top
-
-
 def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> dict[int, int]:
     """Alg. 3, "reveal": sample every block position and reveal by the sampler rule in place (SBD; NTP mode: the
     next token); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
@@ -335,7 +282,7 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     else:
         x = gather_rows(out, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
     if job.sampler_head is not None and K >= 2:  # verify: slot 1's draft given slot 0's token (the commit row's)
-        _rescore_slot1(job, x, block)
+        rescore_slot1(job, x, block)
     top = runners_up(job, x) if job.verify else None
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
@@ -349,7 +296,7 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
     Rb, A, n_top = fw.branch_rows, fw.n_alt_groups, job.alternates + 1
     if Rb:  # the branch behind the anchor: its slot 0 is that row's NTP choice, the rest revealed by the sampler
-        branch, bpmax, btop = _sample_branch(out, fw, seqs, job, f, ntp)
+        branch, bpmax, btop = sample_branch(out, fw, seqs, job, f, ntp)
         parts += [branch] + ([(bpmax * CONFIDENCE_SCALE).round().long()] if lookup else [])
     if top is not None:  # verify with alternates: the runners-up of the block's and the branch's slot 1
         parts += [top] + ([btop] if Rb else [])

@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEMES,
         default=None,
         help="weight format for the decoding forward (sbd_ext.quantize; CPU, fp32 activations): packed (fp32 in "
-        "row_linear's panel layout, the same values), bf16 (those panels rounded to bf16), int8, w8a8; default: fp32 as "
-        "loaded",
+        "row_linear's panel layout, the same values), bf16 (those panels rounded to bf16), int8, w8a8; default: "
+        "fp32 as loaded",
     )
     threads = int_in(0, MAX_THREADS)
     g.add_argument(

@@ -1,6 +1,7 @@
-"""Verify's alternates (``alternates=A``): the first draft's runners-up, read from each block's slot 1, and the
-reveal of the alternates' groups of rows (each a base row at the first draft's position and a block behind it).
-Called by :func:`sbd_ext.decoding.step.reveal`; the plan is :func:`sbd_ext.decoding.step.plan_forward`'s."""
+"""The tail rows of a verify forward: the branch (``branch=True``: a block at the first draft's position, revealed
+as the block is) and the alternates (``alternates=A``: per runner-up of the first draft, a base row at its position
+and a block behind it). Called by :func:`sbd_ext.decoding.step.reveal`; the plan is
+:func:`sbd_ext.decoding.step.plan_forward`'s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .rows import gather_rows, rescore_slot1, runners_up
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
 
@@ -15,15 +17,37 @@ if TYPE_CHECKING:
     from .state import SequenceState
     from .step import ForwardRows, StepLogits
 
-__all__ = ["runners_up", "sample_alternates"]
+__all__ = ["sample_alternates", "sample_branch"]
 
 
-def runners_up(job: Job, x: torch.Tensor) -> torch.Tensor | None:
-    """Verify with alternates: slot 1's ``alternates + 1`` most likely tokens per row of ``x`` [N, K, V] (after the
-    sampler head's rescoring; the mask id banned), [N, A + 1]; None without alternates or a slot 1."""
-    if not job.alternates or x.shape[1] < 2:
-        return None
-    return ban_mask(x[:, 1], job.mask_id).topk(job.alternates + 1, dim=-1).indices
+def sample_branch(
+    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The branch block of each sequence ([B, Rb] tokens and the slots' max probabilities): slot 0 is the NTP choice
+    of committed row 0 (the token after the last verified one: the correction if the first draft is rejected),
+    the others revealed from the branch rows (the last Rb rows of the forward) by the sampler, as the block is.
+    Sequences without a branch get a filler that is not the mask id (nothing revealed). A sequence with a branch
+    reads its committed rows' choices from row 0 on (``first_row_read`` is 0 when the rows after row 0 are all
+    drafts), so row 0's choice is column 0 of ``ntp``."""
+    B, Rb, T = len(seqs), fw.branch_rows, fw.ids.shape[1]
+    device = out.logits.device
+    valid = torch.tensor(fw.branch_valid).view(B, 1)
+    branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, job.filler).long().to(device)
+    first = ntp[:, 0]
+    branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
+    start = T - Rb - fw.n_alt_groups * fw.alt_rows  # the alternates' rows come after the branch's
+    x = gather_rows(out, (start + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    if job.sampler_head is not None and Rb >= 2:
+        rescore_slot1(job, x, branch)
+    top = runners_up(job, x)
+    at = fw.branch_at or (1,) * B
+    keys = None
+    if job.temperature > 0:  # drafts drawn with the noise their checks will use
+        keys = [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(B) for j in range(Rb)]
+    _, _, _, pmax, _ = sample_block(
+        x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )
+    return branch, pmax, top
 
 
 def sample_alternates(
@@ -34,8 +58,6 @@ def sample_alternates(
     rest revealed by the sampler as the branch's are. Returns [B, A] choices, [B, A * k] blocks, [B, A * k] max
     probabilities and [B, A * (A + 1)] slot-1 runners-up (zeros without a slot 1); groups a sequence does not
     use read as filler."""
-    from .step import _rescore_slot1, gather_rows  # (step imports this module)
-
     B, S, A, T = len(seqs), fw.alt_rows, fw.n_alt_groups, fw.ids.shape[1]
     k, device = S - 1, out.logits.device
     x = gather_rows(out, (T - A * S + torch.arange(A * S)).view(1, A * S).expand(B, A * S))
@@ -51,7 +73,7 @@ def sample_alternates(
     block[~valid] = job.filler
     xb = x[:, 1:]
     if job.sampler_head is not None and k >= 2:
-        _rescore_slot1(job, xb, block)
+        rescore_slot1(job, xb, block)
     top = runners_up(job, xb)
     top = torch.zeros(B * A, job.alternates + 1, dtype=torch.int64, device=device) if top is None else top
     keys = None

@@ -1,0 +1,49 @@
+"""Reading a forward's rows on the host's behalf: the logits of given rows (a view where it can be), slot 1
+rescored by a drafter's sampler head, and slot 1's runners-up (verify's alternates). Used by
+:mod:`sbd_ext.decoding.step` and :mod:`sbd_ext.decoding.branch`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sampling import ban_mask
+from .settings import Job
+
+if TYPE_CHECKING:
+    from .step import StepLogits
+
+__all__ = ["gather_rows", "rescore_slot1", "runners_up"]
+
+
+def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of absolute forward rows ``rows`` [B, R] (host) -> [B, R, V]; rows outside ``out`` are clamped (their
+    values are never used). Where every sequence reads the same run of consecutive rows (always at batch 1) it is a
+    view of ``out.logits`` (a verify forward's two copies of 2-4 rows x 49k logits cost ~0.4 ms on one CPU thread),
+    else a copy. Callers write it in place (the mask ban) and never read those rows again."""
+    logits = out.logits
+    rows = (rows - out.first_row).clamp_(0, logits.shape[1] - 1)
+    first, R = int(rows[0, 0]), rows.shape[1]
+    if bool((rows == first + torch.arange(R).view(1, R)).all()):
+        return logits[:, first : first + R]
+    rows = rows.to(logits.device)
+    return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, logits.shape[2]))
+
+
+def rescore_slot1(job: Job, x: torch.Tensor, block: torch.Tensor) -> None:
+    """Verify with a drafter's sampler head: slot 1's logits (``x`` [B, K, V], in place) rescored given the token in
+    slot 0 (``block`` [B, K]), where slot 0 holds a token and slot 1 is still masked; no host sync."""
+    head, emb = job.sampler_head
+    ban_mask(x, job.mask_id)
+    t0, cond = block[:, 0], (block[:, 0] != job.mask_id) & (block[:, 1] == job.mask_id)
+    new = head.rescore_(x[:, 1].clone(), torch.where(cond, t0, 0), emb)
+    x[:, 1] = torch.where(cond.view(-1, 1), new, x[:, 1])
+
+
+def runners_up(job: Job, x: torch.Tensor) -> torch.Tensor | None:
+    """Verify with alternates: slot 1's ``alternates + 1`` most likely tokens per row of ``x`` [N, K, V] (after the
+    sampler head's rescoring; the mask id banned), [N, A + 1]; None without alternates or a slot 1."""
+    if not job.alternates or x.shape[1] < 2:
+        return None
+    return ban_mask(x[:, 1], job.mask_id).topk(job.alternates + 1, dim=-1).indices
