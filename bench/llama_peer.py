@@ -1,7 +1,17 @@
 """llama.cpp as the peer on the same weights (``llama-cpp-python``, the ``peers`` extra: ``CMAKE_ARGS="-DGGML_NATIVE=ON"
 pip install ".[peers]"``): the shipped SmolLM2 GGUF requantized by llama.cpp itself to F32 (the fp32 values sbd_ext
 runs) and Q8_0 (what llama.cpp users run), cached in ``~/.cache/sbd_ext/gguf/`` (``SBD_GGUF_DIR``), and its greedy
-decoding of token ids. Used by ``bench/bench_cpu_peers.py`` and ``bench/report.py``."""
+decoding of token ids. Used by ``bench/bench_cpu_peers.py`` and ``bench/report.py``.
+
+On an Intel CPU with AMX the native build (llama-cpp-python 0.3.36, ``GGML_NATIVE=ON``, which compiles llama.cpp's
+AMX path) crashed (SIGSEGV) on a Q8_0 prompt batch on the Xeon of 2026-12-03; F32 and BF16 ran. There the peer is
+built with the AVX-512 flags and AMX off, what a user of that CPU is left with::
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install ".[peers]"
+
+:func:`system_info` (recorded with the chat suite's results) names the features a build has."""
 
 from __future__ import annotations
 
@@ -61,6 +71,13 @@ def llama(kind: str, threads: int = 1, logits_all: bool = False, path: Path | No
         logits_all=logits_all,
         verbose=False,
     )
+
+
+def system_info() -> str:
+    """llama.cpp's own line of the CPU features it was built with (``llama_print_system_info``)."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
 
 
 def greedy(llm, prompt: list[int], eos: int, max_new: int) -> list[int]:

@@ -15,8 +15,9 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
   (the peer), sbd_ext's compiled next-token decoding on the same weights (own NTP), SBD and verify compiled.
 - ``smollm2_sbd``: the same rows on ``smollm2-sbd`` (SmolLM2-135M converted to SBD by the recipe's fine-tune).
 - ``chat``: the unmodified SmolLM2-135M-Instruct with its gated drafter (``smollm2-drafter``) on the held-out chat
-  prompts: HF ``generate`` (the peer), compiled NTP, verify and verify + branch (compiled; packed fp32 weights on a
-  CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is installed (the ``peers`` extra), also
+  prompts: HF ``generate`` (the peer), compiled NTP, verify, verify + branch and verify + branch + 3 alternates
+  (compiled; packed fp32 weights on a CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is
+  installed (the ``peers`` extra), also
   llama.cpp F32 and Q8_0 on the same weights (``bench/llama_peer.py``) and sbd_ext's compiled NTP in w8a8 (Q8_0's
   precision class); where vLLM's CPU build has its venv (``tools/vllm_env.sh``: ``.venv-vllm``, or
   ``SBD_BENCH_VLLM_PYTHON``), vLLM serving the same checkpoint (fp32, eager, one request at a time).
@@ -294,6 +295,9 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=compiled),
         "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=compiled),
         "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=compiled),
+        "verify + branch + alternates 3, compiled": sbd_decoder(
+            model, max_new, eos, verify=True, branch=True, alternates=3, compile=compiled
+        ),
     }
     if device_cycle:  # the device cycle verifies without lookup / branch
         modes = {"NTP": dict(mode="ntp", verify=False), "verify k=2": dict(verify=True, lookup=0, branch=False)}
@@ -339,11 +343,14 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
                 same = sum(a == b for a, b in zip(runs[row["decoder"]]["answers"], own["answers"], strict=True))
                 row["equal_to_own_precision_ntp"] = f"{same}/{len(ref)}"
                 row["vs_own_precision_ntp"] = round(own["seconds"] / runs[row["decoder"]]["seconds"], 3)
-    return {
+    out = {
         "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
         f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
         "rows": rows,
     }
+    if any(r == "peer" and d.startswith("llama.cpp") for d, r in roles.items()):
+        out["llama_cpp_build"] = llama_peer.system_info()  # the ISA features the peer was built with
+    return out
 
 
 def suite_arith_drafter(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
