@@ -106,19 +106,37 @@ def _suite_table(suite: dict) -> list[str]:
         return lines
     extra = "accuracy" if "accuracy" in rows[0] else "equal_to_peer"
     title = "accuracy" if extra == "accuracy" else "answers = HF `generate`"
+    llama = {r["decoder"]: r["tokens_per_s"] for r in rows if r["decoder"].startswith("llama.cpp ")}
     lines = [
-        f"| decoder | tokens/s | tokens per forward | × HF `generate` | × own NTP | {title} |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| decoder | tokens/s | tokens per forward | × HF `generate` | × own NTP |"
+        + (" × llama.cpp, same precision |" if llama else "")
+        + f" {title} |",
+        "|---|---:|---:|---:|---:|" + ("---:|" if llama else "") + "---:|",
     ]
     for r in rows:
         val = f"{100 * r[extra]:.1f} %" if extra == "accuracy" else r[extra]
         if "equal_to_own_precision_ntp" in r:  # a rounded model's verify: exact against its own NTP
             val += f" ({r['equal_to_own_precision_ntp']} = its NTP)"
+        peer = ""
+        if llama:
+            ref = llama.get(_llama_peer_of(r["decoder"]))
+            peer = f" {_x(r['tokens_per_s'] / ref)} |" if ref else " – |"
         lines.append(
             f"| {r['decoder']} | {_tps(r['tokens_per_s'])} | {r['tokens_per_forward']:.2f} | {_x(r['vs_peer'])} | "
-            f"{_x(r['vs_own_ntp'])} | {val} |"
+            f"{_x(r['vs_own_ntp'])} |{peer} {val} |"
         )
     return lines
+
+
+def _llama_peer_of(decoder: str) -> str:
+    """The llama.cpp row at a decoder's precision: BF16 for bf16 weights, Q8_0 for w8a8, else F32."""
+    if decoder.startswith("llama.cpp "):
+        return decoder
+    if decoder.endswith(", bf16"):
+        return "llama.cpp BF16"
+    if decoder.endswith(", w8a8"):
+        return "llama.cpp Q8_0"
+    return "llama.cpp F32"
 
 
 SUITE_TITLES = {
