@@ -141,8 +141,12 @@ bool block_attention_use_gemm(AttnDtype dtype) {
     case Matmul::kGemm:
       return true;
     default:
-      return (dtype == AttnDtype::kBFloat16 && cpu_has_bf16_matmul()) ||
-             (dtype == AttnDtype::kFloat16 && cpu_has_fp16_matmul());
+      // Only with the AVX-512 kernels (every CPU with AMX has AVX-512; the narrower builds run there only when
+      // forced): on an AMX Xeon (2026-12-03) the GEMM path under the AVX2 and default builds let a row's bf16
+      // output depend on the rows beside it (1 of 16-24 rows, last bit, at 760-1600 cached keys), which the
+      // AVX-512 build's does not (python_tests/ops/test_ops_batch_invariance.py); the vector path never does.
+      return active_isa() == Isa::AVX512 && ((dtype == AttnDtype::kBFloat16 && cpu_has_bf16_matmul()) ||
+                                             (dtype == AttnDtype::kFloat16 && cpu_has_fp16_matmul()));
   }
 }
 
