@@ -303,7 +303,9 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         modes = {"NTP": dict(mode="ntp", verify=False), "verify k=2": dict(verify=True, lookup=0, branch=False)}
         device_cycle_rows(decoders, model, max_new, eos, compiled, modes)
     roles = {"HF generate": "peer"}
+    extra = {}
     if device.type == "cpu" and llama_peer.available():  # the peers extra: llama.cpp on the same weights
+        extra["llama_cpp_build"] = llama_peer.system_info()  # the ISA features the peer was built with
         # sbd_ext at llama.cpp BF16's and Q8_0's precisions: bf16 weights (verify too: exact for the bf16 model);
         # int8 weights and inputs (NTP runs the base alone)
         bf16, _ = models.load("smollm2-drafter", device=device, quantize="bf16")
@@ -343,14 +345,12 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
                 same = sum(a == b for a, b in zip(runs[row["decoder"]]["answers"], own["answers"], strict=True))
                 row["equal_to_own_precision_ntp"] = f"{same}/{len(ref)}"
                 row["vs_own_precision_ntp"] = round(own["seconds"] / runs[row["decoder"]]["seconds"], 3)
-    out = {
+    return {
         "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
         f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
         "rows": rows,
+        **extra,
     }
-    if any(r == "peer" and d.startswith("llama.cpp") for d, r in roles.items()):
-        out["llama_cpp_build"] = llama_peer.system_info()  # the ISA features the peer was built with
-    return out
 
 
 def suite_arith_drafter(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
