@@ -29,7 +29,7 @@ README_ROWS = [
     ("chat", "verify, compiled", "chat, SmolLM2-135M + gated drafter: verify (exact)"),
     ("chat", "verify + branch, compiled", "chat, SmolLM2-135M + gated drafter: verify + branch (exact)"),
 ]
-CLASS_ORDER = ("cpu-avx2", "cpu-avx512", "cpu-amx")  # then the GPUs, by name
+CLASS_ORDER = ("cpu-avx2", "cpu-avx512", "cpu-avx512-zen5", "cpu-amx")  # then the GPUs, by name
 
 
 def load_reports(folder: Path = REPORTS) -> list[dict]:

@@ -77,13 +77,17 @@ VLLM_PYTHON = Path(os.environ.get("SBD_BENCH_VLLM_PYTHON", ROOT / ".venv-vllm" /
 
 
 def machine(device: torch.device) -> dict:
-    """The machine class (``cpu-avx2``, ``cpu-avx512``, ``cpu-amx``, ``gpu-<name>``) and what names it."""
+    """The machine class (``cpu-avx2``, ``cpu-avx512``, ``cpu-avx512-zen5``, ``cpu-amx``, ``gpu-<name>``) and what
+    names it. A Zen 5 is a class of its own beside the Zen 4 (both AVX-512): its AVX-512 datapath is full width (a
+    Zen 4 runs a 512-bit operation as two 256-bit halves) and its memory system differs, so one file cannot stand
+    for both."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return {"class": "gpu-" + name.split()[-1].lower(), "name": name, "isa": "CUDA"}
     name, isa = cpu_model_and_isa()
     isa = isa if isa in ISA_NAMES else "other"
-    return {"class": f"cpu-{isa}", "name": name, "isa": {"amx": "AMX, AVX-512"}.get(isa, ISA_NAMES.get(isa, "no AVX2"))}
+    cls = f"cpu-{isa}" + ("-zen5" if isa == "avx512" and "Zen 5" in name else "")
+    return {"class": cls, "name": name, "isa": {"amx": "AMX, AVX-512"}.get(isa, ISA_NAMES.get(isa, "no AVX2"))}
 
 
 def paired(decoders: dict, prompts: list, passes: int = 1) -> dict:

@@ -80,6 +80,8 @@ pybind11::dict build_info() {
                                              std::end(sbd::kCudaBlockAttentionHeadDims));
   d["cpu_isa"] = std::string(sbd_cpu::isa_name(sbd_cpu::active_isa()));
   d["cpu_isas"] = sbd_cpu::available_isas();
+  // the core family that picks the few per-core tunings (cpu/isa.h: a prefetch distance; never a result)
+  d["cpu_core"] = std::string(sbd_cpu::core_name(sbd_cpu::cpu_core()));
   // block_attention's matrix products for bf16 / fp16 under the automatic choice ("gemm": cpublas GEMM on the
   // CPU's matrix units; "vector": this extension's micro-kernel), and the current setting.
   const auto path = [](sbd_cpu::AttnDtype t) {

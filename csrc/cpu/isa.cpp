@@ -147,6 +147,19 @@ const std::string& amx_reason() {
   return reason;
 }
 
+Core detect_core() {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return Core::OTHER;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return Core::OTHER;
+  const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+  return family == 0x1A ? Core::ZEN5 : Core::OTHER;
+#else
+  return Core::OTHER;
+#endif
+}
+
 bool emulate_usable() {
 #if defined(__x86_64__) || defined(_M_X64)
   return usable(Isa::AVX512) && __builtin_cpu_supports("avx512vnni");
@@ -218,5 +231,12 @@ bool amx_rows(long M) { return M >= kAmxMinRows && amx_mode() != Amx::OFF && act
 long amx_range_calls() { return amx_calls().load(std::memory_order_relaxed); }
 
 void count_amx_range() { amx_calls().fetch_add(1, std::memory_order_relaxed); }
+
+Core cpu_core() {
+  static const Core core = detect_core();
+  return core;
+}
+
+const char* core_name(Core core) { return core == Core::ZEN5 ? "zen5" : "other"; }
 
 }  // namespace sbd_cpu

@@ -18,6 +18,12 @@ std::vector<std::string> available_isas();
 // "" restores the automatic choice; an unknown or unusable name throws.
 void set_isa(const std::string& name);
 
+// The core family, for the few tunings measured to differ between cores of one ISA (a software prefetch distance):
+// ZEN5 for an AMD family 0x1A core (CPUID leaf 1), OTHER for everything else. Never changes a result.
+enum class Core : int { OTHER = 0, ZEN5 = 1 };
+Core cpu_core();
+const char* core_name(Core core);
+
 // AMX-INT8 (Intel Sapphire Rapids and later): row_linear's packed int8 weights times several quantised x rows on the
 // matrix tiles (row_linear_amx_kernel.cpp), in the AVX-512 variant. Usable when the CPU reports AMX-TILE and
 // AMX-INT8, the OS has enabled the tile state (XCR0 bits 17-18: a VM may hide it while CPUID shows AMX) and Linux

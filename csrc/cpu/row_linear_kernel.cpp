@@ -421,12 +421,26 @@ constexpr int kF32PrefetchMinRows = 1;
 // ahead 18.3-22.0 ms (0.78-0.87x a plain read of the same pages), 1 KB 17.0-18.3 (0.88-0.95x), 2 KB 18.1-19.1, none
 // 17.1-19.3, 8-16 KB 23.5-25.3; bf16 panels 4 KB 11.8-12.1 ms, 1 KB 9.5-10.3, 512 B or none the same as 1 KB.
 // (4 KB had been chosen on 4 KB pages, before the weight arena put the weights on huge pages.)
-template <int MR>
-constexpr int64_t f32_panel_ahead() {
+// On an AMD EPYC Zen 5 (cpu_core() == ZEN5; 1 thread, 2026-12-03, a standalone copy of the panel loop over
+// SmolLM2's linears + head on huge pages, best and median of 9-21 interleaved passes) those distances left the
+// stream short. One row, fp32 panels: 1 KB 33.4 GB/s (best; median 18.2 ms), 4 KB 36.8, 8 KB 37.0 (15.8 ms), 12-32 KB
+// 35.6-36.9, a plain read 38.8; bf16 panels 1 KB 26-30 GB/s, 8 KB 31-35. 2 / 3 / 4 / 8 / 16 rows, fp32, 4 KB into L1
+// against 8 KB into L2: 35.1 / 31.5 / 33.1 / 28.1 / 19.2 against 36.6 / 35.8 / 35.8 / 32.2 / 20.8 GB/s. There every
+// fp32 tile and the one-row bf16 tile prefetch 8 KB ahead into L2 (bf16 at 16 rows ran ~10 % slower that way in a
+// whole forward: 50 -> 55 ms); every other core keeps the distances above (the Zen 4's 8-16 KB were its slowest at
+// one row). In the library SmolLM2's fp32 head at one row went from 27 to 37 GB/s.
+struct PanelPrefetch {
+  int64_t ahead;  // bytes ahead in the panel stream
+  bool l2;        // into L2 (else L1)
+};
+template <typename W, int MR>
+inline PanelPrefetch f32_panel_prefetch() {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (MR == 1) return 1024;
+  static const bool zen5 = cpu_core() == Core::ZEN5;
+  if (zen5 && (std::is_same_v<W, float> || MR == 1)) return {8192, true};
+  if constexpr (MR == 1) return {1024, true};
 #endif
-  return kF32PanelAhead;
+  return {kF32PanelAhead, MR == 1};
 }
 
 // Segments of K run at once by a tile of MR rows (the order is kSegs segments whatever this is, see above). AVX2 and
@@ -455,6 +469,7 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
   constexpr int64_t P = kRowLinearPanel;
   const int64_t K = p.K, q = seg_begin(K, 1), ld = p.M;
   const char* end = reinterpret_cast<const char*>(panel_weight(p, W{}) + p.N * K);
+  const PanelPrefetch pf = f32_panel_prefetch<W, MR>();
   for (int a = 0; a < KS * MR * kPV; ++a) acc[a] = pv_zero();
   for (int64_t k = 0; k < q; ++k) {
     for (int s = 0; s < KS; ++s) {
@@ -462,8 +477,14 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
       const W* wk = w + ks * P;
       const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
-        const char* ahead = reinterpret_cast<const char*>(wk) + f32_panel_ahead<MR>();
-        if (ahead < end) __builtin_prefetch(ahead, 0, MR == 1 ? 1 : 3);
+        const char* ahead = reinterpret_cast<const char*>(wk) + pf.ahead;
+        if (ahead < end) {
+          if (pf.l2) {
+            __builtin_prefetch(ahead, 0, 1);
+          } else {
+            __builtin_prefetch(ahead, 0, 3);
+          }
+        }
       }
       PVec wv[kPV];
       load_panel(wk, wv);

@@ -501,3 +501,20 @@ def test_bf16_x_with_a_bf16_weight_rounds_once_and_other_weights_refuse_it(cpu_i
             sbd_ext.row_linear(x, bad, torch.ones(40) if bad.dtype == torch.int8 else None)
         with pytest.raises(TypeError, match="bf16 x goes with a bf16 weight"):
             torch.ops.sbd_ext.row_linear(x, bad, torch.ones(40) if bad.dtype == torch.int8 else None, False)
+
+
+def test_cpu_core_is_the_cpuid_family():
+    """build_info()["cpu_core"] (the core that picks row_linear's per-core prefetch distances, cpu/isa.h) is "zen5"
+    exactly on an AMD family 26 (0x1A) CPU, as /proc/cpuinfo reports it, and "other" everywhere else."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo on this platform")
+    if "cpu family" not in fields:
+        pytest.skip("/proc/cpuinfo names no CPU family")
+    zen5 = fields.get("vendor_id") == "AuthenticAMD" and int(fields["cpu family"]) == 0x1A
+    assert sbd_ext.build_info()["cpu_core"] == ("zen5" if zen5 else "other")
