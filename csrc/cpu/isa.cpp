@@ -154,7 +154,9 @@ Core detect_core() {
   const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
   if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return Core::OTHER;
   const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
-  return family == 0x1A ? Core::ZEN5 : Core::OTHER;
+  if (family == 0x1A) return Core::ZEN5;
+  if (family != 0x19 || __get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return Core::OTHER;
+  return (b >> 16) & 1u ? Core::ZEN4 : Core::OTHER;  // AVX-512F
 #else
   return Core::OTHER;
 #endif
@@ -237,6 +239,15 @@ Core cpu_core() {
   return core;
 }
 
-const char* core_name(Core core) { return core == Core::ZEN5 ? "zen5" : "other"; }
+const char* core_name(Core core) {
+  switch (core) {
+    case Core::ZEN5:
+      return "zen5";
+    case Core::ZEN4:
+      return "zen4";
+    default:
+      return "other";
+  }
+}
 
 }  // namespace sbd_cpu

@@ -429,6 +429,12 @@ constexpr int kF32PrefetchMinRows = 1;
 // fp32 tile and the one-row bf16 tile prefetch 8 KB ahead into L2 (bf16 at 16 rows ran ~10 % slower that way in a
 // whole forward: 50 -> 55 ms); every other core keeps the distances above (the Zen 4's 8-16 KB were its slowest at
 // one row). In the library SmolLM2's fp32 head at one row went from 27 to 37 GB/s.
+// More x rows on an AMD EPYC Zen 4 (cpu_core() == ZEN4; 1 thread, 2026-12-04, SmolLM2's linears + head in the weight
+// arena, direct op calls, the settings alternated within one process, median of 9-11): fp32 panels of 5 to 16 rows
+// 8 KB ahead into L2 (6 / 8 / 11 / 16 rows 30.4 / 32.4 / 37.1 / 47.1 ms with 4 KB into L1 -> 24.7 / 26.0 / 31.6 /
+// 42.6; one row 21.5), 2-4 rows no software prefetch (3-9 % faster than 4 KB into L1; 8 KB into L2 was 12-20 %
+// slower there); bf16 panels of 3 to 16 rows 8 KB into L2 (3 / 4 / 6 / 8 rows 5-12 % faster, 16 the same). A
+// verify + branch forward (mostly 6 rows, packed fp32, compiled, chat) went from 41.5 to 33.1 ms.
 struct PanelPrefetch {
   int64_t ahead;  // bytes ahead in the panel stream
   bool l2;        // into L2 (else L1)
@@ -439,6 +445,11 @@ inline PanelPrefetch f32_panel_prefetch() {
   static const bool zen5 = cpu_core() == Core::ZEN5;
   if (zen5 && (std::is_same_v<W, float> || MR == 1)) return {8192, true};
   if constexpr (MR == 1) return {1024, true};
+  static const bool zen4 = cpu_core() == Core::ZEN4;
+  if (zen4) {
+    if constexpr (std::is_same_v<W, float>) return MR >= 5 ? PanelPrefetch{8192, true} : PanelPrefetch{0, false};
+    if (MR >= 3) return {8192, true};
+  }
 #endif
   return {kF32PanelAhead, MR == 1};
 }
@@ -476,7 +487,7 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
       const int64_t ks = (s0 + s) * q + k;
       const W* wk = w + ks * P;
       const float* xk = xt + ks * ld;
-      if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0)) {
+      if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0) && pf.ahead > 0) {
         const char* ahead = reinterpret_cast<const char*>(wk) + pf.ahead;
         if (ahead < end) {
           if (pf.l2) {
@@ -858,9 +869,21 @@ inline void q8_panel_scalar(const RowLinearParams& p, int64_t m0, int64_t rows, 
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The int8 panel stream's software prefetch: kPanelAhead ahead, into L2 for one x row, else into L1. On an AMD EPYC
+// Zen 4 (cpu_core() == ZEN4) 10 or more x rows prefetch 8 KB ahead into L2 (1 thread, 2026-12-04, SmolLM2's w8a8
+// linears + head in the weight arena, direct op calls, the settings alternated within one process, median of 9:
+// 10 / 12 / 14 / 16 rows 14.4 / 17.4 / 24.4 / 27.1 ms -> 12.0 / 13.9 / 18.0 / 19.0; 2-8 rows as fast or faster as
+// they were, 8 rows mixed between runs).
+inline PanelPrefetch q8_panel_prefetch(int64_t M) {
+  static const bool zen4 = cpu_core() == Core::ZEN4;
+  if (zen4 && M >= 10) return {8192, true};
+  return {kPanelAhead, M == 1};
+}
+
 template <int MR, bool PREFETCH>
 __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& p, int64_t m0, int64_t panel) {
   const int64_t M = p.M, nb = p.x_blocks;
+  const PanelPrefetch pf = q8_panel_prefetch(M);
   const uint8_t* w = p.wq_packed + panel * nb * kQPanelBytes;
   const char* end = reinterpret_cast<const char*>(p.wq_packed + (p.N / kRowLinearPanel) * nb * kQPanelBytes);
   const int32_t* xq = p.xq4 + m0;
@@ -873,10 +896,16 @@ __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& 
     const int32_t* xb = xq + b * 8 * M;
     if constexpr (PREFETCH) {
       for (int64_t line = 0; line < kQPanelBytes; line += 64) {
-        const char* ahead = reinterpret_cast<const char*>(wb) + kPanelAhead + line;
+        const char* ahead = reinterpret_cast<const char*>(wb) + pf.ahead + line;
         // one x row: into L2 (the stream is the whole cost; 6.5-6.9 ms for SmolLM2's one-row linears against
-        // 7.7-9.0 into L1, AMD EPYC Zen 4), more rows: into L1
-        if (ahead < end) __builtin_prefetch(ahead, 0, MR == 1 ? 1 : 3);
+        // 7.7-9.0 into L1, AMD EPYC Zen 4), more rows: into L1 (a Zen 4 with 10 or more: see q8_panel_prefetch)
+        if (ahead < end) {
+          if (pf.l2) {
+            __builtin_prefetch(ahead, 0, 1);
+          } else {
+            __builtin_prefetch(ahead, 0, 3);
+          }
+        }
       }
     }
     __m512i dot[MR];
