@@ -155,8 +155,7 @@ Core detect_core() {
   if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return Core::OTHER;
   const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
   if (family == 0x1A) return Core::ZEN5;
-  if (family != 0x19 || __get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return Core::OTHER;
-  return (b >> 16) & 1u ? Core::ZEN4 : Core::OTHER;  // AVX-512F
+  return family == 0x19 && __builtin_cpu_supports("avx512f") ? Core::ZEN4 : Core::OTHER;
 #else
   return Core::OTHER;
 #endif

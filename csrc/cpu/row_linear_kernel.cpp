@@ -436,9 +436,17 @@ constexpr int kF32PrefetchMinRows = 1;
 // slower there); bf16 panels of 3 to 16 rows 8 KB into L2 (3 / 4 / 6 / 8 rows 5-12 % faster, 16 the same). A
 // verify + branch forward (mostly 6 rows, packed fp32, compiled, chat) went from 41.5 to 33.1 ms.
 struct PanelPrefetch {
-  int64_t ahead;  // bytes ahead in the panel stream
+  int64_t ahead;  // bytes ahead in the panel stream (0: no software prefetch)
   bool l2;        // into L2 (else L1)
 };
+// One cache line at p into L2 or L1 (the locality hint must be a constant).
+inline void prefetch_line(const char* p, bool l2) {
+  if (l2) {
+    __builtin_prefetch(p, 0, 1);
+  } else {
+    __builtin_prefetch(p, 0, 3);
+  }
+}
 template <typename W, int MR>
 inline PanelPrefetch f32_panel_prefetch() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -489,13 +497,7 @@ inline void panel_segments(const RowLinearParams& p, const W* w, const float* xt
       const float* xk = xt + ks * ld;
       if (PREFETCH && MR >= kF32PrefetchMinRows && (MR > 2 || s == 0) && pf.ahead > 0) {
         const char* ahead = reinterpret_cast<const char*>(wk) + pf.ahead;
-        if (ahead < end) {
-          if (pf.l2) {
-            __builtin_prefetch(ahead, 0, 1);
-          } else {
-            __builtin_prefetch(ahead, 0, 3);
-          }
-        }
+        if (ahead < end) prefetch_line(ahead, pf.l2);
       }
       PVec wv[kPV];
       load_panel(wk, wv);
@@ -899,13 +901,7 @@ __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& 
         const char* ahead = reinterpret_cast<const char*>(wb) + pf.ahead + line;
         // one x row: into L2 (the stream is the whole cost; 6.5-6.9 ms for SmolLM2's one-row linears against
         // 7.7-9.0 into L1, AMD EPYC Zen 4), more rows: into L1 (a Zen 4 with 10 or more: see q8_panel_prefetch)
-        if (ahead < end) {
-          if (pf.l2) {
-            __builtin_prefetch(ahead, 0, 1);
-          } else {
-            __builtin_prefetch(ahead, 0, 3);
-          }
-        }
+        if (ahead < end) prefetch_line(ahead, pf.l2);
       }
     }
     __m512i dot[MR];
