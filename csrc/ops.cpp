@@ -53,6 +53,18 @@ std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cud
 
 namespace {
 
+const char* bf16_tiles_name() {
+  switch (sbd_cpu::bf16_tiles_mode()) {
+    case 1:
+      return "tiles";
+    case 2:
+      return "emulate";
+    default:
+      return "model";
+  }
+}
+
+
 // The first invalid lengths a CUDA block_attention kernel found since the last call, as the message the CPU
 // binding raises for them, or "" (always "" without the CUDA kernels). Call after synchronising the device.
 std::string take_cuda_error() {
@@ -110,6 +122,11 @@ pybind11::dict build_info() {
   d["cpu_amx_int8_status"] = sbd_cpu::amx_int8_status();
   d["cpu_amx"] = std::string(sbd_cpu::amx_mode_name(sbd_cpu::amx_mode()));
   d["cpu_amx_min_rows"] = sbd_cpu::kAmxMinRows;
+  // bf16 weights in tiles on AMX-BF16 (cpu/isa.h): whether usable here, and how row_linear runs them now ("tiles",
+  // "emulate" or "model": the tiles' sums on the vector units); sbd_ext.quantize(model, "bf16") packs in tiles
+  // unless "model"
+  d["cpu_amx_bf16"] = sbd_cpu::amx_bf16_usable();
+  d["cpu_bf16_tiles"] = std::string(bf16_tiles_name());
   d["cpu_bf16_matmul_units"] = sbd_cpu::cpu_has_bf16_matmul();
   d["cpu_fp16_matmul_units"] = sbd_cpu::cpu_has_fp16_matmul();
   d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
@@ -133,6 +150,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cpu_amx", &sbd_cpu::set_amx, pybind11::arg("mode"),
         "row_linear's packed int8 weights on AMX-INT8 tiles: \"auto\" (where usable), \"off\", \"on\" (raises "
         "where unusable) or \"emulate\" (the same kernel over a C++ model of the tiles: for tests, slow).");
+  m.def("cpu_bf16_tiles", [] { return std::string(bf16_tiles_name()); },
+        "How row_linear runs a bf16 weight in tiles now: \"tiles\" (AMX-BF16), \"emulate\" or \"model\" (the same "
+        "sums on the vector units, slow); sbd_ext.quantize(model, \"bf16\") packs in tiles unless \"model\".");
   m.def("row_linear_amx_calls", &sbd_cpu::amx_range_calls,
         "row_linear weight ranges that ran on AMX tiles (or their emulation) since the process started.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),

@@ -21,10 +21,28 @@ inline bool row_linear_is_q8_packed(const at::Tensor& weight) {
   return weight.dim() == 4 && weight.scalar_type() == at::kByte;
 }
 
+// A bf16 weight in tiles (sbd_ext.packing.pack_row_linear_weight(..., tiles=True)): bf16 [N / 16, ceil(K / 32), 16, 32]
+// (K padded with zeros to whole blocks of 32), multiplied with x rounded to bf16.
+inline bool row_linear_is_bf16_tiles(const at::Tensor& weight) {
+  return weight.dim() == 4 && weight.scalar_type() == at::kBFloat16;
+}
+
+// A bf16 tiles weight's shape against x's K (the binding's and gated_lora_linear's check).
+inline void check_bf16_tiles(const char* op, const at::Tensor& weight, int64_t K) {
+  const char* what = "(a bf16 weight in tiles is [N / 16, ceil(K / 32), 16, 32])";
+  check_size(op, "weight", weight, 2, 16, what);
+  check_size(op, "weight", weight, 3, 32, what);
+  check_size(op, "weight", weight, 1, (K + 31) / 32, "ceil(x.size(1) / 32) (K in blocks of 32)");
+  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a bf16 weight in tiles must be contiguous, got strides ",
+                    weight.strides());
+  checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), 16});
+}
+
 // Output rows N of a row_linear weight: [N, K], or a packed fp32 / bf16 weight [N / 16, K, 16] (16 N / 16).
 inline int64_t row_linear_out_features(const at::Tensor& weight) {
-  return row_linear_is_packed(weight) || row_linear_is_q8_packed(weight) ? weight.size(0) * weight.size(2)
-                                                                           : weight.size(0);
+  return row_linear_is_packed(weight) || row_linear_is_q8_packed(weight) || row_linear_is_bf16_tiles(weight)
+             ? weight.size(0) * weight.size(2)
+             : weight.size(0);
 }
 
 // x [M, K] fp32 and weight [N, K] on one device, each contiguous along K, and M * N (the output's size) within
@@ -51,13 +69,15 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
     TORCH_CHECK_VALUE(quantize_x, op, ": a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: ",
                       "pass quantize_x=True");
     checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
+  } else if (row_linear_is_bf16_tiles(weight)) {
+    check_bf16_tiles(op, weight, x.size(1));
   } else if (row_linear_is_packed(weight)) {  // sbd_ext.packing.pack_row_linear_weight
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
     TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": a packed weight [N / 16, K, 16] must be contiguous, got strides ",
                       weight.strides());
     checked_mul(op, "the packed weight's rows N / 16 * 16", {weight.size(0), weight.size(2)});
   } else {
-    check_dim(op, "weight", weight, 2, "[N, K] (or fp32 / bf16 packed: [N / 16, K, 16])");
+    check_dim(op, "weight", weight, 2, "[N, K] (or fp32 / bf16 packed: [N / 16, K, 16]; bf16 in tiles: 4-D)");
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");
   }
   check_same_device(op, "weight", weight, x, "x");
@@ -109,6 +129,8 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
                "16 * weight.size(0) (P * 16)");
     TORCH_CHECK_VALUE(scale->is_contiguous(), op, ": scale must be contiguous");
     check_same_device(op, "scale", *scale, x, "x");
+  } else if (row_linear_is_bf16_tiles(weight)) {  // [W; A] bf16 in tiles: x rounded to bf16 once for W and A
+    check_bf16_tiles(op, weight, x.size(1));
   } else {
     check_dim(op, "weight", weight, 3, "(packed [W; A]: [P, K, 16])");
     check_size(op, "weight", weight, 1, x.size(1), "x.size(1) (K)");

@@ -14,7 +14,8 @@ __all__ = ["row_linear_out_features"]
 def row_linear_out_features(weight: torch.Tensor) -> int:
     """N, the output size of row_linear with this weight: [N, K], or packed (fp32 / bf16) [N / 16, K, 16]."""
     packed = weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[2] == PANEL
-    return weight.shape[0] * PANEL if packed or weight.dtype == torch.uint8 else weight.shape[0]
+    tiles = weight.dim() == 4 and weight.dtype == torch.bfloat16
+    return weight.shape[0] * PANEL if packed or tiles or weight.dtype == torch.uint8 else weight.shape[0]
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile / FakeTensor tracing ----------
@@ -56,8 +57,11 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
             if q8
             else f"{op}: scale is for a packed int8 [W; A] (uint8); weight has dtype {weight.dtype}"
         )
+    tiles = weight.dtype == torch.bfloat16 and weight.dim() == 4
     if q8:
         wdim, wshape = 4, "(packed int8 [W; A]: uint8 [P, ceil(K / 32) * 8, 16, 4])"
+    elif tiles:
+        wdim, wshape = 4, "(bf16 [W; A] in tiles: [P, ceil(K / 32), 16, 32])"
     else:
         wdim, wshape = 3, "(packed [W; A]: [P, K, 16])"
     dims = {"x": (x, 2, "[M, K]"), "weight": (weight, wdim, wshape)}
@@ -67,9 +71,10 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     for name, (t, nd, shape) in dims.items():
         if t.dim() != nd:
             raise ValueError(f"{op}: {name} must be {nd}-D {shape}, got shape {tuple(t.shape)}")
-    k_w = (x.shape[1] + 31) // 32 * 8 if q8 else x.shape[1]
+    k_w = (x.shape[1] + 31) // 32 * 8 if q8 else (x.shape[1] + 31) // 32 if tiles else x.shape[1]
+    k_what = "ceil(x.size(1) / 32) * 8 (K in blocks of 32)" if q8 else "x.size(1) (K)"
     sizes = [
-        (weight, "weight", 1, k_w, "ceil(x.size(1) / 32) * 8 (K in blocks of 32)" if q8 else "x.size(1) (K)"),
+        (weight, "weight", 1, k_w, "ceil(x.size(1) / 32) (K in blocks of 32)" if tiles else k_what),
         (weight, "weight", 2, PANEL, "16 (a packed weight's panels hold 16 rows)"),
         (lora_b, "lora_b", 2, PANEL, "16 (a packed lora_b is [N / 16, r, 16])"),
         (gate, "gate", 0, x.shape[0], "x.size(0) (M)"),
@@ -79,6 +84,8 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
             (weight, "weight", 3, 4, "4 (a packed int8 weight is [P, ceil(K / 32) * 8, 16, 4])"),
             (scale, "scale", 0, weight.shape[0] * PANEL, "16 * weight.size(0) (P * 16)"),
         ]
+    if tiles:
+        sizes.append((weight, "weight", 3, 32, "32 (a bf16 weight in tiles is [P, ceil(K / 32), 16, 32])"))
         if scale.dtype != torch.float32:
             raise TypeError(f"{op}: scale must have dtype Float, got {scale.dtype}")
         if scale.device != x.device:
@@ -118,13 +125,19 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
         packed = (
             name == "weight" and t.dim() == 3 and t.dtype in (torch.float32, torch.bfloat16) and t.shape[2] == PANEL
         )
+        tiles = name == "weight" and t.dim() == 4 and t.dtype == torch.bfloat16
+        if tiles and (t.shape[2] != PANEL or t.shape[3] != 32):
+            raise ValueError(
+                "row_linear: weight.size(2) and .size(3) must be 16 and 32 (a bf16 weight in tiles is "
+                f"[N / 16, ceil(K / 32), 16, 32]), got shape {tuple(t.shape)}"
+            )
         if name == "weight" and t.dtype == torch.uint8:
             if t.dim() != 4 or t.shape[2] != PANEL or t.shape[3] != 4:
                 raise ValueError(
                     f"row_linear: weight must be 4-D (a packed int8 weight: uint8 [N / 16, ceil(K / 32) * 8, 16, 4]), "
                     f"got shape {tuple(t.shape)}"
                 )
-        elif t.dim() != 2 and not packed:
+        elif t.dim() != 2 and not packed and not tiles:
             raise ValueError(f"row_linear: {name} must be 2-D [{'M' if name == 'x' else 'N'}, K], got {tuple(t.shape)}")
     if x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16:
         raise TypeError(
@@ -150,6 +163,14 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
                 "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: "
                 "pass quantize_x=True"
             )
+    elif weight.dim() == 4 and weight.dtype == torch.bfloat16:
+        torch._check_value(
+            weight.shape[1] == (x.shape[1] + 31) // 32,
+            lambda: (
+                f"row_linear: weight.size(1) must equal ceil(x.size(1) / 32) (K in blocks of 32) = "
+                f"{(x.shape[1] + 31) // 32}, got shape {tuple(weight.shape)}"
+            ),
+        )
     else:
         torch._check_value(
             weight.shape[1] == x.shape[1],

@@ -1,5 +1,6 @@
 """row_linear's packed weight layouts (:func:`sbd_ext.ops.row_linear` takes them as its ``weight``): fp32 or bf16 in
-panels of 16 weight rows, and int8 for int8 x. The same values, moved, so that the CPU kernel multiplies a whole panel
+panels of 16 weight rows, bf16 in tiles for AMX-BF16, and int8 for int8 x. The same values, moved, so that the CPU
+kernel multiplies a whole panel
 vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model, "packed")`` / ``"bf16"`` / ``"w8a8"``
 use them in a model (sbd_ext/quantization.py)."""
 
@@ -7,9 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
+
 __all__ = [
     "PANEL",
+    "bf16_tiles_in_use",
     "constant_weight",
+    "is_bf16_tiles",
     "pack_row_linear_int8",
     "pack_row_linear_weight",
     "unpack_row_linear_int8",
@@ -48,12 +53,36 @@ def _checked(fn: str, weight: torch.Tensor, dtypes: tuple, wrong_dtype: str, pad
     return n, k
 
 
-def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Tensor:
+def bf16_tiles_in_use() -> bool:
+    """Whether row_linear runs a bf16 weight in tiles on AMX-BF16 here, now (or on their emulation:
+    ``SBD_EXT_CPU_AMX=emulate``): where it does, ``sbd_ext.quantize(model, "bf16")`` packs the weights in tiles
+    (:func:`pack_row_linear_weight` with ``tiles=True``). ``build_info()["cpu_bf16_tiles"]`` says the same."""
+    return _C.cpu_bf16_tiles() != "model"
+
+
+def is_bf16_tiles(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` is a bf16 weight in tiles (:func:`pack_row_linear_weight` with ``tiles=True``)."""
+    return packed.dim() == 4 and packed.dtype == torch.bfloat16
+
+
+def layout(packed: torch.Tensor) -> str:
+    """A packed fp32 / bf16 weight's dtype and layout, in words (a layer's repr)."""
+    where = "tiles of 16 x 32 (AMX-BF16)" if is_bf16_tiles(packed) else f"panels of {PANEL}"
+    return f"{str(packed.dtype)[6:]} packed in {where}"
+
+
+def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False, tiles: bool = False) -> torch.Tensor:
     """An fp32 or bf16 weight [N, K] in row_linear's panel layout: [N / 16, K, 16] of its dtype, contiguous, where
     weight row ``n``, column ``k`` is ``packed[n // 16, k, n % 16]`` (the same values, moved). N must be a multiple
     of 16, or, with ``pad=True``, is padded with zero rows up to one (row_linear then returns the zero rows'
     outputs, 0, too: slice them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is
-    its inverse."""
+    its inverse.
+
+    ``tiles`` (bf16 only; ``sbd_ext.quantize(model, "bf16")`` asks for it where :func:`bf16_tiles_in_use`): the layout
+    of AMX-BF16's tiles instead, bf16
+    [N / 16, ceil(K / 32), 16, 32] with K padded with zeros, where weight row ``n``, column ``k`` is
+    ``packed[n // 16, k // 32, n % 16, k % 32]``. row_linear then rounds x to bf16 (to nearest even) and sums the
+    exact products in fp32 on the tiles: 16 x rows cost what one costs. The panel layout keeps x in fp32."""
     n, k = _checked(
         "pack_row_linear_weight",
         weight,
@@ -61,15 +90,29 @@ def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False) -> torch.Ten
         "the packed layout is for fp32 or bf16 weights",
         pad,
     )
+    if tiles and weight.dtype != torch.bfloat16:
+        raise TypeError(f"pack_row_linear_weight: tiles=True is for bf16 weights, got {weight.dtype}")
     if n % PANEL != 0:
         weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
         n = weight.shape[0]
+    if tiles:
+        w = torch.nn.functional.pad(weight.detach(), (0, -k % 32))
+        return w.reshape(n // PANEL, PANEL, -1, 32).transpose(1, 2).contiguous()
     return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """[N / 16, K, 16] (:func:`pack_row_linear_weight`) back to [N, K], contiguous; ``n``: keep the first n rows
-    (a padded pack's true N)."""
+def unpack_row_linear_weight(packed: torch.Tensor, n: int | None = None, k: int | None = None) -> torch.Tensor:
+    """[N / 16, K, 16] (:func:`pack_row_linear_weight`), or bf16 in tiles [N / 16, K / 32, 16, 32], back to [N, K],
+    contiguous; ``n``: keep the first n rows (a padded pack's true N); ``k``: the first k columns (tiles pad K)."""
+    if is_bf16_tiles(packed):
+        if packed.shape[2] != PANEL or packed.shape[3] != 32:
+            raise ValueError(
+                f"unpack_row_linear_weight: a bf16 weight in tiles is [N / {PANEL}, K / 32, {PANEL}, 32], got "
+                f"{tuple(packed.shape)}"
+            )
+        p, kb = packed.shape[:2]
+        w = packed.transpose(1, 2).reshape(p * PANEL, kb * 32)
+        return w[: p * PANEL if n is None else n, : kb * 32 if k is None else k].contiguous()
     if packed.dim() != 3 or packed.shape[2] != PANEL:
         raise ValueError(
             f"unpack_row_linear_weight: a packed weight is [N / {PANEL}, K, {PANEL}], got {tuple(packed.shape)}"

@@ -19,16 +19,15 @@ quantize_x=True)``), at a further small accuracy cost (speed per CPU class, deco
 docs/notes/benchmarks-log.md).
 
 ``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`, ``weight_packed``
-[N / 16, K, 16]: :func:`sbd_ext.packing.pack_row_linear_weight`), where the CPU kernel runs a few rows at the FMA rate
-(one weight vector times a broadcast input value per step, no lane sums; SmolLM2's linears at 16 rows: 37 ms instead of
-59, Zen 4). Outputs equal the plain layers' to fp32 rounding (the sum order differs). The memory is the fp32 model's,
-plus a packed copy of a weight tied to the embedding (the head). For the compiled CPU step every scheme's layer weights
-are moved into one buffer per dtype (:mod:`sbd_ext.weight_arena`).
+[N / 16, K, 16]), where the CPU kernel runs a few rows at the FMA rate. Outputs equal the plain layers' to fp32 rounding
+(the sum order differs); a weight tied to the embedding (the head) gets a packed copy. For the compiled CPU step every
+scheme's layer weights are moved into one buffer per dtype (:mod:`sbd_ext.weight_arena`).
 
 ``"bf16"`` is ``"packed"`` with each weight rounded to bf16 (to nearest even): half the bytes, widened exactly in
 registers, the products and sums those of ``"packed"`` in fp32 (activations stay fp32), so a one-row forward -- a pass
 over the weights -- reads half as much, at bf16's rounding of the weights (8 bits of mantissa; int8's per-row scale
 keeps about 7 at best). A row's result does not depend on the rows beside it, so verify is exact for it too.
+With AMX-BF16 (``build_info()["cpu_bf16_tiles"]``) it packs in tiles and rounds x to bf16 too (docs/ops.md).
 
 It is one-way and for inference: gradients do not flow through an int8 or packed weight, and the tensors are buffers
 (``weight_int8``, ``weight_scale``, ``weight_packed``), not a checkpoint format; quantize after loading, every time.
@@ -51,7 +50,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import _C
+from . import _C, packing
 from .linear import RowLinear, as_rows, row_count
 from .ops import row_linear
 from .packing import (
@@ -187,8 +186,8 @@ class PackedLinear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
-        tied = self._parameters.get("weight")
-        return tied if tied is not None else unpack_row_linear_weight(self.weight_packed, self.out_features).float()
+        tied, wp = self._parameters.get("weight"), self.weight_packed
+        return tied if tied is not None else unpack_row_linear_weight(wp, self.out_features, self.in_features).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _follow_tied(self)
@@ -197,11 +196,11 @@ class PackedLinear(nn.Linear):
         if rows:
             out = _kernel_out(row_linear(as_rows(x, rows), wp), x, self.out_features)
         else:
-            out = F.linear(x, unpack_row_linear_weight(wp, self.out_features).to(x.dtype))
+            out = F.linear(x, unpack_row_linear_weight(wp, self.out_features, self.in_features).to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight={str(self.weight_packed.dtype)[6:]} packed in panels of {PANEL}"
+        return f"{super().extra_repr()}, weight={packing.layout(self.weight_packed)}"
 
 
 def _tied_key(w: torch.Tensor) -> tuple:
@@ -219,7 +218,8 @@ def _follow_tied(m: nn.Module) -> None:
         return
     m.out_features = tied.shape[0]
     if isinstance(m, PackedLinear):
-        m.weight_packed = constant_weight(pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True))
+        tiles = packing.is_bf16_tiles(m.weight_packed)
+        m.weight_packed = constant_weight(pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True, tiles=tiles))
     else:
         packed = "weight_int8_packed" in m._buffers
         if packed:
@@ -266,9 +266,9 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 f"this model has linear weights in {', '.join(bad)}: call model.float() first"
             )
         tied = _tied_ids(model)
-        panel = _PANEL_DTYPES.get(scheme)
+        panel, tiles = _PANEL_DTYPES.get(scheme), scheme == "bf16" and packing.bf16_tiles_in_use()  # AMX-BF16 tiles
         if panel is not None:  # checks before any change
-            converted = [(pack_row_linear_weight(m.weight.to(panel), pad=True),) for m in targets]
+            converted = [(pack_row_linear_weight(m.weight.to(panel), pad=True, tiles=tiles),) for m in targets]
         else:
             converted = [quantize_weight(m.weight) for m in targets]
         for m, new in zip(targets, converted, strict=True):
@@ -367,7 +367,7 @@ def saveable_state_dict(model: nn.Module, state_dict: dict | None = None, who: s
     for n, m in packed:
         at = f"{n}." if n else ""
         if sd.pop(at + "weight_packed", None) is not None and at + "weight" not in sd:
-            sd[at + "weight"] = unpack_row_linear_weight(m.weight_packed, m.out_features).contiguous()
+            sd[at + "weight"] = unpack_row_linear_weight(m.weight_packed, m.out_features, m.in_features).contiguous()
     return sd
 
 

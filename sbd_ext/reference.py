@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .packing import unpack_row_linear_int8, unpack_row_linear_weight
+from .packing import is_bf16_tiles, unpack_row_linear_int8, unpack_row_linear_weight
 from .samplers import NAMES as RULES
 from .samplers import check_threshold
 
@@ -302,7 +302,11 @@ def row_linear(
     [N / 16, K, 16]: the weight it holds, ``weight[n // 16, k, n % 16]``; a packed int8 weight, uint8
     [N / 16, K / 4, 16, 4]: ``weight[n // 16, k // 4, n % 16, k % 4] - 128``), accumulated in float64 and
     returned as fp32 [M, N]. ``quantize_x`` (int8 weight only): x quantised by :func:`quantize_x_blocks`, each
-    block's integer dot product times its scale."""
+    block's integer dot product times its scale. A bf16 weight in tiles (bf16 [N / 16, K / 32, 16, 32],
+    ``weight[n // 16, k // 32, n % 16, k % 32]``): x rounded to bf16 first, as the kernel does."""
+    if is_bf16_tiles(weight):
+        weight = unpack_row_linear_weight(weight, k=x.shape[1])
+        x = x.to(torch.bfloat16)
     if weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[2] == 16:  # packed
         weight = unpack_row_linear_weight(weight)  # [N / 16, K, 16] -> [N, K]
     if weight.dim() == 4 and weight.dtype == torch.uint8:  # packed int8: q + 128 in [N / 16, K / 4, 16, 4]
@@ -335,8 +339,10 @@ def gated_lora_linear(
     holds W (its first N = 16 * lora_b.size(0) rows) and A (the next r = lora_b.size(1) rows), ``lora_b`` packed
     [N / 16, r, 16] holds B' [N, r]. Rows with gate 0 are ``x W^T`` (their adapter term is not added). An int8
     ``weight`` (packed uint8 [P, K / 4, 16, 4]) with ``scale`` [P * 16]: ``x W^T`` and ``x A^T`` are
-    :func:`row_linear` with ``quantize_x`` over those rows."""
+    :func:`row_linear` with ``quantize_x`` over those rows. A bf16 ``weight`` in tiles: x rounded to bf16 for both."""
     b = unpack_row_linear_weight(lora_b).double()
+    if is_bf16_tiles(weight):
+        x = x.to(torch.bfloat16)
     n, r = b.shape
     if scale is not None:
         if x.dim() != 2 or gate.shape != (x.shape[0],) or weight.dim() != 4 or weight.shape[0] * 16 < n + r:
@@ -347,7 +353,7 @@ def gated_lora_linear(
         full = row_linear(x, weight, scale, quantize_x=True).double()
         out, h = full[:, :n], full[:, n : n + r]
     else:
-        w = unpack_row_linear_weight(weight).double()
+        w = unpack_row_linear_weight(weight, k=x.shape[-1]).double()
         if x.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] < n + r or gate.shape != (x.shape[0],):
             raise ValueError(
                 f"gated_lora_linear: x [M, K], weight [W; A] packed, lora_b [N / 16, r, 16], gate [M], got "

@@ -227,6 +227,32 @@ const char* amx_mode_name(Amx mode) {
   }
 }
 
+bool amx_bf16_usable() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool bf16 = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!amx_int8_usable()) return false;  // leaf 7, the tile state and Linux's grant, checked there
+    __cpuid_count(7, 0, a, b, c, d);
+    return (d & (1u << 22)) != 0;  // AMX-BF16
+  }();
+  return bf16;
+#else
+  return false;
+#endif
+}
+
+int bf16_tiles_mode() {
+  if (active_isa() != Isa::AVX512) return 0;
+  switch (amx_mode()) {
+    case Amx::HW:
+      return amx_bf16_usable() ? 1 : 0;
+    case Amx::EMULATE:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
 bool amx_rows(long M) { return M >= kAmxMinRows && amx_mode() != Amx::OFF && active_isa() == Isa::AVX512; }
 
 long amx_range_calls() { return amx_calls().load(std::memory_order_relaxed); }

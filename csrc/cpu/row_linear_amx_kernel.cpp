@@ -25,6 +25,7 @@
 // Intel SDM's pseudo-code: zeroing, row/column limits, the configuration's shape rules), which the tests run on any
 // AVX512-VNNI CPU so that the layouts and the loop are checked where no AMX exists.
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -70,7 +71,7 @@ TileConfig config_for(int rows) {
   return c;
 }
 
-#define SBD_AMX __attribute__((target("amx-tile,amx-int8"))) inline
+#define SBD_AMX __attribute__((target("amx-tile,amx-int8,amx-bf16"))) inline
 struct HwTiles {
   // the whole 64 bytes as the asm's operand (the intrinsic names only 8 of them, so the compiler could drop the
   // stores of the rest)
@@ -90,6 +91,35 @@ struct HwTiles {
       _tile_loadd(5, b, 64);
       _tile_zero(1);
       _tile_dpbsud(1, 3, 5);
+      _tile_stored(1, c, 64);
+    }
+  }
+  // bf16 (row_linear_bf16_tiles_range): C tiles 0 / 1 (fp32 [16 weight rows][cols]), A tiles 2 / 3 (16 weight rows of
+  // 32 bf16), B tile 4 (16 pairs x cols x rows of bf16 x)
+  template <int S>
+  SBD_AMX static void bf16_zero() {
+    if constexpr (S == 0) {
+      _tile_zero(0);
+    } else {
+      _tile_zero(1);
+    }
+  }
+  SBD_AMX static void bf16_x(const uint16_t* b, int64_t stride) { _tile_loadd(4, b, stride); }
+  template <int S>
+  SBD_AMX static void bf16_dot(const uint16_t* a) {
+    if constexpr (S == 0) {
+      _tile_loadd(2, a, 64);
+      _tile_dpbf16ps(0, 2, 4);
+    } else {
+      _tile_loadd(3, a, 64);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  }
+  template <int S>
+  SBD_AMX static void bf16_store(float* c) {
+    if constexpr (S == 0) {
+      _tile_stored(0, c, 64);
+    } else {
       _tile_stored(1, c, 64);
     }
   }
@@ -154,6 +184,42 @@ struct EmuTiles {
       }
     }
   }
+  // tdpbf16ps: A.rows == C.rows, B.rows == A.colsb / 4, B.colsb == C.colsb; per C row m and fp32 n, per pair k in
+  // order, bf16_pair_add of A's bf16 [m][2k], [m][2k + 1] and B's [k][2n], [k][2n + 1] (the model, not the SDM's
+  // sequential products: see row_linear_kernel.h)
+  static void dpbf16ps(int c, int a, int b) {
+    const TileConfig& g = s().cfg;
+    need(s().configured, "tdpbf16ps before ldtilecfg");
+    need(g.rows[a] == g.rows[c] && g.rows[b] * 4 == g.colsb[a] && g.colsb[b] == g.colsb[c] && g.colsb[c] % 4 == 0,
+         "tdpbf16ps's tile shapes do not agree");
+    for (int m = 0; m < g.rows[c]; ++m) {
+      for (int n = 0; n < g.colsb[c] / 4; ++n) {
+        float acc;
+        std::memcpy(&acc, s().t[c][m] + 4 * n, 4);
+        for (int k = 0; k < g.colsb[a] / 4; ++k) {
+          uint16_t av[2], bv[2];
+          std::memcpy(av, s().t[a][m] + 4 * k, 4);
+          std::memcpy(bv, s().t[b][k] + 4 * n, 4);
+          acc = bf16_pair_add(acc, av[0], av[1], bv[0], bv[1]);
+        }
+        std::memcpy(s().t[c][m] + 4 * n, &acc, 4);
+      }
+    }
+  }
+  template <int S>
+  static void bf16_zero() {
+    zero(S);
+  }
+  static void bf16_x(const uint16_t* b, int64_t stride) { load(4, b, stride); }
+  template <int S>
+  static void bf16_dot(const uint16_t* a) {
+    load(2 + S, a, 64);
+    dpbf16ps(S, 2 + S, 4);
+  }
+  template <int S>
+  static void bf16_store(float* c) {
+    store(S, c, 64);
+  }
   template <int S>
   static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c) {
     load(2 + S, a, a_stride);
@@ -193,7 +259,7 @@ inline void prefetch_block(const uint8_t* wb, const char* end) {
 // for MR rows by the caller. Compiled for the tile instructions (which only the intrinsics emit), so that HwTiles'
 // operations inline: as calls they cost the 16-row loop ~10 % (a SmolLM2 gate projection, 16 rows, streamed).
 template <class T, int MR>
-__attribute__((target("amx-tile,amx-int8"))) void group_panels(const RowLinearParams& p, int64_t m0, int64_t p0,
+__attribute__((target("amx-tile,amx-int8,amx-bf16"))) void group_panels(const RowLinearParams& p, int64_t m0, int64_t p0,
                                                                  int64_t p1, bool prefetch) {
   const int64_t M = p.M, nb = p.x_blocks, panel_bytes = nb * kPanelBlockBytes;
   const char* end = reinterpret_cast<const char*>(p.wq_packed + (p.N / kRowLinearPanel) * panel_bytes);
@@ -238,7 +304,78 @@ void amx_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   T::release();
 }
 
+// ---- bf16 -------------------------------------------------------------------------------------------------------
+// row_linear_bf16_tiles_range: Why: a bf16 panel (row_linear_kernel.cpp) widens every weight to fp32 and does one FMA
+// per weight and x row, so 16 rows cost 16 times the multiply-adds of one; one tdpbf16ps does 32 values x 16 weight
+// rows x up to 16 x rows. A standalone probe (Intel Xeon, AMX, 1 thread, 270 MB of bf16 weights in this layout on
+// huge pages, 2026-12-05): the tiles streamed at 13.7-14.0 GB/s at 1, 4 and 16 x rows, a plain read 14.6-14.9 and
+// the one-row bf16 panel loop 10.6; no software prefetch distance (2 KB into L1, 8 / 16 KB into L2) beat none.
+//
+// Roles: the weight is A (its tile layout puts 16 rows x 32 values -- 1 KB -- in one contiguous run, so the stream
+// is linear), x is B (16 pairs x up to 16 x rows), C is [16 weight rows][x rows] in fp32, kept across all blocks of
+// K and read back once per panel, transposed into out's rows. Two panels at a time (C tiles 0 and 1, A tiles 2 and
+// 3) share each loaded x block.
+
+TileConfig bf16_config(int cols) {
+  TileConfig c;
+  for (int s = 0; s < 2; ++s) {
+    c.rows[s] = 16;
+    c.colsb[s] = static_cast<uint16_t>(4 * cols);
+    c.rows[2 + s] = 16;
+    c.colsb[2 + s] = 64;
+  }
+  c.rows[4] = 16;
+  c.colsb[4] = static_cast<uint16_t>(4 * cols);
+  return c;
+}
+
+// C ([16 weight rows][16], 64-byte rows, from bf16_store) to out: x row m0 + j gets the panel's 16 outputs c[i][j].
+inline void store_bf16_panel(const RowLinearParams& p, const float* c, int64_t m0, int64_t rows, int64_t panel) {
+  const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t j = 0; j < rows; ++j)
+    _mm512_storeu_ps(p.out + (m0 + j) * p.out_stride + panel * kRowLinearPanel,
+                     _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(static_cast<int>(j))), c, 4));
+}
+
+template <class T>
+__attribute__((target("amx-tile,amx-int8,amx-bf16"))) void bf16_tiles(const RowLinearParams& p, int64_t n0,
+                                                                      int64_t n1) {
+  const int64_t nb = p.x_blocks, cols = p.xb_cols, panel_elems = nb * 512, x_block = 16 * cols * 2;
+  const int64_t last = n1 / kRowLinearPanel;
+  alignas(64) float c[2][16 * 16];
+  T::configure(bf16_config(static_cast<int>(cols)));
+  for (int64_t panel = n0 / kRowLinearPanel; panel < last; panel += 2) {
+    const bool two = panel + 1 < last;
+    const uint16_t* w0 = p.wt + panel * panel_elems;
+    const uint16_t* w1 = w0 + panel_elems;
+    for (int64_t g = 0; g < p.xb_groups; ++g) {
+      const uint16_t* xb = p.xbt + g * nb * x_block;
+      T::template bf16_zero<0>();
+      T::template bf16_zero<1>();
+      for (int64_t b = 0; b < nb; ++b) {
+        T::bf16_x(xb + b * x_block, 4 * cols);
+        T::template bf16_dot<0>(w0 + b * 512);
+        if (two) T::template bf16_dot<1>(w1 + b * 512);
+      }
+      const int64_t m0 = g * cols, rows = std::min(cols, p.M - m0);
+      T::template bf16_store<0>(c[0]);
+      store_bf16_panel(p, c[0], m0, rows, panel);
+      if (two) {
+        T::template bf16_store<1>(c[1]);
+        store_bf16_panel(p, c[1], m0, rows, panel + 1);
+      }
+    }
+  }
+  T::release();
+}
+
 }  // namespace
+
+void row_linear_bf16_tiles_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate) {
+  count_amx_range();
+  if (emulate) return bf16_tiles<EmuTiles>(p, n0, n1);
+  bf16_tiles<HwTiles>(p, n0, n1);
+}
 
 void row_linear_amx_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate) {
   count_amx_range();

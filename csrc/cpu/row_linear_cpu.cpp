@@ -76,6 +76,36 @@ sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, co
   return p;
 }
 
+// row_linear with a bf16 weight in tiles: per slice of kRowLinearRows rows, x rounded into the B layout once (as
+// equal groups of <= 16 rows as the slice allows: the tiles' columns), then the weight chunks as for the other layouts.
+at::Tensor row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  const int64_t M = x.size(0), N = out.size(1), K = x.size(1), nb = weight.size(1);
+  sbd_cpu::RowLinearParams p{x.data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, nullptr, out.data_ptr<float>(),
+                             out.stride(0), M, N, K};
+  p.wt = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  p.x_blocks = nb;
+  p.tiles_mode = sbd_cpu::bf16_tiles_mode();
+  XScratch xs;
+  const int64_t chunks = (N + sbd_cpu::kRowLinearChunk - 1) / sbd_cpu::kRowLinearChunk;
+  for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows) {
+    sbd_cpu::RowLinearParams s = p;
+    s.M = std::min(sbd_cpu::kRowLinearRows, M - m0);
+    s.x += m0 * p.x_stride;
+    s.out += m0 * p.out_stride;
+    s.xb_groups = (s.M + 15) / 16;
+    s.xb_cols = (s.M + s.xb_groups - 1) / s.xb_groups;
+    int16_t* xb = xs.get<int16_t>(XScratch::kXqRows, s.xb_groups * nb * 16 * s.xb_cols * 2, at::kShort);
+    SBD_CPU_DISPATCH(row_linear_bf16_tiles_x, s.x, s.x_stride, s.M, K, nb, s.xb_cols, s.xb_groups,
+                     reinterpret_cast<uint16_t*>(xb));
+    s.xbt = reinterpret_cast<const uint16_t*>(xb);
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      const int64_t n1 = std::min(N, c1 * sbd_cpu::kRowLinearChunk);
+      SBD_CPU_DISPATCH(row_linear_range, s, c0 * sbd_cpu::kRowLinearChunk, n1);
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
@@ -93,6 +123,7 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const bool q8_packed = row_linear_is_q8_packed(weight);
   if (!q8 && !packed && !q8_packed && !bf16 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
+  if (row_linear_is_bf16_tiles(weight)) return row_linear_bf16_tiles(x, weight, out);
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                              x.stride(0),
                              q8 || q8_packed || bf16 ? nullptr : weight.data_ptr<float>(),
@@ -211,9 +242,10 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
   const float* b = lora_b.data_ptr<float>();
   const float* g = gate.data_ptr<float>();
-  if (scale.has_value()) {
+  if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
     if (M == 0) return at::empty({0, N}, x.options());
-    const at::Tensor full = row_linear_cpu(x, weight, scale, true);  // [M, P * 16]: W's outputs, then h = x A^T
+    // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
+    const at::Tensor full = row_linear_cpu(x, weight, scale, scale.has_value());
     const int64_t F = full.size(1);
     at::Tensor out = full.narrow(1, 0, N).contiguous();
     const float* fp = full.data_ptr<float>();

@@ -39,7 +39,33 @@ struct RowLinearParams {
   // the fp32 path's sums. With `packed`, bf16 panels [N / kRowLinearPanel, K, kRowLinearPanel] laid out as w's (the
   // fp32 panel path's tiles and sums over the widened values).
   const uint16_t* wb = nullptr;
+  // bf16 weight in tiles (sbd_ext.packing.pack_row_linear_weight(..., tiles=True); AMX-BF16's A operand) instead of
+  // w / wq / wb: [N / 16, ceil(K / 32), 16, 32] bf16 bits, contiguous, zero past K: weight row n's values 32 b .. 32 b + 31
+  // at wt[((n / 16) * x_blocks + b) * 512 + (n % 16) * 32 ...]. x then comes rounded to bf16 (round to nearest even)
+  // as xbt, in groups of xb_cols rows (the last group padded with zero rows): group g's block b is 16 pairs of
+  // values x 32 b + 2 r, 32 b + 2 r + 1 of each of its rows, xbt[((g * x_blocks + b) * 16 + r) * xb_cols * 2 ...]
+  // (the B operand), zero past K. Sums: bf16_pair_add per pair in k order (see there); tiles_mode: 0 that model on
+  // the vector units, 1 the AMX-BF16 tiles, 2 the tile loop over the emulated tiles (both need the AVX-512 variant).
+  const uint16_t* wt = nullptr;
+  const uint16_t* xbt = nullptr;
+  int64_t xb_cols = 0, xb_groups = 0;
+  int tiles_mode = 0;
 };
+
+// One pair of bf16 products added to an fp32 sum as the model of AMX-BF16 (tdpbf16ps) that the portable and emulated
+// paths share: the pair's two products (exact in fp32) summed exactly, rounded to fp32 and added (round to nearest
+// even). For one pair per instruction this is the tiles' result bit for bit (Intel Xeon, 2026-12-05, 20,000 random
+// pairs); over the 16 pairs of a whole tile row the hardware rounds in an order of its own (~half the sums differ in
+// the last bits), so the tiles are batch invariant among themselves and within ~1e-6 relative of this model.
+inline float bf16_pair_add(float acc, uint16_t x0, uint16_t x1, uint16_t w0, uint16_t w1) {
+  const auto widen = [](uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof(f));
+    return static_cast<double>(f);
+  };
+  return acc + static_cast<float>(widen(x0) * widen(w0) + widen(x1) * widen(w1));
+}
 
 // Values of x per quantisation block (llama.cpp's Q8_0 block).
 constexpr int64_t kRowLinearXBlock = 32;
@@ -71,11 +97,18 @@ SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x, const RowLinearParams& p, in
 SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x_packed, const RowLinearParams& p, int32_t* xq4, float* xdt,
                        int32_t* xct, int8_t* xq_rows)
 
+// x rows [0, M) rounded to bf16 (to nearest even; NaN as 0x7FC0, as c10::BFloat16) into the tiles' B layout
+// (RowLinearParams::xbt) of groups of `cols` rows, every slot written (zero past M and K).
+SBD_CPU_DECLARE_KERNEL(void, row_linear_bf16_tiles_x, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                       int64_t nb, int64_t cols, int64_t groups, uint16_t* xb)
+
 #if defined(CPU_CAPABILITY_AVX512)
 namespace AVX512 {
 // Packed int8 weight rows [n0, n1) times p.M quantised x rows on AMX-INT8 tiles (row_linear_amx_kernel.cpp): p as
 // for the VNNI panels plus xq / xq_stride (row-major x); the same bits. emulate: the tile model instead of AMX.
 void row_linear_amx_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate);
+// bf16 weight rows [n0, n1) in tiles (p.wt) times p.M bf16 x rows (p.xbt) on AMX-BF16 tiles (emulate: the tile model).
+void row_linear_bf16_tiles_range(const RowLinearParams& p, int64_t n0, int64_t n1, bool emulate);
 }  // namespace AVX512
 #endif
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..linear import as_rows, row_count
 from ..ops import gated_lora_linear, row_linear
-from ..packing import PANEL, constant_weight, pack_row_linear_int8, pack_row_linear_weight
+from ..packing import PANEL, constant_weight, is_bf16_tiles, pack_row_linear_int8, pack_row_linear_weight
 from ..quantization import Int8Linear, PackedLinear, quantize_weight
 from ..weight_arena import kernel_tensor
 
@@ -338,7 +338,8 @@ def _a_rows(a: torch.Tensor, wp: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """A's rows in the layout of the base's packed weight ``wp``, padded to whole panels, and (int8) their scales
     padded alike (0 on the padding rows) or None."""
     if wp.dtype != torch.uint8:
-        return pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True), None  # bf16 base: A rounded too
+        # bf16 base: A rounded too, in the base's layout (panels, or tiles: x rounded to bf16 once for W and A)
+        return pack_row_linear_weight(a.detach().float().to(wp.dtype), pad=True, tiles=is_bf16_tiles(wp)), None
     q, scale = quantize_weight(a.detach())
     packed = pack_row_linear_int8(q, pad=True)
     return packed, F.pad(scale, (0, packed.shape[0] * PANEL - scale.shape[0]))
