@@ -14,6 +14,7 @@ import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
 from sbd_ext.linear import RowLinear, use_row_linear
+from sbd_ext.packing import bf16_tiles_in_use, is_bf16_tiles
 from sbd_ext.quantization import Int8Linear, PackedLinear, quantize_weight, quantized_scheme
 from sbd_ext.reference import quantized_x
 
@@ -49,6 +50,8 @@ def _dequantised_copy(model: nn.Module, scheme: str = "int8") -> nn.Module:
             if type(m) is nn.Linear:
                 if scheme == "bf16":  # the weights rounded to bf16 (to nearest even), as fp32
                     m.weight = nn.Parameter(m.weight.bfloat16().float(), requires_grad=False)
+                    if bf16_tiles_in_use():  # AMX-BF16's tiles: the inputs rounded to bf16 too
+                        m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
                     continue
                 q, s = quantize_weight(m.weight)
                 m.weight = nn.Parameter(q.float() * s[:, None], requires_grad=False)
@@ -227,15 +230,26 @@ def test_packed_then_int8_and_not_back():
 
 
 # ---- decoding on int8 (and packed) weights ---------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int8", "w8a8", "packed", "bf16"])
+@pytest.fixture(scope="module", params=["int8", "w8a8", "packed", "bf16", "bf16 tiles"])
 def arith(request):
+    scheme = request.param
+    if scheme == "bf16 tiles":  # the AMX-BF16 layout on any AVX512-VNNI CPU: the emulated tiles (the tiles' loop)
+        if not bf16_tiles_in_use():
+            info = sbd_ext.build_info()
+            if not ("avx512" in info["cpu_isas"] and info["cpu_vnni"]):
+                pytest.skip("the AMX-BF16 tiles and their emulation need an AVX512-VNNI CPU")
+            sbd_ext._C.set_cpu_amx("emulate")
+            request.addfinalizer(lambda: sbd_ext._C.set_cpu_amx("auto"))
+        scheme = "bf16"
     model, tok = models.load(models.DEFAULT_MODEL)
     info = models.demo_info(models.DEFAULT_MODEL)
     probs = list(tasks.problems("test", 4))
     texts = [format_prompt(p.prompt, info.get("prompt_template")) for p in probs]
     enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
-    ref = _dequantised_copy(model, request.param)
-    sbd_ext.quantize(model, request.param)
+    ref = _dequantised_copy(model, scheme)
+    sbd_ext.quantize(model, scheme)
+    if request.param == "bf16 tiles":
+        assert all(is_bf16_tiles(m.weight_packed) for m in model.modules() if isinstance(m, PackedLinear))
     kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return model, ref, enc.input_ids, enc.attention_mask, info, kw
 
