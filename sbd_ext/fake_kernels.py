@@ -84,12 +84,12 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
             (weight, "weight", 3, 4, "4 (a packed int8 weight is [P, ceil(K / 32) * 8, 16, 4])"),
             (scale, "scale", 0, weight.shape[0] * PANEL, "16 * weight.size(0) (P * 16)"),
         ]
-    if tiles:
-        sizes.append((weight, "weight", 3, 32, "32 (a bf16 weight in tiles is [P, ceil(K / 32), 16, 32])"))
         if scale.dtype != torch.float32:
             raise TypeError(f"{op}: scale must have dtype Float, got {scale.dtype}")
         if scale.device != x.device:
             raise RuntimeError(f"{op}: scale is on {scale.device} but x is on {x.device}")
+    if tiles:
+        sizes.append((weight, "weight", 3, 32, "32 (a bf16 weight in tiles is [P, ceil(K / 32), 16, 32])"))
     for t, name, d, want, what in sizes:
         msg = f"{op}: {name}.size({d}) must equal {what} = {want}, got shape {tuple(t.shape)}"
         torch._check_value(t.shape[d] == want, lambda msg=msg: msg)

@@ -259,8 +259,8 @@ inline void prefetch_block(const uint8_t* wb, const char* end) {
 // for MR rows by the caller. Compiled for the tile instructions (which only the intrinsics emit), so that HwTiles'
 // operations inline: as calls they cost the 16-row loop ~10 % (a SmolLM2 gate projection, 16 rows, streamed).
 template <class T, int MR>
-__attribute__((target("amx-tile,amx-int8,amx-bf16"))) void group_panels(const RowLinearParams& p, int64_t m0, int64_t p0,
-                                                                 int64_t p1, bool prefetch) {
+__attribute__((target("amx-tile,amx-int8,amx-bf16"))) void group_panels(const RowLinearParams& p, int64_t m0,
+                                                                          int64_t p0, int64_t p1, bool prefetch) {
   const int64_t M = p.M, nb = p.x_blocks, panel_bytes = nb * kPanelBlockBytes;
   const char* end = reinterpret_cast<const char*>(p.wq_packed + (p.N / kRowLinearPanel) * panel_bytes);
   const int8_t* xa = p.xq + m0 * p.xq_stride;

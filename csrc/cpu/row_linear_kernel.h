@@ -39,13 +39,13 @@ struct RowLinearParams {
   // the fp32 path's sums. With `packed`, bf16 panels [N / kRowLinearPanel, K, kRowLinearPanel] laid out as w's (the
   // fp32 panel path's tiles and sums over the widened values).
   const uint16_t* wb = nullptr;
-  // bf16 weight in tiles (sbd_ext.packing.pack_row_linear_weight(..., tiles=True); AMX-BF16's A operand) instead of
-  // w / wq / wb: [N / 16, ceil(K / 32), 16, 32] bf16 bits, contiguous, zero past K: weight row n's values 32 b .. 32 b + 31
-  // at wt[((n / 16) * x_blocks + b) * 512 + (n % 16) * 32 ...]. x then comes rounded to bf16 (round to nearest even)
-  // as xbt, in groups of xb_cols rows (the last group padded with zero rows): group g's block b is 16 pairs of
-  // values x 32 b + 2 r, 32 b + 2 r + 1 of each of its rows, xbt[((g * x_blocks + b) * 16 + r) * xb_cols * 2 ...]
-  // (the B operand), zero past K. Sums: bf16_pair_add per pair in k order (see there); tiles_mode: 0 that model on
-  // the vector units, 1 the AMX-BF16 tiles, 2 the tile loop over the emulated tiles (both need the AVX-512 variant).
+  // bf16 weight in tiles (sbd_ext.packing.pack_row_linear_weight(..., tiles=True); AMX-BF16's A operand) instead
+  // of w / wq / wb: [N / 16, ceil(K / 32), 16, 32] bf16 bits, contiguous, zero past K: weight row n's values
+  // 32 b .. 32 b + 31 at wt[((n / 16) * x_blocks + b) * 512 + (n % 16) * 32 ...]. x comes rounded to bf16 (to
+  // nearest even) as xbt, in groups of xb_cols rows (the last group padded with zero rows): group g's block b holds
+  // 16 pairs of values (32 b + 2 r, 32 b + 2 r + 1) of each of its rows at xbt[((g * x_blocks + b) * 16 + r) *
+  // xb_cols * 2 ...] (the B operand), zero past K. tiles_mode: 1 the AMX-BF16 tiles, 2 the tile loop over the
+  // emulated tiles (both in the AVX-512 variant), 0 the emulation's model on the vector units (bf16_pair_add).
   const uint16_t* wt = nullptr;
   const uint16_t* xbt = nullptr;
   int64_t xb_cols = 0, xb_groups = 0;

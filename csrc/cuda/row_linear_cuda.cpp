@@ -47,7 +47,8 @@ at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     return at::mm(quantize_x ? quantized_x(x) : x, weight.to(at::kFloat).t()).mul_(*scale);
   }
   if (row_linear_is_bf16_tiles(weight)) {  // bf16 [N / 16, K / 32, 16, 32]: x rounded to bf16 as on the CPU
-    const at::Tensor w = weight.permute({0, 2, 1, 3}).reshape({row_linear_out_features(weight), -1}).narrow(1, 0, x.size(1));
+    const at::Tensor w =
+        weight.permute({0, 2, 1, 3}).reshape({row_linear_out_features(weight), -1}).narrow(1, 0, x.size(1));
     return at::mm(x.to(at::kBFloat16).to(at::kFloat), w.to(at::kFloat).t()).to(x.scalar_type());
   }
   // packed in panels of 16 rows [N / 16, K, 16] (fp32 or bf16): back to [N, K] for cuBLAS (a correct path: the panel

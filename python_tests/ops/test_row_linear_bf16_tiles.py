@@ -95,3 +95,9 @@ def test_bad_inputs_and_fake_kernel():
     with torch.device("meta"):
         out = torch.ops.sbd_ext.row_linear(torch.empty(3, 97), torch.empty(2, 4, 16, 32, dtype=torch.bfloat16))
     assert tuple(out.shape) == (3, 32)
+    with torch.device("meta"):  # gated_lora_linear's fake over [W; A] in tiles (a compiled drafter step traces it)
+        wa, b = torch.empty(3, 4, 16, 32, dtype=torch.bfloat16), torch.empty(2, 5, 16)
+        out = torch.ops.sbd_ext.gated_lora_linear(torch.empty(3, 97), wa, b, torch.empty(3))
+        assert tuple(out.shape) == (3, 32)
+        with pytest.raises(ValueError, match=r"size\(3\) must equal 32"):
+            torch.ops.sbd_ext.gated_lora_linear(torch.empty(3, 97), wa[..., :16], b, torch.empty(3))
