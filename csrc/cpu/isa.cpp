@@ -151,7 +151,9 @@ Core detect_core() {
 #if defined(__x86_64__) || defined(_M_X64)
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid(0, &a, &b, &c, &d) == 0) return Core::OTHER;
-  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;    // "AuthenticAMD"
+  const bool intel = b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
+  if (intel) return __builtin_cpu_supports("avx512f") ? Core::INTEL : Core::OTHER;
   if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return Core::OTHER;
   const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
   if (family == 0x1A) return Core::ZEN5;
@@ -270,6 +272,8 @@ const char* core_name(Core core) {
       return "zen5";
     case Core::ZEN4:
       return "zen4";
+    case Core::INTEL:
+      return "intel";
     default:
       return "other";
   }

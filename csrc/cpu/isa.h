@@ -21,7 +21,8 @@ void set_isa(const std::string& name);
 // The core family, for the few tunings measured to differ between cores of one ISA (a software prefetch distance):
 // ZEN5 for an AMD family 0x1A core (CPUID leaf 1), ZEN4 for an AMD family 0x19 core with AVX-512F (the family's
 // Zen 3 cores have none), OTHER for everything else. Never changes a result.
-enum class Core : int { OTHER = 0, ZEN5 = 1, ZEN4 = 2 };
+// INTEL for an Intel core with AVX-512F.
+enum class Core : int { OTHER = 0, ZEN5 = 1, ZEN4 = 2, INTEL = 3 };
 Core cpu_core();
 const char* core_name(Core core);
 

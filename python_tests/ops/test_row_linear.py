@@ -505,8 +505,8 @@ def test_bf16_x_with_a_bf16_weight_rounds_once_and_other_weights_refuse_it(cpu_i
 
 def test_cpu_core_is_the_cpuid_family():
     """build_info()["cpu_core"] (the core that picks row_linear's per-core prefetch distances, cpu/isa.h) is "zen5"
-    exactly on an AMD family 26 (0x1A) CPU, "zen4" exactly on an AMD family 25 (0x19) CPU with AVX-512F, as
-    /proc/cpuinfo reports them, and "other" everywhere else."""
+    exactly on an AMD family 26 (0x1A) CPU, "zen4" exactly on an AMD family 25 (0x19) CPU with AVX-512F, "intel"
+    exactly on an Intel CPU with AVX-512F, as /proc/cpuinfo reports them, and "other" everywhere else."""
     try:
         with open("/proc/cpuinfo") as f:
             fields = {}
@@ -519,5 +519,6 @@ def test_cpu_core_is_the_cpuid_family():
         pytest.skip("/proc/cpuinfo names no CPU family")
     amd, family = fields.get("vendor_id") == "AuthenticAMD", int(fields["cpu family"])
     zen4 = amd and family == 0x19 and "avx512f" in fields.get("flags", "").split()
-    expected = "zen5" if amd and family == 0x1A else "zen4" if zen4 else "other"
+    intel = fields.get("vendor_id") == "GenuineIntel" and "avx512f" in fields.get("flags", "").split()
+    expected = "zen5" if amd and family == 0x1A else "zen4" if zen4 else "intel" if intel else "other"
     assert sbd_ext.build_info()["cpu_core"] == expected
