@@ -28,13 +28,22 @@ from torch.nn import functional as F
 from . import _C
 from .ops import row_linear
 
-__all__ = ["ROW_LIMIT", "RowLinear", "as_rows", "row_count", "use_row_linear", "ensure_row_linear", "row_linear_state"]
+__all__ = ["ROW_LIMIT", "RowLinear", "as_rows", "bf16_tiles_in_use", "ensure_row_linear", "row_count"]
+__all__ += ["row_linear_state", "use_row_linear"]
 
 # Up to this many rows row_linear's kernel is faster than F.linear on the machines measured (bench/ops/
 # bench_row_linear.py: at SmolLM2's shapes on a 2-core AVX2 EPYC); beyond it the BLAS GEMM's blocking wins, and the op
 # switches to it (fp32) or to slices of this many rows (int8). Defined once, in C++ (csrc/cpu/row_linear_kernel.h
 # kRowLinearRows); read here from the build.
 ROW_LIMIT: int = _C.build_info()["cpu_row_linear_rows"]
+
+
+def bf16_tiles_in_use() -> bool:
+    """Whether row_linear runs a bf16 weight in tiles on AMX-BF16 here, now (or on their emulation:
+    ``SBD_EXT_CPU_AMX=emulate``): where it does, ``sbd_ext.quantize(model, "bf16")`` packs the weights in tiles
+    (:func:`sbd_ext.packing.pack_row_linear_weight` with ``tiles=True``); ``build_info()["cpu_bf16_tiles"]``: how."""
+    return _C.cpu_bf16_tiles() != "model"
+
 
 _OPT_OUT = "_sbd_row_linear_off"
 _LOCK = threading.Lock()

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
-
 __all__ = [
     "PANEL",
-    "bf16_tiles_in_use",
     "constant_weight",
     "is_bf16_tiles",
     "pack_row_linear_int8",
@@ -53,13 +50,6 @@ def _checked(fn: str, weight: torch.Tensor, dtypes: tuple, wrong_dtype: str, pad
     return n, k
 
 
-def bf16_tiles_in_use() -> bool:
-    """Whether row_linear runs a bf16 weight in tiles on AMX-BF16 here, now (or on their emulation:
-    ``SBD_EXT_CPU_AMX=emulate``): where it does, ``sbd_ext.quantize(model, "bf16")`` packs the weights in tiles
-    (:func:`pack_row_linear_weight` with ``tiles=True``). ``build_info()["cpu_bf16_tiles"]`` says the same."""
-    return _C.cpu_bf16_tiles() != "model"
-
-
 def is_bf16_tiles(packed: torch.Tensor) -> bool:
     """Whether ``packed`` is a bf16 weight in tiles (:func:`pack_row_linear_weight` with ``tiles=True``)."""
     return packed.dim() == 4 and packed.dtype == torch.bfloat16
@@ -78,7 +68,8 @@ def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False, tiles: bool 
     outputs, 0, too: slice them off). A new tensor (the weight is not changed); :func:`unpack_row_linear_weight` is
     its inverse.
 
-    ``tiles`` (bf16 only; ``sbd_ext.quantize(model, "bf16")`` asks for it where :func:`bf16_tiles_in_use`): the layout
+    ``tiles`` (bf16 only; ``sbd_ext.quantize(model, "bf16")`` asks for it where
+    :func:`sbd_ext.linear.bf16_tiles_in_use`): the layout
     of AMX-BF16's tiles instead, bf16
     [N / 16, ceil(K / 32), 16, 32] with K padded with zeros, where weight row ``n``, column ``k`` is
     ``packed[n // 16, k // 32, n % 16, k % 32]``. row_linear then rounds x to bf16 (to nearest even) and sums the

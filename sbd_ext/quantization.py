@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _C, packing
-from .linear import RowLinear, as_rows, row_count
+from .linear import RowLinear, as_rows, bf16_tiles_in_use, row_count
 from .ops import row_linear
 from .packing import (
     PANEL,
@@ -266,7 +266,7 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 f"this model has linear weights in {', '.join(bad)}: call model.float() first"
             )
         tied = _tied_ids(model)
-        panel, tiles = _PANEL_DTYPES.get(scheme), scheme == "bf16" and packing.bf16_tiles_in_use()  # AMX-BF16 tiles
+        panel, tiles = _PANEL_DTYPES.get(scheme), scheme == "bf16" and bf16_tiles_in_use()  # AMX-BF16 tiles
         if panel is not None:  # checks before any change
             converted = [(pack_row_linear_weight(m.weight.to(panel), pad=True, tiles=tiles),) for m in targets]
         else:

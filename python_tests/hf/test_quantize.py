@@ -13,8 +13,8 @@ from torch import nn
 import sbd_ext
 from sbd_ext.demo import models, tasks
 from sbd_ext.demo.evaluate import format_prompt
-from sbd_ext.linear import RowLinear, use_row_linear
-from sbd_ext.packing import bf16_tiles_in_use, is_bf16_tiles
+from sbd_ext.linear import RowLinear, bf16_tiles_in_use, use_row_linear
+from sbd_ext.packing import is_bf16_tiles
 from sbd_ext.quantization import Int8Linear, PackedLinear, quantize_weight, quantized_scheme
 from sbd_ext.reference import quantized_x
 

@@ -10,7 +10,8 @@ from utils import assert_close
 
 import sbd_ext
 from sbd_ext import reference as R
-from sbd_ext.packing import bf16_tiles_in_use, is_bf16_tiles, pack_row_linear_weight, unpack_row_linear_weight
+from sbd_ext.linear import bf16_tiles_in_use
+from sbd_ext.packing import is_bf16_tiles, pack_row_linear_weight, unpack_row_linear_weight
 from sbd_ext.quantization import PackedLinear, quantize
 
 EPS32 = 2.0**-24
