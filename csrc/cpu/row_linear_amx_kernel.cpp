@@ -1,5 +1,6 @@
 // row_linear's packed int8 weights times several quantised x rows on AMX-INT8 tiles (Intel Sapphire Rapids and
-// later), in the AVX-512 variant only (the other variants compile nothing here). See cpu/isa.h for when it runs.
+// later), and its bf16 weights in tiles times bf16 x rows on AMX-BF16 (the "bf16" section below), in the AVX-512
+// variant only (the other variants compile nothing here). See cpu/isa.h for when each runs.
 //
 // Why: at one x row a packed int8 linear is a pass over the weight and the VNNI tile (row_linear_kernel.cpp,
 // q8_panel_tile) keeps up with memory; at 4-32 rows (a verify or SBD forward) it does 8 vpdpbusd and 8 broadcasts per
