@@ -55,15 +55,14 @@ namespace {
 
 const char* bf16_tiles_name() {
   switch (sbd_cpu::bf16_tiles_mode()) {
-    case 1:
+    case sbd_cpu::Amx::HW:
       return "tiles";
-    case 2:
+    case sbd_cpu::Amx::EMULATE:
       return "emulate";
     default:
       return "model";
   }
 }
-
 
 // The first invalid lengths a CUDA block_attention kernel found since the last call, as the message the CPU
 // binding raises for them, or "" (always "" without the CUDA kernels). Call after synchronising the device.

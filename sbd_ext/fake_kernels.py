@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .packing import PANEL
+from .packing import PANEL, is_bf16_tiles
 
 __all__ = ["row_linear_out_features"]
 
@@ -14,7 +14,7 @@ __all__ = ["row_linear_out_features"]
 def row_linear_out_features(weight: torch.Tensor) -> int:
     """N, the output size of row_linear with this weight: [N, K], or packed (fp32 / bf16) [N / 16, K, 16]."""
     packed = weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[2] == PANEL
-    tiles = weight.dim() == 4 and weight.dtype == torch.bfloat16
+    tiles = is_bf16_tiles(weight)
     return weight.shape[0] * PANEL if packed or tiles or weight.dtype == torch.uint8 else weight.shape[0]
 
 
@@ -57,7 +57,7 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
             if q8
             else f"{op}: scale is for a packed int8 [W; A] (uint8); weight has dtype {weight.dtype}"
         )
-    tiles = weight.dtype == torch.bfloat16 and weight.dim() == 4
+    tiles = is_bf16_tiles(weight)
     if q8:
         wdim, wshape = 4, "(packed int8 [W; A]: uint8 [P, ceil(K / 32) * 8, 16, 4])"
     elif tiles:
@@ -125,7 +125,7 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
         packed = (
             name == "weight" and t.dim() == 3 and t.dtype in (torch.float32, torch.bfloat16) and t.shape[2] == PANEL
         )
-        tiles = name == "weight" and t.dim() == 4 and t.dtype == torch.bfloat16
+        tiles = name == "weight" and is_bf16_tiles(t)
         if tiles and (t.shape[2] != PANEL or t.shape[3] != 32):
             raise ValueError(
                 "row_linear: weight.size(2) and .size(3) must be 16 and 32 (a bf16 weight in tiles is "
@@ -163,7 +163,7 @@ def _row_linear_fake(x, weight, scale=None, quantize_x=False):
                 "row_linear: a packed int8 weight (uint8 [N / 16, K / 4, 16, 4]) multiplies int8 x: "
                 "pass quantize_x=True"
             )
-    elif weight.dim() == 4 and weight.dtype == torch.bfloat16:
+    elif is_bf16_tiles(weight):
         torch._check_value(
             weight.shape[1] == (x.shape[1] + 31) // 32,
             lambda: (

@@ -1,8 +1,7 @@
 """row_linear's packed weight layouts (:func:`sbd_ext.ops.row_linear` takes them as its ``weight``): fp32 or bf16 in
 panels of 16 weight rows, bf16 in tiles for AMX-BF16, and int8 for int8 x. The same values, moved, so that the CPU
-kernel multiplies a whole panel
-vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model, "packed")`` / ``"bf16"`` / ``"w8a8"``
-use them in a model (sbd_ext/quantization.py)."""
+kernel multiplies a whole panel vector per step (csrc/cpu/row_linear_kernel.cpp). ``sbd_ext.quantize(model,
+"packed")`` / ``"bf16"`` / ``"w8a8"`` use them in a model (sbd_ext/quantization.py)."""
 
 from __future__ import annotations
 
@@ -69,9 +68,8 @@ def pack_row_linear_weight(weight: torch.Tensor, pad: bool = False, tiles: bool 
     its inverse.
 
     ``tiles`` (bf16 only; ``sbd_ext.quantize(model, "bf16")`` asks for it where
-    :func:`sbd_ext.linear.bf16_tiles_in_use`): the layout
-    of AMX-BF16's tiles instead, bf16
-    [N / 16, ceil(K / 32), 16, 32] with K padded with zeros, where weight row ``n``, column ``k`` is
+    :func:`sbd_ext.linear.bf16_tiles_in_use`): the layout of AMX-BF16's tiles instead, bf16 [N / 16, ceil(K / 32),
+    16, 32] with K padded with zeros, where weight row ``n``, column ``k`` is
     ``packed[n // 16, k // 32, n % 16, k % 32]``. row_linear then rounds x to bf16 (to nearest even) and sums the
     exact products in fp32 on the tiles: 16 x rows cost what one costs. The panel layout keeps x in fp32."""
     n, k = _checked(

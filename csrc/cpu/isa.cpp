@@ -243,16 +243,10 @@ bool amx_bf16_usable() {
 #endif
 }
 
-int bf16_tiles_mode() {
-  if (active_isa() != Isa::AVX512) return 0;
-  switch (amx_mode()) {
-    case Amx::HW:
-      return amx_bf16_usable() ? 1 : 0;
-    case Amx::EMULATE:
-      return 2;
-    default:
-      return 0;
-  }
+Amx bf16_tiles_mode() {
+  if (active_isa() != Isa::AVX512) return Amx::OFF;
+  const Amx mode = amx_mode();
+  return mode == Amx::HW && !amx_bf16_usable() ? Amx::OFF : mode;
 }
 
 bool amx_rows(long M) { return M >= kAmxMinRows && amx_mode() != Amx::OFF && active_isa() == Isa::AVX512; }

@@ -47,10 +47,10 @@ constexpr long kAmxMinRows = 4;
 // AMX-BF16 as well (CPUID leaf 7 EDX bit 22, with everything amx_int8_usable checks).
 bool amx_bf16_usable();
 // How row_linear runs a bf16 weight in tiles (sbd_ext.packing, tiles=True) under the current ISA and mode
-// (RowLinearParams::tiles_mode): 1 on the AMX-BF16 tiles (mode HW where AMX-BF16 is usable), 2 on the emulated tiles
-// (mode EMULATE), 0 the same model on the vector units (anything else: OFF, not the AVX-512 variant, no AMX-BF16).
-// sbd_ext.quantize(model, "bf16") packs in tiles where this is not 0.
-int bf16_tiles_mode();
+// (RowLinearParams::tiles_mode): HW on the AMX-BF16 tiles (mode HW where AMX-BF16 is usable), EMULATE on the emulated
+// tiles, OFF the same model on the vector units (anything else: OFF, not the AVX-512 variant, no AMX-BF16).
+// sbd_ext.quantize(model, "bf16") packs in tiles unless this is OFF.
+Amx bf16_tiles_mode();
 // Whether a packed int8 row_linear of M x rows takes the AMX path under the current ISA and mode.
 bool amx_rows(long M);
 // row_linear_range calls that ran on the tiles (HW or EMULATE) since the process started.

@@ -984,25 +984,27 @@ inline uint16_t bf16_rne(float v) {
 void row_linear_bf16_tiles_x(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t nb, int64_t cols,
                              int64_t groups, uint16_t* xb) {
   std::fill(xb, xb + groups * nb * 16 * cols * 2, uint16_t{0});
+#if defined(CPU_CAPABILITY_AVX512)
+  // one block of 32 values: rounded in the integer unit (the same bits as bf16_rne), the 16 pairs scattered to
+  // their tile rows (~10x the scalar loop: SmolLM2's x rows at 16 rows were ~6 ms of a forward that way)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(cols)));
+  const auto round = [](__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+        16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  };
+#endif
   for (int64_t m = 0; m < M; ++m) {
     const int64_t g = m / cols, j = m % cols;
     const float* xr = x + m * x_stride;
     uint16_t* dst = xb + g * nb * 16 * cols * 2 + j * 2;  // block b, pair r at dst[(b * 16 + r) * cols * 2]
     int64_t b = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-    // one block of 32 values: rounded in the integer unit (the same bits as bf16_rne), the 16 pairs scattered to
-    // their tile rows (~10x the scalar loop: SmolLM2's x rows at 16 rows were ~6 ms of a forward that way)
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(static_cast<int>(cols)));
-    const auto round = [](__m512 v) {
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i r = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-          16);
-      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    };
     for (; b * 32 + 32 <= K; ++b) {
       const __m512i lo = round(_mm512_loadu_ps(xr + b * 32)), hi = round(_mm512_loadu_ps(xr + b * 32 + 16));
       // pair r = values 2r, 2r + 1: lo holds values 0..15, hi 16..31 (16 bits each in 32-bit lanes)
@@ -1018,7 +1020,7 @@ void row_linear_bf16_tiles_x(const float* x, int64_t x_stride, int64_t M, int64_
   }
 }
 
-// bf16 weight in tiles without the tiles (p.tiles_mode 0): bf16_pair_add per pair in k order, as the emulated tiles
+// bf16 weight in tiles without the tiles (p.tiles_mode OFF): bf16_pair_add per pair in k order, as the emulated tiles
 // do, from the same x layout. Scalar: the path of a tiles weight on a CPU without AMX-BF16 (or with it turned off
 // after quantize), for its results, not its speed.
 void bf16_tiles_model(const RowLinearParams& p, int64_t n0, int64_t n1) {
@@ -1041,7 +1043,7 @@ void bf16_tiles_model(const RowLinearParams& p, int64_t n0, int64_t n1) {
 void row_linear_range(const RowLinearParams& p, int64_t n0, int64_t n1) {
   if (p.wt != nullptr) {
 #if defined(CPU_CAPABILITY_AVX512)
-    if (p.tiles_mode != 0) return row_linear_bf16_tiles_range(p, n0, n1, p.tiles_mode == 2);
+    if (p.tiles_mode != Amx::OFF) return row_linear_bf16_tiles_range(p, n0, n1, p.tiles_mode == Amx::EMULATE);
 #endif
     return bf16_tiles_model(p, n0, n1);
   }

@@ -44,12 +44,13 @@ struct RowLinearParams {
   // 32 b .. 32 b + 31 at wt[((n / 16) * x_blocks + b) * 512 + (n % 16) * 32 ...]. x comes rounded to bf16 (to
   // nearest even) as xbt, in groups of xb_cols rows (the last group padded with zero rows): group g's block b holds
   // 16 pairs of values (32 b + 2 r, 32 b + 2 r + 1) of each of its rows at xbt[((g * x_blocks + b) * 16 + r) *
-  // xb_cols * 2 ...] (the B operand), zero past K. tiles_mode: 1 the AMX-BF16 tiles, 2 the tile loop over the
-  // emulated tiles (both in the AVX-512 variant), 0 the emulation's model on the vector units (bf16_pair_add).
+  // xb_cols * 2 ...] (the B operand), zero past K. tiles_mode (cpu/isa.h bf16_tiles_mode): HW the AMX-BF16 tiles,
+  // EMULATE the tile loop over the emulated tiles (both in the AVX-512 variant), OFF the emulation's model on the
+  // vector units (bf16_pair_add).
   const uint16_t* wt = nullptr;
   const uint16_t* xbt = nullptr;
   int64_t xb_cols = 0, xb_groups = 0;
-  int tiles_mode = 0;
+  Amx tiles_mode = Amx::OFF;
 };
 
 // One pair of bf16 products added to an fp32 sum as the model of AMX-BF16 (tdpbf16ps) that the portable and emulated
