@@ -93,9 +93,10 @@ pybind11::dict build_info() {
   d["cpu_isas"] = sbd_cpu::available_isas();
   // the core family that picks the few per-core tunings (cpu/isa.h: a prefetch distance; never a result)
   d["cpu_core"] = std::string(sbd_cpu::core_name(sbd_cpu::cpu_core()));
-  // block_attention's matrix products for bf16 / fp16 under the automatic choice ("gemm": cpublas GEMM on the
-  // CPU's matrix units; "vector": this extension's micro-kernel), and the current setting.
+  // block_attention's matrix products for bf16 / fp16 under the current setting ("tiles": bf16 on the AMX-BF16
+  // tiles; "gemm": cpublas GEMM on the CPU's matrix units; "vector": this extension's micro-kernel), and the setting.
   const auto path = [](sbd_cpu::AttnDtype t) {
+    if (sbd_cpu::block_attention_tiles(t) != sbd_cpu::Amx::OFF) return std::string("tiles");
     return std::string(sbd_cpu::block_attention_use_gemm(t) ? "gemm" : "vector");
   };
   d["cpu_bf16_attention"] = path(sbd_cpu::AttnDtype::kBFloat16);
@@ -142,10 +143,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The first invalid-lengths error a CUDA block_attention kernel recorded since the last call (\"\" if none); "
         "see sbd_ext.ops.check_cuda_errors.");
   m.def("set_block_attention_matmul", &sbd_cpu::set_block_attention_matmul, pybind11::arg("name"),
-        "CPU block_attention's matrix products: \"auto\" (cpublas GEMM for bf16 / fp16 where the CPU has "
-        "AMX-BF16 / AMX-FP16, the micro-kernel otherwise), \"vector\" or \"gemm\" for every type.");
+        "CPU block_attention's matrix products: \"auto\" (bf16 on the AMX-BF16 tiles where row_linear runs bf16 "
+        "in tiles, cpublas GEMM for fp16 where the CPU has AMX-FP16, the micro-kernel otherwise), \"vector\" or "
+        "\"gemm\" for every type, \"tiles\" (bf16 on the tiles; raises where they are off).");
   m.def("block_attention_cpu_paths", &sbd_cpu::block_attention_path_counts,
-        "(vector, gemm): CPU block_attention calls per matrix path since the process started.");
+        "(vector, gemm, tiles): CPU block_attention calls per matrix path since the process started.");
   m.def("set_cpu_amx", &sbd_cpu::set_amx, pybind11::arg("mode"),
         "row_linear's packed int8 weights on AMX-INT8 tiles: \"auto\" (where usable), \"off\", \"on\" (raises "
         "where unusable) or \"emulate\" (the same kernel over a C++ model of the tiles: for tests, slow).");

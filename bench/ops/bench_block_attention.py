@@ -43,8 +43,18 @@ G = HQ // HKV
 LAYOUTS = {"16c+16b": 16, "32b": 0}  # name -> committed rows; the other rows of the 32 are the set block
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # sbd_ext: the automatic choice of matrix path (build_info()["cpu_bf16_attention"] for bf16); sbd_ext_vector /
-# sbd_ext_gemm: the other path forced (set_block_attention_matmul), the one equal to the automatic choice skipped.
-IMPLS = ["sbd_ext", "sbd_ext_vector", "sbd_ext_gemm", "reference", "sdpa_gqa", "sdpa_repeat", "sdpa_gqa_nomask"]
+# sbd_ext_gemm / sbd_ext_tiles: the other paths forced (set_block_attention_matmul), the one equal to the automatic
+# choice skipped, and the tiles (bf16 on AMX-BF16) where they are off or for another type.
+IMPLS = [
+    "sbd_ext",
+    "sbd_ext_vector",
+    "sbd_ext_gemm",
+    "sbd_ext_tiles",
+    "reference",
+    "sdpa_gqa",
+    "sdpa_repeat",
+    "sdpa_gqa_nomask",
+]
 
 
 def _auto_path(dtype: torch.dtype) -> str:
@@ -83,6 +93,8 @@ def _fn(impl: str, dtype: torch.dtype, n_commit: int):
         path = impl.removeprefix("sbd_ext_") if impl != "sbd_ext" else None
         if path == _auto_path(dtype):
             pytest.skip(f"the automatic choice for {dtype} is {path}: the sbd_ext row")
+        if path == "tiles" and (dtype != torch.bfloat16 or sbd_ext.build_info()["cpu_bf16_tiles"] == "model"):
+            pytest.skip("the tiles path runs bf16 where the AMX-BF16 tiles are on")
 
         def run():
             sbd_ext._C.set_block_attention_matmul(path or "auto")
@@ -122,7 +134,15 @@ def test_block_attention(benchmark, dtype_name, layout, impl):
     after = sbd_ext._C.block_attention_cpu_paths()
     if benchmark.stats is None:  # --benchmark-disable: the work ran once, as a check; nothing was timed
         return
-    path = "gemm" if after[1] > before[1] else "vector" if after[0] > before[0] else "-"
+    path = (
+        "tiles"
+        if after[2] > before[2]
+        else "gemm"
+        if after[1] > before[1]
+        else "vector"
+        if after[0] > before[0]
+        else "-"
+    )
     t_min, t_median = benchmark.stats.stats.min, benchmark.stats.stats.median
     benchmark.extra_info.update(
         dtype=dtype_name, layout=layout, B=B, Hq=HQ, Hkv=HKV, D=D, cache=CACHE, T=T,

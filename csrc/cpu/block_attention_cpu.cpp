@@ -82,8 +82,10 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   p.n_valid = valid.data();
   p.cache_lens_i64 = p.n_commit_i64 = p.n_valid_i64 = true;
   p.dtype = attn_dtype(q.scalar_type());
-  p.gemm = sbd_cpu::block_attention_use_gemm(p.dtype) && rows_are_matrices(p);
-  sbd_cpu::count_block_attention_path(p.gemm);
+  // the tiles load 32 values of a row at a time and read K / V in place: D a multiple of 32, rows that are matrices
+  p.tiles = rows_are_matrices(p) && p.D % 32 == 0 ? sbd_cpu::block_attention_tiles(p.dtype) : sbd_cpu::Amx::OFF;
+  p.gemm = p.tiles == sbd_cpu::Amx::OFF && sbd_cpu::block_attention_use_gemm(p.dtype) && rows_are_matrices(p);
+  sbd_cpu::count_block_attention_path(p.tiles != sbd_cpu::Amx::OFF ? 2 : p.gemm ? 1 : 0);
   append_committed(p, q.element_size());
   const int64_t threads = at::get_num_threads();
   sbd_cpu::block_attention_plan(p, threads);
@@ -109,7 +111,7 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 namespace sbd_cpu {
 namespace {
 
-enum class Matmul : int { kAuto = 0, kVector = 1, kGemm = 2 };
+enum class Matmul : int { kAuto = 0, kVector = 1, kGemm = 2, kTiles = 3 };
 
 std::atomic<int>& matmul_mode() {
   static std::atomic<int> mode{static_cast<int>(Matmul::kAuto)};
@@ -150,15 +152,24 @@ bool block_attention_use_gemm(AttnDtype dtype) {
   }
 }
 
-std::array<std::atomic<int64_t>, 2>& path_counts() {
-  static std::array<std::atomic<int64_t>, 2> counts{};
+// "auto" and "tiles": bf16 on the AMX-BF16 tiles wherever row_linear runs bf16 in tiles (cpu/isa.h
+// bf16_tiles_mode: HW, or EMULATE when the AMX mode is "emulate"); "vector" / "gemm": never.
+Amx block_attention_tiles(AttnDtype dtype) {
+  const auto mode = static_cast<Matmul>(matmul_mode().load(std::memory_order_relaxed));
+  if (dtype != AttnDtype::kBFloat16 || mode == Matmul::kVector || mode == Matmul::kGemm) return Amx::OFF;
+  return bf16_tiles_mode();
+}
+
+std::array<std::atomic<int64_t>, 3>& path_counts() {
+  static std::array<std::atomic<int64_t>, 3> counts{};
   return counts;
 }
 
-void count_block_attention_path(bool gemm) { path_counts()[gemm ? 1 : 0].fetch_add(1, std::memory_order_relaxed); }
+void count_block_attention_path(int path) { path_counts()[path].fetch_add(1, std::memory_order_relaxed); }
 
-std::pair<int64_t, int64_t> block_attention_path_counts() {
-  return {path_counts()[0].load(std::memory_order_relaxed), path_counts()[1].load(std::memory_order_relaxed)};
+std::tuple<int64_t, int64_t, int64_t> block_attention_path_counts() {
+  return {path_counts()[0].load(std::memory_order_relaxed), path_counts()[1].load(std::memory_order_relaxed),
+          path_counts()[2].load(std::memory_order_relaxed)};
 }
 
 void set_block_attention_matmul(const std::string& name) {
@@ -169,9 +180,14 @@ void set_block_attention_matmul(const std::string& name) {
     mode = Matmul::kVector;
   } else if (name == "gemm") {
     mode = Matmul::kGemm;
+  } else if (name == "tiles") {
+    TORCH_CHECK_VALUE(bf16_tiles_mode() != Amx::OFF,
+                      "sbd_ext: block_attention matmul \"tiles\" needs the AMX-BF16 tiles (or set_cpu_amx(\"emulate\")) "
+                      "in the AVX-512 kernels; here: ", amx_int8_status());
+    mode = Matmul::kTiles;
   } else {
     TORCH_CHECK_VALUE(false, "sbd_ext: unknown block_attention matmul \"", name,
-                      "\"; expected \"auto\", \"vector\" or \"gemm\"");
+                      "\"; expected \"auto\", \"vector\", \"gemm\" or \"tiles\"");
   }
   matmul_mode().store(static_cast<int>(mode));
 }
@@ -182,6 +198,8 @@ std::string block_attention_matmul() {
       return "vector";
     case Matmul::kGemm:
       return "gemm";
+    case Matmul::kTiles:
+      return "tiles";
     default:
       return "auto";
   }

@@ -27,6 +27,9 @@
 // go to ATen's cpublas GEMM on the input type instead (GemmUnitRunner): oneDNN's matmul on AMX tiles or
 // vdpbf16ps, the call PyTorch's own CPU flash attention makes. The work units, the online softmax (softmax_tile)
 // and the partial states are this file's.
+//
+// With p.tiles (bf16 where the AMX-BF16 tiles are on, AVX-512 variant) the products run on the tiles directly
+// (block_attention_tiles.h, TilesUnitRunner), with the same units, softmax and partial states.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
@@ -40,11 +43,16 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <utility>
 
 #include "cpu/aligned_buffer.h"
 #include "cpu/block_attention_kernel.h"
 #include "sbd/softmax_state.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include "cpu/amx_tiles.h"
+#endif
 
 namespace sbd_cpu {
 namespace CPU_CAPABILITY {
@@ -136,6 +144,9 @@ inline void lane_state(const Vec& m_old, const Vec& m_new, const Vec& off, const
 // must be scaled by. The vector form of sbd::SoftmaxState::push_block. The scores are soft-capped first when
 // softcap > 0 (sbd::soft_cap). lo / hi (both null when no key of the block is hidden from any lane) carry the mask
 // (block_bounds): key n is visible to a lane when lo[lane] <= n <= hi[lane].
+// kFastExp: the probabilities by exp_u20 (the tiles path, which rounds them to bf16 next, as PyTorch's flash
+// attention does); the running state's factor stays the full-precision exp.
+template <bool kFastExp = false>
 void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, float softcap, const float* lo, const float* hi,
                   float* run_m, float* run_l, float* alpha) {
   const Vec ninf(-INFINITY), zero(0.f);
@@ -162,7 +173,13 @@ void softmax_tile(float* st, int64_t ld, int64_t nb, int64_t nvec, float softcap
     const Vec off = Vec::blendv(m_new, zero, m_new == ninf);  // sbd::softmax_offset
     Vec sum(0.f);
     for (int64_t n = 0; n < nb; ++n) {
-      const Vec e = (Vec::loadu(col + n * ld) - off).exp();
+      const Vec x = Vec::loadu(col + n * ld) - off;
+      Vec e;
+      if constexpr (kFastExp) {
+        e = x.exp_u20();
+      } else {
+        e = x.exp();
+      }
       e.store(col + n * ld);
       sum = sum + e;
     }
@@ -698,30 +715,57 @@ class GemmUnitRunner {
   int64_t last_key_ = -1;
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include "cpu/block_attention_tiles.h"
+#endif
+
+// Lanes in groups of W: each lane's split scales and inverse sum as sbd::SoftmaxState merges them, then the sums
+// over the splits with the lanes as the vector axis (the partials are [D][panel_lanes]: contiguous along the lanes),
+// each lane's own arithmetic whatever lanes share its group.
 template <typename T>
 void merge_item(const BlockAttentionParams& p, int64_t item) {
   const Unit u = describe(p, item);
-  const int64_t D = p.D, pl = p.panel_lanes, ns = p.n_splits;
-  const float* parts = p.partials + item * ns * p.partial_floats();
-  float scale[kMaxSplits];  // n_splits <= kMaxSplits (block_attention_plan caps it)
-  for (int64_t m = 0; m < u.lanes; ++m) {
-    sbd::SoftmaxState s = sbd::SoftmaxState::empty();
-    for (int64_t i = 0; i < ns; ++i) {
-      const float* part = parts + i * p.partial_floats();
-      const sbd::SoftmaxState o{part[D * pl + m], part[(D + 1) * pl + m]};
-      float self_scale, other_scale;
-      s.merge(o, self_scale, other_scale);
-      for (int64_t j = 0; j < i; ++j) scale[j] *= self_scale;
-      scale[i] = other_scale;
+  const int64_t D = p.D, pl = p.panel_lanes, ns = p.n_splits, pf = p.partial_floats();
+  const float* parts = p.partials + item * ns * pf;
+  alignas(64) float scale[kMaxSplits][W];  // n_splits <= kMaxSplits (block_attention_plan caps it)
+  alignas(64) float inv[W];
+  static thread_local Buffer sums;
+  static thread_local int64_t sums_d = 0;
+  if (sums_d < D) {
+    sums = alloc_floats(D * W);
+    sums_d = D;
+  }
+  float* acc_d = sums.get();
+  for (int64_t m0 = 0; m0 < u.lanes; m0 += W) {
+    const int64_t n = std::min<int64_t>(W, u.lanes - m0);
+    for (int64_t j = 0; j < W; ++j) {
+      inv[j] = 0.f;
+      for (int64_t i = 0; i < ns; ++i) scale[i][j] = 0.f;
+      if (j >= n) continue;
+      sbd::SoftmaxState s = sbd::SoftmaxState::empty();
+      for (int64_t i = 0; i < ns; ++i) {
+        const float* part = parts + i * pf;
+        const sbd::SoftmaxState o{part[D * pl + m0 + j], part[(D + 1) * pl + m0 + j]};
+        float self_scale, other_scale;
+        s.merge(o, self_scale, other_scale);
+        for (int64_t k = 0; k < i; ++k) scale[k][j] *= self_scale;
+        scale[i][j] = other_scale;
+      }
+      inv[j] = s.inv_sum();
     }
-    const float inv = s.inv_sum();
-    const int64_t lane = u.lane0 + m;
-    T* o = static_cast<T*>(p.out) + ((u.b * p.T + lane % u.nv) * p.Hq + u.kvh * u.g + lane / u.nv) * D;
+    const Vec vinv = Vec::loadu(inv), zero(0.f);
     for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < ns; ++i)
-        if (scale[i] != 0.f) acc += parts[i * p.partial_floats() + d * pl + m] * scale[i];
-      o[d] = static_cast<T>(acc * inv);
+      Vec acc(0.f);
+      for (int64_t i = 0; i < ns; ++i) {
+        const Vec sc = Vec::loadu(scale[i]);  // a split with scale 0 (empty, or no weight) adds nothing, read or not
+        acc = Vec::blendv(acc + Vec::loadu(parts + i * pf + d * pl + m0) * sc, acc, sc == zero);
+      }
+      (acc * vinv).store(acc_d + d * W);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t lane = u.lane0 + m0 + j;
+      T* o = static_cast<T*>(p.out) + ((u.b * p.T + lane % u.nv) * p.Hq + u.kvh * u.g + lane / u.nv) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc_d[d * W + j]);
     }
   }
 }
@@ -736,6 +780,21 @@ void take_units(const BlockAttentionParams& p, Runner& runner, std::atomic<int64
 
 template <typename T>
 void run_units(const BlockAttentionParams& p, std::atomic<int64_t>& next) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (p.tiles != Amx::OFF) {  // the binding sets it for bf16 in this variant only
+      TilesWorkspace& ws = TilesWorkspace::of_thread(p);
+      if (p.tiles == Amx::HW) {
+        TilesUnitRunner<HwTileOps> runner(p, ws);
+        take_units(p, runner, next);
+      } else {
+        TilesUnitRunner<EmuTileOps> runner(p, ws);
+        take_units(p, runner, next);
+      }
+      return;
+    }
+  }
+#endif
   if (p.gemm) {
     GemmWorkspace ws(p, sizeof(T));
     GemmUnitRunner<T> runner(p, ws);

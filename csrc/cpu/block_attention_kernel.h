@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cpu/isa.h"
@@ -21,6 +22,9 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
   // GEMM on the input type (bf16 / fp16: oneDNN on the CPU's matrix units where it has them). Chosen by the
   // binding (block_attention_use_gemm); both give the same work decomposition and the same partial states.
   bool gemm = false;
+  // bf16 on the AMX-BF16 tiles (block_attention_tiles.h) where not OFF: HW the tiles, EMULATE their C++ model (the
+  // tests' way on any AVX512-VNNI CPU). Set by the binding for bf16 in the AVX-512 variant only; gemm is then false.
+  Amx tiles = Amx::OFF;
 
   // Work decomposition, chosen by block_attention_plan below.
   // A work item is (b, kv head, panel): the g = Hq / Hkv query heads of that kv head times the valid new rows,
@@ -52,9 +56,13 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
 bool block_attention_use_gemm(AttnDtype dtype);
 void set_block_attention_matmul(const std::string& name);
 std::string block_attention_matmul();
-// Calls of the CPU binding per path taken, (vector, gemm), since the process started (tests check the choice).
-void count_block_attention_path(bool gemm);
-std::pair<int64_t, int64_t> block_attention_path_counts();
+// How bf16 runs on the AMX-BF16 tiles under the current setting ("auto" and "tiles": bf16_tiles_mode(); OFF for
+// other types and under "vector" / "gemm"); the binding also needs D % 32 == 0 and K / V rows that are matrices.
+Amx block_attention_tiles(AttnDtype dtype);
+// Calls of the CPU binding per path taken, (vector, gemm, tiles) = paths 0, 1, 2, since the process started (tests
+// check the choice).
+void count_block_attention_path(int path);
+std::tuple<int64_t, int64_t, int64_t> block_attention_path_counts();
 // Whether the automatic choice takes the GEMM path for bf16 / fp16 here.
 bool cpu_has_bf16_matmul();
 bool cpu_has_fp16_matmul();

@@ -22,9 +22,9 @@
 // C's row count), each group a pass over the range's panels (the second pass reads them from L2).
 //
 // Tile numbers are literals (the intrinsics paste them into the instruction), so each operation is its own small
-// function, once for the hardware (HwTiles) and once for a C++ model of the same instructions (EmuTiles, from the
-// Intel SDM's pseudo-code: zeroing, row/column limits, the configuration's shape rules), which the tests run on any
-// AVX512-VNNI CPU so that the layouts and the loop are checked where no AMX exists.
+// function, once for the hardware (HwTiles) and once for a C++ model of the same instructions (EmuTiles, on
+// cpu/amx_tiles.h's model from the Intel SDM's pseudo-code: zeroing, row/column limits, the configuration's shape
+// rules), which the tests run on any AVX512-VNNI CPU so that the layouts and the loop are checked where no AMX exists.
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -34,6 +34,8 @@
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+
+#include "cpu/amx_tiles.h"
 
 namespace sbd_cpu {
 namespace CPU_CAPABILITY {
@@ -47,16 +49,6 @@ constexpr int kGroupRows = 16;                                 // A's and C's ro
 // the 16-row loop's tile loads waiting: SmolLM2's w8a8 linears x 16 rows, streamed, ~47 ns per panel block against
 // ~37 with the two levels (Intel Xeon, AMX, 1 thread; 8/1, 16/1 and 16/2 KB alike, 4 KB into L2 ~10 % slower).
 constexpr int64_t kAheadL2 = 8192, kAheadL1 = 1024;
-
-// ldtilecfg's 64-byte operand (Intel SDM, "TILECFG"): palette 1, per tile its bytes per row and its rows.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
 
 // The kernel's tiles, two sets that alternate by block (so that a block's dot product need not wait for the tile
 // store of the one before): 0 / 1 = C (int32 [rows][16]), 2 / 3 = A (int8 [rows][32]), 4 / 5 = B (uint8 [8][64]).
@@ -127,86 +119,8 @@ struct HwTiles {
 };
 #undef SBD_AMX
 
-// The same operations on a model of the tile registers (this thread's), per the SDM: ldtilecfg zeroes every tile;
-// a load or tilezero writes the configured rows x bytes and zeroes the rest of the tile; tdpbsud requires
-// A.rows == C.rows, B.rows == A.colsb / 4 and B.colsb == C.colsb and adds, per C row m and dword n, the 4 products
-// of A's signed bytes [m][4k .. 4k + 3] with B's unsigned bytes [k][4n .. 4n + 3] for k < A.colsb / 4. A violated
-// rule throws (the hardware raises #UD).
-struct EmuTiles {
-  struct State {
-    TileConfig cfg;
-    bool configured = false;
-    uint8_t t[8][16][64];
-  };
-  static State& s() {
-    static thread_local State st;
-    return st;
-  }
-  static void need(bool ok, const char* what) {
-    if (!ok) throw std::logic_error(std::string("sbd_ext AMX emulation: ") + what);
-  }
-  static void configure(const TileConfig& c) {
-    need(c.palette == 1, "palette must be 1");
-    for (int i = 0; i < 8; ++i) need(c.rows[i] <= 16 && c.colsb[i] <= 64, "a tile over 16 rows x 64 bytes");
-    s().cfg = c;
-    s().configured = true;
-    std::memset(s().t, 0, sizeof(s().t));
-  }
-  static void release() { s().configured = false; }
-  static void zero(int i) {
-    need(s().configured, "tilezero before ldtilecfg");
-    std::memset(s().t[i], 0, sizeof(s().t[i]));
-  }
-  static void load(int i, const void* p, int64_t stride) {
-    need(s().configured && s().cfg.rows[i] > 0, "tileloadd of an unconfigured tile");
-    std::memset(s().t[i], 0, sizeof(s().t[i]));
-    for (int r = 0; r < s().cfg.rows[i]; ++r)
-      std::memcpy(s().t[i][r], static_cast<const uint8_t*>(p) + r * stride, s().cfg.colsb[i]);
-  }
-  static void store(int i, void* p, int64_t stride) {
-    need(s().configured && s().cfg.rows[i] > 0, "tilestored of an unconfigured tile");
-    for (int r = 0; r < s().cfg.rows[i]; ++r)
-      std::memcpy(static_cast<uint8_t*>(p) + r * stride, s().t[i][r], s().cfg.colsb[i]);
-  }
-  static void dpbsud(int c, int a, int b) {
-    const TileConfig& g = s().cfg;
-    need(s().configured, "tdpbsud before ldtilecfg");
-    need(g.rows[a] == g.rows[c] && g.rows[b] * 4 == g.colsb[a] && g.colsb[b] == g.colsb[c] && g.colsb[c] % 4 == 0,
-         "tdpbsud's tile shapes do not agree");
-    for (int m = 0; m < g.rows[c]; ++m) {
-      for (int n = 0; n < g.colsb[c] / 4; ++n) {
-        int32_t acc;
-        std::memcpy(&acc, s().t[c][m] + 4 * n, 4);
-        for (int k = 0; k < g.colsb[a] / 4; ++k)
-          for (int i = 0; i < 4; ++i)
-            acc += static_cast<int32_t>(static_cast<int8_t>(s().t[a][m][4 * k + i])) *
-                   static_cast<int32_t>(s().t[b][k][4 * n + i]);
-        std::memcpy(s().t[c][m] + 4 * n, &acc, 4);
-      }
-    }
-  }
-  // tdpbf16ps: A.rows == C.rows, B.rows == A.colsb / 4, B.colsb == C.colsb; per C row m and fp32 n, per pair k in
-  // order, bf16_pair_add of A's bf16 [m][2k], [m][2k + 1] and B's [k][2n], [k][2n + 1] (the model, not the SDM's
-  // sequential products: see row_linear_kernel.h)
-  static void dpbf16ps(int c, int a, int b) {
-    const TileConfig& g = s().cfg;
-    need(s().configured, "tdpbf16ps before ldtilecfg");
-    need(g.rows[a] == g.rows[c] && g.rows[b] * 4 == g.colsb[a] && g.colsb[b] == g.colsb[c] && g.colsb[c] % 4 == 0,
-         "tdpbf16ps's tile shapes do not agree");
-    for (int m = 0; m < g.rows[c]; ++m) {
-      for (int n = 0; n < g.colsb[c] / 4; ++n) {
-        float acc;
-        std::memcpy(&acc, s().t[c][m] + 4 * n, 4);
-        for (int k = 0; k < g.colsb[a] / 4; ++k) {
-          uint16_t av[2], bv[2];
-          std::memcpy(av, s().t[a][m] + 4 * k, 4);
-          std::memcpy(bv, s().t[b][k] + 4 * n, 4);
-          acc = bf16_pair_add(acc, av[0], av[1], bv[0], bv[1]);
-        }
-        std::memcpy(s().t[c][m] + 4 * n, &acc, 4);
-      }
-    }
-  }
+// The same operations on the emulated tiles (cpu/amx_tiles.h), for the tests on any AVX512-VNNI CPU.
+struct EmuTiles : EmuTileOps {
   template <int S>
   static void bf16_zero() {
     zero(S);

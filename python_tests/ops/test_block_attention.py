@@ -271,11 +271,11 @@ def test_fused_kv_buffer_is_accepted(device):
 
 
 def _paths_taken(fn):
-    """(vector, gemm) CPU block_attention calls made by fn()."""
+    """(vector, gemm, tiles) CPU block_attention calls made by fn()."""
     before = sbd_ext._C.block_attention_cpu_paths()
     fn()
     after = sbd_ext._C.block_attention_cpu_paths()
-    return after[0] - before[0], after[1] - before[1]
+    return tuple(a - b for a, b in zip(after, before, strict=True))
 
 
 def _cpu_flags() -> set[str]:
@@ -318,13 +318,16 @@ def test_cpu_bf16_products_and_the_training_precision_they_choose():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_matmul_path_choice(dtype):
-    """The setting takes effect; "auto" takes the GEMM path exactly for bf16 / fp16 on CPUs with the units."""
+    """The setting takes effect; "auto" takes the GEMM path exactly for bf16 / fp16 on CPUs with the units, except
+    bf16 where the AMX-BF16 tiles are on (its own path: test_block_attention_tiles.py)."""
     q, k, v, kc, vc = make_inputs(1, 2, 4, 8, 64, 40, dtype=dtype)
     L, C, V = lengths([20], "cpu"), lengths([4], "cpu"), lengths([8], "cpu")
     info = sbd_ext.build_info()
     units = {torch.bfloat16: info["cpu_bf16_matmul_units"], torch.float16: info["cpu_fp16_matmul_units"]}
     expect_auto = bool(units.get(dtype, False))
-    assert info["cpu_bf16_attention"] == ("gemm" if info["cpu_bf16_matmul_units"] else "vector")
+    tiles = info["cpu_bf16_tiles"] != "model"  # the AMX-BF16 tiles (or their emulation) are on
+    auto_bf16 = "tiles" if tiles else "gemm" if info["cpu_bf16_matmul_units"] else "vector"
+    assert info["cpu_bf16_attention"] == auto_bf16
 
     def call():
         sbd_ext.block_attention(q, k, v, kc.clone(), vc.clone(), L, C, V)
@@ -333,7 +336,10 @@ def test_cpu_matmul_path_choice(dtype):
         for mode, gemm in (("vector", False), ("gemm", True), ("auto", expect_auto)):
             sbd_ext._C.set_block_attention_matmul(mode)
             assert sbd_ext.build_info()["cpu_attention_matmul"] == mode
-            assert _paths_taken(call) == ((0, 1) if gemm else (1, 0)), mode
+            if mode == "auto" and dtype == torch.bfloat16 and tiles:
+                assert _paths_taken(call) == (0, 0, 1)
+                continue
+            assert _paths_taken(call) == ((0, 1, 0) if gemm else (1, 0, 0)), mode
         with pytest.raises(ValueError, match='unknown block_attention matmul "amx"'):
             sbd_ext._C.set_block_attention_matmul("amx")
     finally:
@@ -350,7 +356,7 @@ def test_gemm_path_falls_back_for_rows_that_are_not_matrices():
     try:
         sbd_ext._C.set_block_attention_matmul("gemm")
         holder = {}
-        assert _paths_taken(lambda: holder.update(r=run_both(q, k, v, kc, vc, L, C, V))) == (1, 0)
+        assert _paths_taken(lambda: holder.update(r=run_both(q, k, v, kc, vc, L, C, V))) == (1, 0, 0)
         out, ref, _, _ = holder["r"]
         assert_close(out, ref, dtype=torch.bfloat16)
     finally:
