@@ -16,8 +16,10 @@
 // Tiles (palette 1): the packed panel's block of 32 values is 8 rows of 64 bytes ([K / 4][16 outputs][4 values],
 // sbd_ext.packing.pack_row_linear_int8), which is the B operand's layout (row k: 4 consecutive values of each of 16
 // columns); A is the quantised x, row-major ([M, 32 * blocks], signed), 32 bytes of one block per row. Per block:
-// tileloadd A and B, tilezero C, tdpbsud, tilestored C to a 1 KB buffer in L1, then per row one load, a subtraction,
-// a conversion and an FMA into the row's fp32 accumulator. Consecutive blocks alternate between two sets of tiles, so
+// tileloadd A and B, tileloadd C from the rows' -128 x sums of the block (so the tile's exact int32 sum is the VNNI
+// path's difference; it was a tilezero and a subtraction per row in the epilogue), tdpbsud, tilestored C to a 1 KB
+// buffer in L1, then per row one load, a conversion and an FMA into the row's fp32 accumulator. Consecutive blocks
+// alternate between two sets of tiles, so
 // a block's dot product overlaps the store and epilogue of the one before. Rows come in groups of up to 16 (A's and
 // C's row count), each group a pass over the range's panels (the second pass reads them from L2).
 //
@@ -35,6 +37,7 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 
+#include "cpu/aligned_buffer.h"
 #include "cpu/amx_tiles.h"
 
 namespace sbd_cpu {
@@ -70,19 +73,19 @@ struct HwTiles {
   // stores of the rest)
   SBD_AMX static void configure(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
   SBD_AMX static void release() { _tile_release(); }
-  // one block on tile set S: C = A . B from zero, stored to c ([rows][16] int32, 64-byte rows)
+  // one block on tile set S: C = c0 + A . B (c0: [rows][16] int32, 64-byte rows, the rows' -128 x sums), stored to c
   template <int S>
-  SBD_AMX static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c) {
+  SBD_AMX static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, const int32_t* c0, int32_t* c) {
     if constexpr (S == 0) {
       _tile_loadd(2, a, a_stride);
       _tile_loadd(4, b, 64);
-      _tile_zero(0);
+      _tile_loadd(0, c0, 64);
       _tile_dpbsud(0, 2, 4);
       _tile_stored(0, c, 64);
     } else {
       _tile_loadd(3, a, a_stride);
       _tile_loadd(5, b, 64);
-      _tile_zero(1);
+      _tile_loadd(1, c0, 64);
       _tile_dpbsud(1, 3, 5);
       _tile_stored(1, c, 64);
     }
@@ -136,22 +139,21 @@ struct EmuTiles : EmuTileOps {
     store(S, c, 64);
   }
   template <int S>
-  static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c) {
+  static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, const int32_t* c0, int32_t* c) {
     load(2 + S, a, a_stride);
     load(4 + S, b, 64);
-    zero(S);
+    load(S, c0, 64);
     dpbsud(S, 2 + S, 4 + S);
     store(S, c, 64);
   }
 };
 
-// One block's int32 sums of a row group (c: [rows][16]) into its fp32 accumulators, as q8_panel_tile does.
+// One block's int32 sums of a row group (c: [rows][16], the -128 x sum already in: the tile started from it) into its
+// fp32 accumulators, as q8_panel_tile does.
 template <int MR>
-inline void add_block(const int32_t* c, const int32_t* xc, const float* xd, __m512* acc) {
-  for (int i = 0; i < MR; ++i) {
-    const __m512i t = _mm512_sub_epi32(_mm512_load_si512(c + 16 * i), _mm512_set1_epi32(xc[i]));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(xd[i]), acc[i]);
-  }
+inline void add_block(const int32_t* c, const float* xd, __m512* acc) {
+  for (int i = 0; i < MR; ++i)
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)), _mm512_set1_ps(xd[i]), acc[i]);
 }
 
 template <int MR>
@@ -180,6 +182,18 @@ __attribute__((target("amx-tile,amx-int8,amx-bf16"))) void group_panels(const Ro
   const char* end = reinterpret_cast<const char*>(p.wq_packed + (p.N / kRowLinearPanel) * panel_bytes);
   const int8_t* xa = p.xq + m0 * p.xq_stride;
   alignas(64) int32_t c[2][kGroupRows * 16];
+  // Each block's C starts from its rows' -xct (the correction of the weight's +128): the tile's integer sum is then
+  // the VNNI path's (c - xct) exactly, and the epilogue is a conversion and an FMA per row.
+  static thread_local AlignedBuffer<int32_t> c0_buf;
+  static thread_local int64_t c0_blocks = 0;
+  if (c0_blocks < nb) {
+    c0_buf = alloc_aligned<int32_t>(nb * kGroupRows * 16);
+    c0_blocks = nb;
+  }
+  int32_t* c0 = c0_buf.get();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < MR; ++i)
+      _mm512_store_si512(c0 + (b * kGroupRows + i) * 16, _mm512_set1_epi32(-p.xct[b * M + m0 + i]));
   for (int64_t panel = p0; panel < p1; ++panel) {
     const uint8_t* w = p.wq_packed + panel * panel_bytes;
     __m512 acc[MR];
@@ -187,12 +201,13 @@ __attribute__((target("amx-tile,amx-int8,amx-bf16"))) void group_panels(const Ro
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = w + b * kPanelBlockBytes;
       if (prefetch) prefetch_block(wb, end);
+      const int32_t* cb = c0 + b * kGroupRows * 16;
       if (b % 2 == 0) {
-        T::template block<0>(xa + b * kB, p.xq_stride, wb, c[0]);
+        T::template block<0>(xa + b * kB, p.xq_stride, wb, cb, c[0]);
       } else {
-        T::template block<1>(xa + b * kB, p.xq_stride, wb, c[1]);
+        T::template block<1>(xa + b * kB, p.xq_stride, wb, cb, c[1]);
       }
-      add_block<MR>(c[b % 2], p.xct + b * M + m0, p.xdt + b * M + m0, acc);
+      add_block<MR>(c[b % 2], p.xdt + b * M + m0, acc);
     }
     store_rows<MR>(p, m0, panel, acc);
   }
