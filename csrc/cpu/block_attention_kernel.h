@@ -50,9 +50,9 @@ struct BlockAttentionParams : sbd::BlockAttentionParams {
 // The binding's choice of BlockAttentionParams::gemm for an input type (block_attention_cpu.cpp):
 // set_block_attention_matmul("auto") -- the default -- takes the GEMM path for bf16 on CPUs with AMX-BF16 and for
 // fp16 on CPUs with AMX-FP16 (oneDNN's matrix tiles), the micro-kernel otherwise (AVX512-BF16 without AMX included:
-// measured faster there, block_attention_cpu.cpp); "vector" / "gemm"
-// force one path for every type (the tests run both everywhere: on a CPU without the units the GEMM path is
-// ATen's reference loops, slow but the same calls).
+// measured faster there, block_attention_cpu.cpp); bf16 takes the tiles path before both where it is on
+// (block_attention_tiles below). "vector" / "gemm" force one path for every type (the tests run both everywhere: on a
+// CPU without the units the GEMM path is ATen's reference loops, slow but the same calls).
 bool block_attention_use_gemm(AttnDtype dtype);
 void set_block_attention_matmul(const std::string& name);
 std::string block_attention_matmul();
