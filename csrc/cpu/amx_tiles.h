@@ -17,6 +17,16 @@
 namespace sbd_cpu {
 namespace CPU_CAPABILITY {
 
+// 16 fp32 values -> their bf16 bits (round to nearest even, NaN -> the quiet NaN 0x7FC0: bf16_rne's bits) in the
+// low half of each dword: the tiles' bf16 operands (row_linear's x, block_attention's probabilities).
+inline __m512i bf16_rne_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+}
+
 // ldtilecfg's 64-byte operand (Intel SDM, "TILECFG"): palette 1, per tile its bytes per row and its rows.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -125,8 +135,9 @@ struct EmuTileOps {
   }
 };
 
-#define SBD_TILE_CASES \
-  SBD_TILE_CASE(0) SBD_TILE_CASE(1) SBD_TILE_CASE(2) SBD_TILE_CASE(3) SBD_TILE_CASE(4) SBD_TILE_CASE(5) SBD_TILE_CASE(6) SBD_TILE_CASE(7)
+#define SBD_TILE_CASES                                                                       \
+  SBD_TILE_CASE(0) SBD_TILE_CASE(1) SBD_TILE_CASE(2) SBD_TILE_CASE(3) SBD_TILE_CASE(4) SBD_TILE_CASE(5) \
+  SBD_TILE_CASE(6) SBD_TILE_CASE(7)
 #define SBD_AMX_OPS __attribute__((target("amx-tile,amx-int8,amx-bf16"))) inline
 struct HwTileOps {
   // the whole 64 bytes as the asm's operand (the intrinsic names only 8 of them, so the compiler could drop the

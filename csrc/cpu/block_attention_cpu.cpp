@@ -182,8 +182,9 @@ void set_block_attention_matmul(const std::string& name) {
     mode = Matmul::kGemm;
   } else if (name == "tiles") {
     TORCH_CHECK_VALUE(bf16_tiles_mode() != Amx::OFF,
-                      "sbd_ext: block_attention matmul \"tiles\" needs the AMX-BF16 tiles (or set_cpu_amx(\"emulate\")) "
-                      "in the AVX-512 kernels; here: ", amx_int8_status());
+                      "sbd_ext: block_attention matmul \"tiles\" needs the AMX-BF16 tiles (or "
+                      "set_cpu_amx(\"emulate\")) in the AVX-512 kernels; here: ",
+                      amx_int8_status());
     mode = Matmul::kTiles;
   } else {
     TORCH_CHECK_VALUE(false, "sbd_ext: unknown block_attention matmul \"", name,

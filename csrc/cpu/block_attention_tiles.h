@@ -71,13 +71,6 @@ struct TilesWorkspace {
   }
 };
 
-// fp32 -> bf16 bits (round to nearest even; the values are finite) in the low half of each dword.
-inline __m512i bf16_bits(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-}
-
 // r[i][c] -> r[c][i] for 16 rows of 16 dwords: per bit of the index, the rows that differ in it swap their
 // off-diagonal halves (element (i, c) moves to (i ^ s, c ^ s) where bit s of i and c differ), 64 permutes.
 struct TransposeIndex {
@@ -92,6 +85,21 @@ struct TransposeIndex {
   }
 };
 inline constexpr TransposeIndex kTransposeIndex{};
+
+// Two rows of 32 bf16 (a, b) -> 16 pairs (a[l], b[l]): lo for l < 16, hi for l = 16..31 (_mm512_permutex2var_epi16).
+struct PairIndex {
+  alignas(64) int16_t lo[32];
+  alignas(64) int16_t hi[32];
+  constexpr PairIndex() : lo{}, hi{} {
+    for (int l = 0; l < 16; ++l) {
+      lo[2 * l] = static_cast<int16_t>(l);
+      lo[2 * l + 1] = static_cast<int16_t>(32 + l);
+      hi[2 * l] = static_cast<int16_t>(16 + l);
+      hi[2 * l + 1] = static_cast<int16_t>(48 + l);
+    }
+  }
+};
+inline constexpr PairIndex kPairIndex{};
 
 inline void transpose_16x16(__m512i* r) {
   for (int k = 0; k < 4; ++k) {
@@ -187,14 +195,7 @@ class TilesUnitRunner {
   // V's rows [0, nb) in pairs of keys: vv[chunk][d group] = [16 key pairs][16 d][2]; rows from nb on are zeros.
   void pack_values(const uint16_t* vp, int64_t vs, int64_t nb, int64_t chunks) {
     const int64_t D = p_.D, groups = D / 16;
-    alignas(64) int16_t lo_idx[32], hi_idx[32];
-    for (int l = 0; l < 16; ++l) {
-      lo_idx[2 * l] = static_cast<int16_t>(l);
-      lo_idx[2 * l + 1] = static_cast<int16_t>(32 + l);
-      hi_idx[2 * l] = static_cast<int16_t>(16 + l);
-      hi_idx[2 * l + 1] = static_cast<int16_t>(48 + l);
-    }
-    const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+    const __m512i il = _mm512_load_si512(kPairIndex.lo), ih = _mm512_load_si512(kPairIndex.hi);
     uint16_t* vv = ws_.vv.get();
     for (int64_t j = 0; j < chunks; ++j)
       for (int64_t i = 0; i < 16; ++i) {
@@ -215,8 +216,8 @@ class TilesUnitRunner {
     __m512i r[16];
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t k0 = 32 * j + 2 * i, k1 = k0 + 1;
-      const __m512i a = k0 < nb ? bf16_bits(_mm512_loadu_ps(st + k0 * mp + 16 * t)) : _mm512_setzero_si512();
-      const __m512i b = k1 < nb ? bf16_bits(_mm512_loadu_ps(st + k1 * mp + 16 * t)) : _mm512_setzero_si512();
+      const __m512i a = k0 < nb ? bf16_rne_bits(_mm512_loadu_ps(st + k0 * mp + 16 * t)) : _mm512_setzero_si512();
+      const __m512i b = k1 < nb ? bf16_rne_bits(_mm512_loadu_ps(st + k1 * mp + 16 * t)) : _mm512_setzero_si512();
       r[i] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));  // dword l: keys k0, k1 of lane l
     }
     transpose_16x16(r);

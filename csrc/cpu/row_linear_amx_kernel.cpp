@@ -68,11 +68,7 @@ TileConfig config_for(int rows) {
 }
 
 #define SBD_AMX __attribute__((target("amx-tile,amx-int8,amx-bf16"))) inline
-struct HwTiles {
-  // the whole 64 bytes as the asm's operand (the intrinsic names only 8 of them, so the compiler could drop the
-  // stores of the rest)
-  SBD_AMX static void configure(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
-  SBD_AMX static void release() { _tile_release(); }
+struct HwTiles : HwTileOps {  // configure / release: cpu/amx_tiles.h's
   // one block on tile set S: C = c0 + A . B (c0: [rows][16] int32, 64-byte rows, the rows' -128 x sums), stored to c
   template <int S>
   SBD_AMX static void block(const int8_t* a, int64_t a_stride, const uint8_t* b, const int32_t* c0, int32_t* c) {

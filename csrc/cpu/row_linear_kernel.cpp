@@ -57,6 +57,9 @@
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
+#if defined(CPU_CAPABILITY_AVX512)
+#include "cpu/amx_tiles.h"  // bf16_rne_bits
+#endif
 
 namespace sbd_cpu {
 namespace CPU_CAPABILITY {
@@ -989,15 +992,6 @@ void row_linear_bf16_tiles_x(const float* x, int64_t x_stride, int64_t M, int64_
   // their tile rows (~10x the scalar loop: SmolLM2's x rows at 16 rows were ~6 ms of a forward that way)
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(static_cast<int>(cols)));
-  const auto round = [](__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-        16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  };
 #endif
   for (int64_t m = 0; m < M; ++m) {
     const int64_t g = m / cols, j = m % cols;
@@ -1006,7 +1000,8 @@ void row_linear_bf16_tiles_x(const float* x, int64_t x_stride, int64_t M, int64_
     int64_t b = 0;
 #if defined(CPU_CAPABILITY_AVX512)
     for (; b * 32 + 32 <= K; ++b) {
-      const __m512i lo = round(_mm512_loadu_ps(xr + b * 32)), hi = round(_mm512_loadu_ps(xr + b * 32 + 16));
+      const __m512i lo = bf16_rne_bits(_mm512_loadu_ps(xr + b * 32));
+      const __m512i hi = bf16_rne_bits(_mm512_loadu_ps(xr + b * 32 + 16));
       // pair r = values 2r, 2r + 1: lo holds values 0..15, hi 16..31 (16 bits each in 32-bit lanes)
       const __m512i words = _mm512_packus_epi32(lo, hi);  // per 128-bit lane: lo[4i..4i+3], hi[4i..4i+3] as 16 bits
       const __m512i pairs = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), words);
