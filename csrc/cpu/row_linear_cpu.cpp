@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "cpu/aligned_buffer.h"
@@ -78,10 +79,9 @@ sbd_cpu::RowLinearParams packed_params(const float* xt, int64_t M, int64_t K, co
 
 // row_linear with a bf16 weight in tiles: per slice of kRowLinearRows rows, x rounded into the B layout once (as
 // equal groups of <= 16 rows as the slice allows: the tiles' columns), then the weight chunks as for the other layouts.
-at::Tensor row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
-  const int64_t M = x.size(0), N = out.size(1), K = x.size(1), nb = weight.size(1);
-  sbd_cpu::RowLinearParams p{x.data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, nullptr, out.data_ptr<float>(),
-                             out.stride(0), M, N, K};
+void row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, float* out, int64_t N, int64_t ld) {
+  const int64_t M = x.size(0), K = x.size(1), nb = weight.size(1);
+  sbd_cpu::RowLinearParams p{x.data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, nullptr, out, ld, M, N, K};
   p.wt = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   p.x_blocks = nb;
   p.tiles_mode = sbd_cpu::bf16_tiles_mode();
@@ -103,8 +103,12 @@ at::Tensor row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, 
       SBD_CPU_DISPATCH(row_linear_range, s, c0 * sbd_cpu::kRowLinearChunk, n1);
     });
   }
-  return out;
 }
+
+// row_linear of fp32 rows x [M, K] (M, N >= 1) into out (row stride ld, N outputs per row), for every weight layout
+// but a plain fp32 one over more than kRowLinearRows rows (at::mm_out's, in row_linear_cpu).
+void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                      bool quantize_x, float* out, int64_t N, int64_t ld);
 
 }  // namespace
 
@@ -118,20 +122,33 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   const int64_t M = x.size(0), N = row_linear_out_features(weight), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
+  const bool plain = weight.scalar_type() == at::kFloat && !row_linear_is_packed(weight);
+  if (plain && K > 0 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
+  row_linear_write(x, weight, scale, quantize_x, out.data_ptr<float>(), N, N);
+  return out;
+}
+
+namespace {
+
+void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                      bool quantize_x, float* out, int64_t N, int64_t ld) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(out + m * ld, out + m * ld + N, 0.f);
+    return;
+  }
   const bool q8 = weight.scalar_type() == at::kChar, packed = row_linear_is_packed(weight);
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const bool q8_packed = row_linear_is_q8_packed(weight);
-  if (!q8 && !packed && !q8_packed && !bf16 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
-  if (row_linear_is_bf16_tiles(weight)) return row_linear_bf16_tiles(x, weight, out);
+  if (row_linear_is_bf16_tiles(weight)) return row_linear_bf16_tiles(x, weight, out, N, ld);
   sbd_cpu::RowLinearParams p{x.data_ptr<float>(),
                              x.stride(0),
                              q8 || q8_packed || bf16 ? nullptr : weight.data_ptr<float>(),
                              q8_packed ? 0 : weight.stride(0),
                              q8 ? weight.data_ptr<int8_t>() : nullptr,
                              q8 || q8_packed ? scale->data_ptr<float>() : nullptr,
-                             out.data_ptr<float>(),
-                             out.stride(0),
+                             out,
+                             ld,
                              M,
                              N,
                              K};
@@ -187,11 +204,9 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
       SBD_CPU_DISPATCH(row_linear_range, s, c0 * sbd_cpu::kRowLinearChunk, n1);
     });
   }
-  return out;
 }
 
-
-namespace {
+constexpr int64_t kKeepFloats = int64_t{1} << 20;  // 4 MB: what XScratch keeps per buffer
 
 // The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
 // h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16]; o's rows have stride N.
@@ -245,11 +260,27 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
     if (M == 0) return at::empty({0, N}, x.options());
     // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
-    const at::Tensor full = row_linear_cpu(x, weight, scale, scale.has_value());
-    const int64_t F = full.size(1);
-    at::Tensor out = full.narrow(1, 0, N).contiguous();
-    const float* fp = full.data_ptr<float>();
+    // into this thread's scratch, then W's outputs copied row by row: a full tensor and its
+    // narrow(1, 0, N).contiguous() were two allocations and ~7 us of dispatched ops per call (210 calls per SmolLM2
+    // verify forward: ~1.5 ms)
+    check_row_linear(x, weight, scale, scale.has_value());
+    const int64_t F = row_linear_out_features(weight);
+    const int64_t n_full = checked_mul("gated_lora_linear", "the [W; A] outputs M * F", {M, F});
+    static thread_local std::vector<float> kept;  // decoding's few rows; a long prefill's buffer is its own tensor
+    at::Tensor own;
+    float* full;
+    if (n_full <= kKeepFloats) {
+      if (kept.size() < static_cast<size_t>(n_full)) kept.resize(n_full);
+      full = kept.data();
+    } else {
+      own = at::empty({n_full}, x.options());
+      full = own.data_ptr<float>();
+    }
+    const float* fp = full;
+    row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
+    at::Tensor out = at::empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, fp + m * F, N * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
       add_gated_delta(fp + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b);
     return out;

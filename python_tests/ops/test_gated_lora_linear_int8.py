@@ -72,6 +72,17 @@ def test_slices_threads_and_empty():
     assert bool(y[1].isnan().all()) and not bool(y[0].isnan().any())
 
 
+
+def test_many_rows_past_the_kept_scratch():
+    """A prefill's rows: [W; A]'s outputs over 4 MB go to a buffer of the call's own (the kept scratch is for few
+    rows), the same values as row by row; then a few rows again (the kept scratch, after the large call)."""
+    x, fused, scale, bp, gate, _ = _case(1100, 1536, 64, 16, seed=11)
+    y = gated_lora_linear(x, fused, bp, gate, scale)
+    torch.testing.assert_close(y, R.gated_lora_linear(x, fused, bp, gate, scale), rtol=2e-5, atol=2e-4)
+    rows = torch.cat([gated_lora_linear(x[i : i + 3], fused, bp, gate[i : i + 3], scale) for i in (0, 500, 1097)])
+    assert torch.equal(rows, torch.cat([y[0:3], y[500:503], y[1097:1100]]))
+
+
 def _bad(change):
     x, fused, scale, bp, gate, _ = _case(4, 32, 40, 4, seed=8)
     args = dict(x=x, weight=fused, lora_b=bp, gate=gate, scale=scale)
