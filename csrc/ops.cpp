@@ -43,6 +43,10 @@ TORCH_LIBRARY(sbd_ext, m) {
   // x W^T + gate[:, None] * ((x A^T) (scale B)^T) [M, N] fp32 (rows with gate 0: x W^T exactly). CPU only; no
   // backward.
   m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate, Tensor? scale=None) -> Tensor");
+  // x [N, V] fp32 -> (values [N, k] fp32, indices [N, k] int64, lse [N] fp32): each row's k largest entries by
+  // (value descending, index ascending; NaN first) and torch.logsumexp of the row. CPU only (a sampler head's
+  // rescoring in the host's reveal); no backward.
+  m.def("topk_logsumexp(Tensor x, int k) -> (Tensor, Tensor, Tensor)");
 }
 
 #ifdef SBD_EXT_WITH_CUDA

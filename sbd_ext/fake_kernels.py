@@ -38,6 +38,17 @@ def _mask_replace_fake(tokens, proposals, entropy, max_prob, mask_id, rule, thre
     return tokens.new_empty((B,)), tokens.new_empty((B,))
 
 
+@torch.library.register_fake("sbd_ext::topk_logsumexp")
+def _topk_logsumexp_fake(x, k):
+    # The binding's checks (csrc/cpu/topk_logsumexp_cpu.cpp) on what a fake tensor knows.
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"topk_logsumexp: x must be [N, V] float32, got {tuple(x.shape)} {x.dtype}")
+    if not 0 <= k <= x.shape[1]:
+        raise ValueError(f"topk_logsumexp: k must be in [0, V = {x.shape[1]}], got {k}")
+    N = x.shape[0]
+    return x.new_empty((N, k)), x.new_empty((N, k), dtype=torch.int64), x.new_empty((N,))
+
+
 @torch.library.register_fake("sbd_ext::gated_lora_linear")
 def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.

@@ -23,6 +23,7 @@ __all__ = [
     "mask_replace",
     "row_linear",
     "row_linear_out_features",
+    "topk_logsumexp",
 ]
 
 _U64 = 1 << 64
@@ -298,3 +299,31 @@ def gated_lora_linear(
             "merges the adapter into the weight: GatedLoRALinear.merged_weight)"
         )
     return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate, scale)
+
+
+def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest entries and the log of its softmax's denominator, what a sampler head's rescoring
+    reads of a vocabulary row (:meth:`sbd_ext.drafter.SamplerHead.rescore_`).
+
+    Args:
+        x: [N, V] fp32, contiguous along V.
+        k: 0 <= k <= V.
+
+    Returns:
+        (values [N, k] fp32, indices [N, k] int64, lse [N] fp32): the top ``k`` of each row ordered by value
+        descending, equal values by index ascending (NaN above every number, as :func:`torch.topk` ranks it), and
+        :func:`torch.logsumexp` of the row (NaN for a row with a NaN, its max where that is infinite). On the CPU one
+        kernel call (two sweeps of each row); on other devices :func:`torch.topk` (its order among equal values)
+        and :func:`torch.logsumexp`. :func:`sbd_ext.reference.topk_logsumexp` is the definition.
+    """
+    _check_tensors("topk_logsumexp", dict(x=x), ("x",))
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"topk_logsumexp: k must be an int, got {type(k).__name__}")
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"topk_logsumexp: x must be [N, V] float32, got {tuple(x.shape)} {x.dtype}")
+    if not 0 <= k <= x.shape[1]:
+        raise ValueError(f"topk_logsumexp: k must be in [0, V = {x.shape[1]}], got {k}")
+    if x.device.type in ("cpu", "meta"):
+        return torch.ops.sbd_ext.topk_logsumexp(x, k)
+    values, indices = x.topk(k, dim=-1)
+    return values, indices, x.logsumexp(-1)

@@ -364,3 +364,10 @@ def gated_lora_linear(
     on = gate != 0
     out[on] += gate.double()[on, None] * (h[on] @ b.t())
     return out.float()
+
+
+def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_logsumexp's definition: each row of ``x`` [N, V] by a stable descending sort (NaN first, equal values
+    lower index first), its first ``k``; and the row's logsumexp in float64, rounded to fp32."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    return x.gather(1, order), order, torch.logsumexp(x.double(), dim=-1).float()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..ops import topk_logsumexp
 from .sampling import ban_mask
 from .settings import Job
 
@@ -46,4 +47,7 @@ def runners_up(job: Job, x: torch.Tensor) -> torch.Tensor | None:
     sampler head's rescoring; the mask id banned), [N, A + 1]; None without alternates or a slot 1."""
     if not job.alternates or x.shape[1] < 2:
         return None
-    return ban_mask(x[:, 1], job.mask_id).topk(job.alternates + 1, dim=-1).indices
+    slot1 = ban_mask(x[:, 1], job.mask_id)
+    if slot1.dtype != torch.float32:
+        return slot1.topk(job.alternates + 1, dim=-1).indices
+    return topk_logsumexp(slot1, job.alternates + 1)[1]  # on the CPU one kernel call per row (torch.topk elsewhere)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import families
+from ..ops import topk_logsumexp
 from .gate import get_drafter
 from .loss import clean_and_noisy_forward, padded_batch
 
@@ -81,9 +82,9 @@ class SamplerHead(nn.Module):
         if logits.shape[0] == 0:
             return logits
         k = min(self.topk, logits.shape[1])
-        xf = logits.float()
-        top_x, top_i = xf.topk(k, -1)
-        top_l = top_x - xf.logsumexp(-1, keepdim=True)  # the top k of log_softmax, without it over the vocabulary
+        # the top k of log_softmax, without it over the vocabulary (one kernel call per row on the CPU)
+        top_x, top_i, lse = topk_logsumexp(logits.float(), k)
+        top_l = top_x - lse[:, None]
         s = self.scores(emb, t0.long(), top_l, top_i).to(logits.dtype)
         logits.fill_(-math.inf).scatter_(-1, top_i, s)
         return logits
