@@ -32,13 +32,14 @@ void transpose_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, std:
     for (int64_t k = 0; k < K; ++k) t[k * M + i] = x[i * x_stride + k];
 }
 
-// The quantised x's buffers of one call: this thread's scratch, 64-byte aligned (as at::empty's), kept between
-// calls -- a decoding forward calls row_linear ~210 times, and an at::empty per buffer per call was ~630 of a
-// SmolLM2 w8a8 forward's allocations. A buffer over kKeepBytes (a long prefill) is the call's own tensor instead,
-// so a thread keeps no more than a few MB. The chunks get raw pointers (inside them the names are the worker's own).
+// The quantised x's buffers of one call (and gated_lora_linear's [W; A] outputs, kLoraFull): this thread's scratch,
+// 64-byte aligned (as at::empty's), kept between calls -- a decoding forward calls row_linear ~210 times, and an
+// at::empty per buffer per call was ~630 of a SmolLM2 w8a8 forward's allocations. A buffer over kKeepBytes (a long
+// prefill) is the call's own tensor instead, so a thread keeps no more than a few MB. The chunks get raw pointers
+// (inside them the names are the worker's own).
 class XScratch {
  public:
-  enum Slot : int { kXq, kXd, kXq4, kXdt, kXct, kXqRows, kSlots };
+  enum Slot : int { kXq, kXd, kXq4, kXdt, kXct, kXqRows, kLoraFull, kSlots };
   template <typename T>
   T* get(Slot slot, int64_t n, at::ScalarType dtype) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
@@ -206,8 +207,6 @@ void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::
   }
 }
 
-constexpr int64_t kKeepFloats = int64_t{1} << 20;  // 4 MB: what XScratch keeps per buffer
-
 // The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
 // h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16]; o's rows have stride N.
 void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o, int64_t Ms, int64_t N, int64_t r,
@@ -266,23 +265,14 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     check_row_linear(x, weight, scale, scale.has_value());
     const int64_t F = row_linear_out_features(weight);
     const int64_t n_full = checked_mul("gated_lora_linear", "the [W; A] outputs M * F", {M, F});
-    static thread_local std::vector<float> kept;  // decoding's few rows; a long prefill's buffer is its own tensor
-    at::Tensor own;
-    float* full;
-    if (n_full <= kKeepFloats) {
-      if (kept.size() < static_cast<size_t>(n_full)) kept.resize(n_full);
-      full = kept.data();
-    } else {
-      own = at::empty({n_full}, x.options());
-      full = own.data_ptr<float>();
-    }
-    const float* fp = full;
+    XScratch xs;  // the call's own slot: row_linear_write's buffers are its own XScratch's other slots
+    float* full = xs.get<float>(XScratch::kLoraFull, n_full, at::kFloat);
     row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
     at::Tensor out = at::empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, fp + m * F, N * sizeof(float));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, full + m * F, N * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
-      add_gated_delta(fp + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b);
+      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b);
     return out;
   }
   const int64_t r_pad = (r + P - 1) / P * P;
