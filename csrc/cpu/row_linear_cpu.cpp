@@ -186,11 +186,12 @@ void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::
       s.xt = scratch.data();
     }
     if (q8_packed) {
-      int32_t* xq4 = xs.get<int32_t>(XScratch::kXq4, p.x_blocks * 8 * s.M, at::kInt);
       float* xdt = xs.get<float>(XScratch::kXdt, p.x_blocks * s.M, at::kFloat);
       int32_t* xct = xs.get<int32_t>(XScratch::kXct, p.x_blocks * s.M, at::kInt);
-      // the AMX path (cpu/isa.h) also reads x row-major; its presence is what sends the chunks there
-      int8_t* xq_rows = sbd_cpu::amx_rows(s.M) ? xs.get<int8_t>(XScratch::kXqRows, s.M * p.xq_stride, at::kChar) : nullptr;
+      // the AMX path (cpu/isa.h) reads x row-major instead of transposed; its presence is what sends the chunks there
+      const bool amx = sbd_cpu::amx_rows(s.M);
+      int8_t* xq_rows = amx ? xs.get<int8_t>(XScratch::kXqRows, s.M * p.xq_stride, at::kChar) : nullptr;
+      int32_t* xq4 = amx ? nullptr : xs.get<int32_t>(XScratch::kXq4, p.x_blocks * 8 * s.M, at::kInt);
       SBD_CPU_DISPATCH(row_linear_quantize_x_packed, s, xq4, xdt, xct, xq_rows);
       s.xq = xq_rows;
       s.xq4 = xq4;

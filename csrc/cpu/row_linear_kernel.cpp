@@ -959,20 +959,47 @@ void row_linear_quantize_x(const RowLinearParams& p, int8_t* xq, float* xd, int6
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// quantize_block for a whole block of finite values in AVX-512 (the same d and q: the same amax, 127 / amax and
+// round-half-even conversion), q written as 32 bytes, and the sum of q returned; false (nothing written) for a block
+// with a NaN or infinite value.
+inline bool quantize_block_512(const float* x, int8_t* q, float* d, int32_t* sum) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), big = _mm512_set1_ps(FLT_MAX);
+  if ((_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0) return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  *d = amax / 127.f;
+  const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  return true;
+}
+#endif
+
 void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float* xdt, int32_t* xct,
                                   int8_t* xq_rows) {
   const int64_t M = p.M;
-  alignas(64) int8_t q[kB];
+  alignas(64) int8_t qb[kB];
   for (int64_t m = 0; m < M; ++m) {
     const float* x = p.x + m * p.x_stride;
     for (int64_t b = 0; b < p.x_blocks; ++b) {
       const int64_t k = b * kB;
-      quantize_block(x + k, std::min(kB, p.K - k), q, xdt + b * M + m);
+      // the AMX path reads the rows (and not xq4): quantised in place there
+      int8_t* q = xq_rows != nullptr ? xq_rows + m * p.xq_stride + k : qb;
       int32_t sum = 0;
-      for (int64_t c = 0; c < kB; ++c) sum += q[c];
+#if defined(CPU_CAPABILITY_AVX512)
+      if (k + kB > p.K || !quantize_block_512(x + k, q, xdt + b * M + m, &sum))
+#endif
+      {
+        quantize_block(x + k, std::min(kB, p.K - k), q, xdt + b * M + m);
+        sum = 0;
+        for (int64_t c = 0; c < kB; ++c) sum += q[c];
+      }
       xct[b * M + m] = 128 * sum;
-      for (int64_t j = 0; j < kB / 4; ++j) std::memcpy(xq4 + (b * 8 + j) * M + m, q + 4 * j, 4);
-      if (xq_rows != nullptr) std::memcpy(xq_rows + m * p.xq_stride + k, q, kB);
+      if (xq_rows == nullptr)
+        for (int64_t j = 0; j < kB / 4; ++j) std::memcpy(xq4 + (b * 8 + j) * M + m, q + 4 * j, 4);
     }
   }
 }

@@ -93,8 +93,9 @@ SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x, const RowLinearParams& p, in
                        int64_t m1)
 
 // x quantised as row_linear_quantize_x does (the same values), written in the packed int8 path's layout (see
-// RowLinearParams::wq_packed): xq4 [x_blocks * 8, M] (4 bytes each), xdt and xct [x_blocks, M], for all M rows;
-// and, unless xq_rows is nullptr, row-major as well (the AMX path's A operand: [M, xq_stride], zero past K).
+// RowLinearParams::wq_packed): xdt and xct [x_blocks, M], for all M rows, and the values either as xq4 [x_blocks * 8,
+// M] (4 bytes each; the VNNI panels) or, where xq_rows is not nullptr, row-major instead (the AMX path's A operand:
+// [M, xq_stride], zero past K; xq4 is then not written and may be nullptr).
 SBD_CPU_DECLARE_KERNEL(void, row_linear_quantize_x_packed, const RowLinearParams& p, int32_t* xq4, float* xdt,
                        int32_t* xct, int8_t* xq_rows)
 
