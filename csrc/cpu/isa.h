@@ -41,9 +41,11 @@ const std::string& amx_int8_status();
 // throws where unusable) or "emulate" (throws without an AVX-512 variant on an AVX512-VNNI CPU).
 void set_amx(const std::string& name);
 const char* amx_mode_name(Amx mode);
-// x rows from which a packed int8 row_linear runs on the tiles (fewer: the VNNI tiles, which are at the weight
-// stream's bound there). Set before an AMX machine measured it: see row_linear_amx_kernel.cpp.
-constexpr long kAmxMinRows = 4;
+// x rows from which a packed int8 row_linear runs on the tiles (one row: the VNNI tile, at the weight stream's bound).
+// A compiled SmolLM2 w8a8 forward on an Intel Xeon (AMX, 1 thread, 2026-12-06), tiles against VNNI panels, one
+// process alternating: 2 rows 1.09x / 1.10x one row, 3 rows 1.14x / 1.18x, 4 rows 1.18x / 1.21x, 6 rows 1.31x / 1.37x
+// (the bits do not depend on it: row_linear_amx_kernel.cpp).
+constexpr long kAmxMinRows = 2;
 // AMX-BF16 as well (CPUID leaf 7 EDX bit 22, with everything amx_int8_usable checks).
 bool amx_bf16_usable();
 // How row_linear runs a bf16 weight in tiles (sbd_ext.packing, tiles=True) under the current ISA and mode
