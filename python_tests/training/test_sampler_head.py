@@ -57,6 +57,41 @@ def test_rescore_matches_the_reference():
         head.rescore_(logits[0], t0, emb)
 
 
+def test_rescore_keeps_each_tokens_direction_until_the_head_changes():
+    """rescore_'s per-token cache of u (cached_direction): a batch with a repeated token, hits and misses, equals
+    the reference; an in-place change of a parameter (an optimizer step) or of the embedding drops it."""
+    _, model = _with_drafter(seed=5)
+    head, emb = model.sbd_drafter.sampler_head, model.get_input_embeddings().weight.detach().clone()
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, VOCAB, generator=g) * 3
+    logits[:, MASK_ID] = -math.inf
+
+    def check(t0):
+        x = logits[: len(t0)]
+        want = sh.rescore_reference(head, x, t0, emb)
+        got = head.rescore_(x.clone(), t0, emb)
+        keep = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), keep)
+        torch.testing.assert_close(got[keep], want[keep].float(), rtol=1e-5, atol=1e-5)
+        return got
+
+    t0 = torch.tensor([7, 7, 9, 11])
+    first = check(t0)
+    assert sorted(head.__dict__["_directions"][1]) == [7, 9, 11]
+    assert torch.equal(check(t0), first)  # every token a hit: the same values
+    assert torch.equal(check(t0[:1]), first[:1])  # one row, the cached u of its token
+    with torch.no_grad():
+        head.w2.add_(0.25)  # in place, as an optimizer step
+    changed = check(t0)
+    assert not torch.equal(changed, first)
+    with torch.no_grad():
+        emb[7].mul_(-1)
+    assert not torch.equal(check(t0)[0], changed[0])
+    head.train()
+    assert head.cached_direction(emb, t0) is None  # dropout in training: never cached
+    head.eval()
+
+
 def test_a_zero_initialised_head_keeps_the_drafters_drafts():
     base, model = _with_drafter(seed=5, head_std=None)
     ids, att = random_prompts([6, 9], seed=6)

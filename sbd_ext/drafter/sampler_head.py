@@ -38,6 +38,8 @@ class SamplerHead(nn.Module):
     """See the module doc. Parameters: ``w1`` [hidden, H], ``b1`` [hidden], ``w2`` [H, hidden], ``b2`` [H],
     ``a`` [] (plain parameters, no ``nn.Linear``: nothing that packs or wraps a model's linears touches them)."""
 
+    DIRECTION_CACHE = 4096  # tokens whose u rescore_ keeps (SmolLM2: 576 floats each, ~9.4 MB at most)
+
     def __init__(self, hidden_size: int, hidden: int = 512, topk: int = 64, dropout: float = 0.1):
         super().__init__()
         if hidden_size < 1 or hidden < 1 or topk < 1:
@@ -85,9 +87,34 @@ class SamplerHead(nn.Module):
         # the top k of log_softmax, without it over the vocabulary (one kernel call per row on the CPU)
         top_x, top_i, lse = topk_logsumexp(logits.float(), k)
         top_l = top_x - lse[:, None]
-        s = self.scores(emb, t0.long(), top_l, top_i).to(logits.dtype)
-        logits.fill_(-math.inf).scatter_(-1, top_i, s)
+        u = self.cached_direction(emb, t0.long())
+        if u is None:
+            s = self.scores(emb, t0.long(), top_l, top_i)
+        else:  # scores() with u from the cache, each row's dot products summed alone (the same at any N)
+            s = self.a * top_l.to(u.dtype) + (emb[top_i].to(u.dtype) * u.unsqueeze(1)).sum(-1)
+        logits.fill_(-math.inf).scatter_(-1, top_i, s.to(logits.dtype))
         return logits
+
+    @torch.no_grad()
+    def cached_direction(self, emb: torch.Tensor, t0: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`direction` of ``t0`` [N] where the tokens are on the CPU and the head is in eval mode, each
+        token's u computed alone once and kept (at most :attr:`DIRECTION_CACHE` tokens; dropped when the head's
+        parameters or ``emb`` change: their versions and storage are the key), else None. u depends on the token
+        alone, and a verify reveal asks it once per forward: the MLP's two matrix-vector products (~2.4 MB of
+        SmolLM2's head) and ~10 small ops per forward become a lookup."""
+        if torch.compiler.is_compiling() or self.training or t0.device.type != "cpu" or t0.dim() != 1:
+            return None  # (inside a compiled graph -- the device cycle -- the MLP is part of the graph)
+        key = (emb.data_ptr(), emb._version, emb.dtype, *((q.data_ptr(), q._version) for q in self.parameters()))
+        cache = self.__dict__.get("_directions")
+        if cache is None or cache[0] != key or len(cache[1]) > self.DIRECTION_CACHE:
+            cache = self.__dict__["_directions"] = (key, {})
+        rows = []
+        for t in t0.tolist():
+            u = cache[1].get(t)
+            if u is None:
+                u = cache[1][t] = self.direction(emb, t0.new_tensor([t]))[0]
+            rows.append(u)
+        return rows[0].view(1, -1) if len(rows) == 1 else torch.stack(rows)
 
 
 def rescore_reference(head: SamplerHead, logits: torch.Tensor, t0: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
