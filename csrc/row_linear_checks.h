@@ -105,14 +105,14 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
 
 // gated_lora_linear (the CPU binding; no other device has it): x [M, K] fp32; weight fp32 or bf16 packed [P, K, 16]
 // holding the base's N = 16 * lora_b.size(0) rows, then the adapter's r = lora_b.size(1) A rows (P * 16 >= N + r);
-// lora_b fp32 packed [N / 16, r, 16]; gate fp32 [M]; every tensor on x's device, weight, lora_b and gate contiguous,
-// x contiguous along K.
+// lora_b fp32 or bf16 packed [N / 16, r, 16] (bf16: its values widened, the fp32 panels' sums); gate fp32 [M]; every
+// tensor on x's device, weight, lora_b and gate contiguous, x contiguous along K.
 inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
                                     const at::Tensor& gate, const std::optional<at::Tensor>& scale = std::nullopt) {
   constexpr const char* op = "gated_lora_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dtype(op, "weight", weight, {at::kFloat, at::kBFloat16, at::kByte});
-  check_dtype(op, "lora_b", lora_b, {at::kFloat});
+  check_dtype(op, "lora_b", lora_b, {at::kFloat, at::kBFloat16});
   check_dtype(op, "gate", gate, {at::kFloat});
   const bool q8 = weight.scalar_type() == at::kByte;
   TORCH_CHECK_VALUE(q8 == scale.has_value(), op, q8 ? ": a packed int8 [W; A] (uint8) needs its scale [P * 16]"

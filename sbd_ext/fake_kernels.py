@@ -55,8 +55,9 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     op = "gated_lora_linear"
     q8 = weight.dtype == torch.uint8
     for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
-        if t.dtype != torch.float32 and not (name == "weight" and t.dtype in (torch.bfloat16, torch.uint8)):
-            want = "Float, BFloat16, Byte" if name == "weight" else "Float"
+        extra = {"weight": (torch.bfloat16, torch.uint8), "lora_b": (torch.bfloat16,)}.get(name, ())
+        if t.dtype != torch.float32 and t.dtype not in extra:
+            want = {"weight": "Float, BFloat16, Byte", "lora_b": "Float, BFloat16"}.get(name, "Float")
             raise TypeError(f"{op}: {name} must have dtype {want}, got {t.dtype}")
         if t.device != x.device:
             raise RuntimeError(

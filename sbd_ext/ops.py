@@ -280,7 +280,8 @@ def gated_lora_linear(
             P >= N / 16 + ceil(r / 16). Or (w8a8) int8 [W; A] in row_linear's packed int8 layout (uint8
             [P, ceil(K / 32) * 8, 16, 4]: :func:`sbd_ext.packing.pack_row_linear_int8`) with ``scale``: then x is
             quantised per block of 32 once for W and A, as ``row_linear(..., quantize_x=True)`` does.
-        lora_b: B' = scale * B [N, r], packed: [N / 16, r, 16] contiguous.
+        lora_b: B' = scale * B [N, r], packed: [N / 16, r, 16] contiguous, fp32 or bf16 (widened: the same sums
+            as the fp32 panels of its values, half the bytes).
         gate: [M] fp32, one factor per row (the drafter's 0/1 block-row gate).
         scale: with an int8 weight only: [P * 16] fp32, one per row of [W; A] (any value on the padding rows).
 

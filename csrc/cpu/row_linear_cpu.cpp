@@ -209,9 +209,10 @@ void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::
 }
 
 // The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
-// h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16]; o's rows have stride N.
+// h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16] in fp32 (b) or bf16 (bb, its bits; the other
+// nullptr); o's rows have stride N.
 void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o, int64_t Ms, int64_t N, int64_t r,
-                     const float* b) {
+                     const float* b, const uint16_t* bb) {
   constexpr int64_t C = sbd_cpu::kRowLinearChunk;
   static thread_local std::vector<float> ht, delta;  // this thread's scratch (the chunks get raw pointers)
   static thread_local std::vector<int64_t> rows;
@@ -227,7 +228,7 @@ void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o,
   // raw pointers: inside the chunks (other threads) the names ht, delta, rows are those threads' own
   const float* d = delta.data();
   const int64_t* rw = rows.data();
-  const auto pb = packed_params(ht.data(), G, r, b, nullptr, N, delta.data(), N);
+  const auto pb = packed_params(ht.data(), G, r, b, bb, N, delta.data(), N);
   at::parallel_for(0, (N + C - 1) / C, 1, [&](int64_t c0, int64_t c1) {
     const int64_t n0 = c0 * C, n1 = std::min(N, c1 * C);
     SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);
@@ -255,7 +256,11 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   check_gated_lora_linear(x, weight, lora_b, gate, scale);
   constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
-  const float* b = lora_b.data_ptr<float>();
+  // scale * B in fp32 panels, or in bf16 panels where its values are bf16 (a bf16 model's B): half the bytes, the
+  // same sums (the bf16 panel path widens each value and sums as the fp32 one does)
+  const bool b16 = lora_b.scalar_type() == at::kBFloat16;
+  const float* b = b16 ? nullptr : lora_b.data_ptr<float>();
+  const uint16_t* bb = b16 ? reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()) : nullptr;
   const float* g = gate.data_ptr<float>();
   if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
     if (M == 0) return at::empty({0, N}, x.options());
@@ -273,7 +278,8 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     float* o = out.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, full + m * F, N * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
-      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b);
+      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b,
+                      bb);
     return out;
   }
   const int64_t r_pad = (r + P - 1) / P * P;
@@ -304,7 +310,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
         SBD_CPU_DISPATCH(row_linear_range, pa, a0 * C, std::min(r_pad, a1 * C));
       }
     });
-    add_gated_delta(h.data(), r_pad, g + m0, o + m0 * N, Ms, N, r, b);
+    add_gated_delta(h.data(), r_pad, g + m0, o + m0 * N, Ms, N, r, b, bb);
   }
   return out;
 }

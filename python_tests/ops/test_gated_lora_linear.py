@@ -7,7 +7,8 @@ from sbd_models import num_threads, one_thread, refused_alike
 
 from sbd_ext import reference as R
 from sbd_ext.ops import gated_lora_linear, row_linear
-from sbd_ext.packing import pack_row_linear_weight, unpack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_int8, pack_row_linear_weight, unpack_row_linear_weight
+from sbd_ext.quantization import quantize_weight
 
 EPS32 = 2.0**-24
 
@@ -59,6 +60,39 @@ def test_bf16_weight_matches_reference(cpu_isa, M, N, K, r):
     """[W; A] in bf16 panels (a "bf16" model's fused adapter): the products of the widened values, fp32 sums."""
     x, fused, bp, gate, _ = _case(M, N, K, r, seed=M * 7 + N + K + r, dtype=torch.bfloat16)
     _check(gated_lora_linear(x, fused, bp, gate), x, fused, bp, gate, f"bf16 M={M} N={N} K={K} r={r}")
+
+
+def _fused_as(layout, w, a):
+    """(``[W; A]`` packed in ``layout``, its scale or None) for gated_lora_linear."""
+    if layout == "int8":
+        wq, ws = quantize_weight(w)
+        aq, as_ = quantize_weight(a)
+        wp, ap = pack_row_linear_int8(wq), pack_row_linear_int8(aq, pad=True)
+        return torch.cat([wp, ap]), torch.cat([ws, torch.nn.functional.pad(as_, (0, ap.shape[0] * 16 - len(a)))])
+    if layout == "bf16-tiles":
+        return pack_row_linear_weight(torch.cat([w, a]).bfloat16(), pad=True, tiles=True), None
+    dtype = torch.bfloat16 if layout == "bf16" else torch.float32
+    return torch.cat([pack_row_linear_weight(w.to(dtype)), pack_row_linear_weight(a.to(dtype), pad=True)]), None
+
+
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "bf16-tiles", "int8"])
+@pytest.mark.parametrize("M", [1, 3, 4, 16, 33])
+def test_bf16_lora_b_is_the_fp32_panels_of_its_values_bit_for_bit(cpu_isa, layout, M):
+    """scale * B in bf16 panels (a bf16 model's B: GatedLoRALinear.packed_b packs it so) gives the bits of the fp32
+    panels of the same values over every [W; A] layout: the panel path widens each value and sums alike."""
+    g = torch.Generator().manual_seed(M + len(layout))
+    N, K, r = 192, 576, 16
+    x, w, a = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(r, K, generator=g)
+    b = (torch.randn(N, r, generator=g) * 0.3).bfloat16()
+    gate = (torch.rand(M, generator=g) > 0.3).float()
+    gate[0] = 1.0
+    fused, scale = _fused_as(layout, w, a)
+    b16, b32 = pack_row_linear_weight(b), pack_row_linear_weight(b.float())
+    y = gated_lora_linear(x, fused, b16, gate, scale)
+    assert b16.dtype == torch.bfloat16 and torch.equal(y, gated_lora_linear(x, fused, b32, gate, scale))
+    ref = R.gated_lora_linear(x, fused, b16, gate, scale)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(y[gate != 0], gated_lora_linear(x, fused, b32, torch.zeros(M), scale)[gate != 0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -689,6 +689,20 @@ def test_compiled_step_sees_a_drafter_changed_between_generations(merge):
     eager = sbd_ext.generate(model, ids, att, **kw)
     assert not torch.equal(eager.sequences, before.sequences)  # the new factors draft differently
     assert torch.equal(after.sequences, eager.sequences)
+    # factors whose values are bf16 values (as the shipped drafters'): the packed B is bf16, and back to fp32
+    with torch.no_grad():
+        for _, m in model.sbd_drafter.lora_modules(model):
+            m.lora_B.copy_((torch.randn(m.lora_B.shape, generator=g) * 0.3).bfloat16().float())
+    half = sbd_ext.generate(model, ids, att, compile=True, **kw)
+    layers = [m for _, m in model.sbd_drafter.lora_modules(model)]
+    assert merge or all(m.packed_b().dtype == torch.bfloat16 for m in layers)
+    assert torch.equal(half.sequences, sbd_ext.generate(model, ids, att, **kw).sequences)
+    with torch.no_grad():
+        for m in layers:
+            m.lora_B.mul_(1.0 + 2.0**-12)  # no longer bf16 values
+    again = sbd_ext.generate(model, ids, att, compile=True, **kw)
+    assert merge or all(m.packed_b().dtype == torch.float32 for m in layers)
+    assert torch.equal(again.sequences, sbd_ext.generate(model, ids, att, **kw).sequences)
 
 
 def test_merged_adapter_equals_the_lora_products():

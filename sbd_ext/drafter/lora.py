@@ -99,7 +99,9 @@ class GatedLoRALinear(nn.Module):
 
     def packed_b(self) -> torch.Tensor | None:
         """``scale · B`` in row_linear's packed fp32 layout ([N / 16, r, 16]: the CPU kernel's panel path; the plain
-        [N, r] layout sums lanes over r = 16 and took ~2x as long), or None where the layout does not apply (N not a
+        [N, r] layout sums lanes over r = 16 and took ~2x as long; in bf16 where every value of ``scale · B`` is a
+        bf16 value, as the shipped drafters' B (stored in bf16) or a bf16 model's, with a power-of-two scale: half the
+        bytes, the same sums), or None where the layout does not apply (N not a
         multiple of 16, or B not on the CPU, which has the only packed kernel: the plain factor is used). Rebuilt
         when B changes (an optimizer step, a load bumps its version); a compiled step reads the copy refreshed before
         it runs (:meth:`Drafter.refresh`)."""
@@ -111,7 +113,11 @@ class GatedLoRALinear(nn.Module):
             packed = _absent()
             if b.shape[0] % PANEL == 0 and b.device.type == "cpu":
                 with torch.no_grad():
-                    packed = constant_weight(pack_row_linear_weight((b.detach().float() * self.scale).contiguous()))
+                    scaled = (b.detach().float() * self.scale).contiguous()
+                    half = scaled.to(torch.bfloat16)
+                    if torch.equal(half.float(), scaled):  # bf16 values (the shipped drafters'): the same sums
+                        scaled = half
+                    packed = constant_weight(pack_row_linear_weight(scaled))
             _keep(self, _packed_b=packed, _packed_b_key=key)
         return _present(self._packed_b)
 
