@@ -49,15 +49,21 @@ def _topk_logsumexp_fake(x, k):
     return x.new_empty((N, k)), x.new_empty((N, k), dtype=torch.int64), x.new_empty((N,))
 
 
+# gated_lora_linear's dtypes other than fp32-only (check_gated_lora_linear), with the binding's spelling
+_GATED_DTYPES = {
+    "weight": ((torch.float32, torch.bfloat16, torch.uint8), "Float, BFloat16, Byte"),
+    "lora_b": ((torch.float32, torch.bfloat16), "Float, BFloat16"),
+}
+
+
 @torch.library.register_fake("sbd_ext::gated_lora_linear")
 def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
     op = "gated_lora_linear"
     q8 = weight.dtype == torch.uint8
     for name, t in (("x", x), ("weight", weight), ("lora_b", lora_b), ("gate", gate)):
-        extra = {"weight": (torch.bfloat16, torch.uint8), "lora_b": (torch.bfloat16,)}.get(name, ())
-        if t.dtype != torch.float32 and t.dtype not in extra:
-            want = {"weight": "Float, BFloat16, Byte", "lora_b": "Float, BFloat16"}.get(name, "Float")
+        allowed, want = _GATED_DTYPES.get(name, ((torch.float32,), "Float"))
+        if t.dtype not in allowed:
             raise TypeError(f"{op}: {name} must have dtype {want}, got {t.dtype}")
         if t.device != x.device:
             raise RuntimeError(

@@ -256,8 +256,8 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   check_gated_lora_linear(x, weight, lora_b, gate, scale);
   constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
-  // scale * B in fp32 panels, or in bf16 panels where its values are bf16 (a bf16 model's B): half the bytes, the
-  // same sums (the bf16 panel path widens each value and sums as the fp32 one does)
+  // scale * B in fp32 panels, or in bf16 panels where its values are bf16 values (GatedLoRALinear.packed_b: the
+  // shipped drafters'): half the bytes, the same sums (the bf16 panel path widens each value, then sums as fp32 does)
   const bool b16 = lora_b.scalar_type() == at::kBFloat16;
   const float* b = b16 ? nullptr : lora_b.data_ptr<float>();
   const uint16_t* bb = b16 ? reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()) : nullptr;

@@ -597,7 +597,7 @@ constexpr int kQNr = 4;  // weight rows per tile (tile_q8 sums 4 rows' blocks by
 constexpr int kQMr = 2;  // x rows per tile
 constexpr int64_t kB = kRowLinearXBlock;
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX2)
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -606,11 +606,27 @@ inline float hmax(__m256 v) {
 }
 #endif
 
-// One block of 32 x values (len <= 32): q (32 bytes, zero past len) and its scale.
-inline void quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
+// One block of 32 x values (len <= 32): q (32 bytes, zero past len) and its scale; returns the sum of q. A NaN or
+// infinite value gives d = NaN and q = 0 (row_linear_quantize_x's contract).
+inline int32_t quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
   float amax = 0.f;
   bool finite = true;
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  if (len == kB) {  // the AVX2 branch's values in two zmm registers, the sum taken before narrowing
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), big = _mm512_set1_ps(FLT_MAX);
+    if ((_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) == 0) {
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      *d = amax / 127.f;
+      const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
+      return _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    }
+    finite = false;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
   if (len == kB) {
     const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
     __m256 v[4], m = _mm256_setzero_ps();
@@ -632,7 +648,10 @@ inline void quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
       const __m256i i8 = _mm256_packs_epi16(i16a, i16b);
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
-      return;
+      const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
     }
     finite = false;
   }
@@ -645,11 +664,16 @@ inline void quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
   std::memset(q, 0, kB);
   if (!finite) {
     *d = std::numeric_limits<float>::quiet_NaN();
-    return;
+    return 0;
   }
   *d = amax / 127.f;
   const float id = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t k = 0; k < len; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] * id));  // half to even
+  int32_t sum = 0;
+  for (int64_t k = 0; k < len; ++k) {
+    q[k] = static_cast<int8_t>(std::nearbyint(x[k] * id));  // half to even
+    sum += q[k];
+  }
+  return sum;
 }
 
 // One output of an int8 x int8 tile: s, the sum over the whole blocks, plus the last, shorter block (scalar; x's
@@ -959,25 +983,6 @@ void row_linear_quantize_x(const RowLinearParams& p, int8_t* xq, float* xd, int6
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// quantize_block for a whole block of finite values in AVX-512 (the same d and q: the same amax, 127 / amax and
-// round-half-even conversion), q written as 32 bytes, and the sum of q returned; false (nothing written) for a block
-// with a NaN or infinite value.
-inline bool quantize_block_512(const float* x, int8_t* q, float* d, int32_t* sum) {
-  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-  const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), big = _mm512_set1_ps(FLT_MAX);
-  if ((_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0) return false;
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-  *d = amax / 127.f;
-  const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-  return true;
-}
-#endif
-
 void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float* xdt, int32_t* xct,
                                   int8_t* xq_rows) {
   const int64_t M = p.M;
@@ -988,16 +993,7 @@ void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float*
       const int64_t k = b * kB;
       // the AMX path reads the rows (and not xq4): quantised in place there
       int8_t* q = xq_rows != nullptr ? xq_rows + m * p.xq_stride + k : qb;
-      int32_t sum = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-      if (k + kB > p.K || !quantize_block_512(x + k, q, xdt + b * M + m, &sum))
-#endif
-      {
-        quantize_block(x + k, std::min(kB, p.K - k), q, xdt + b * M + m);
-        sum = 0;
-        for (int64_t c = 0; c < kB; ++c) sum += q[c];
-      }
-      xct[b * M + m] = 128 * sum;
+      xct[b * M + m] = 128 * quantize_block(x + k, std::min(kB, p.K - k), q, xdt + b * M + m);
       if (xq_rows == nullptr)
         for (int64_t j = 0; j < kB / 4; ++j) std::memcpy(xq4 + (b * 8 + j) * M + m, q + 4 * j, 4);
     }

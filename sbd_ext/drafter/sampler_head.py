@@ -86,10 +86,10 @@ class SamplerHead(nn.Module):
         k = min(self.topk, logits.shape[1])
         # the top k of log_softmax, without it over the vocabulary (one kernel call per row on the CPU)
         top_x, top_i, lse = topk_logsumexp(logits.float(), k)
-        top_l = top_x - lse[:, None]
-        u = self.cached_direction(emb, t0.long())
+        top_l, t0 = top_x - lse[:, None], t0.long()
+        u = self.cached_direction(emb, t0)
         if u is None:
-            s = self.scores(emb, t0.long(), top_l, top_i)
+            s = self.scores(emb, t0, top_l, top_i)
         else:  # scores() with u from the cache, each row's dot products summed alone (the same at any N)
             s = self.a * top_l.to(u.dtype) + (emb[top_i].to(u.dtype) * u.unsqueeze(1)).sum(-1)
         logits.fill_(-math.inf).scatter_(-1, top_i, s.to(logits.dtype))
