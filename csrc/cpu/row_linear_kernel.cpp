@@ -442,6 +442,12 @@ constexpr int kF32PrefetchMinRows = 1;
 // 2026-12-05, a standalone copy of the one-row panel loop over 540 MB of panels on huge pages, best / median of 7
 // interleaved passes): 1 KB into L2 39.0 / 40.2 ms, 8 KB into L2 35.9 / 36.9, 4-16 KB alike, none 35.7 / 38.2, a plain
 // read 35.7 / 37.8; 512 B-4 KB into L1 38.5-40.6 best. There the one-row fp32 panels prefetch 8 KB into L2.
+// More fp32 x rows on that Xeon (2026-12-06, SmolLM2's packed linears + head, direct op calls, a process per setting,
+// three alternated rounds, median of 7; time against one row in the same process): 4 KB into L1 (the default) 2 / 3 /
+// 4 / 6 / 16 rows 1.17 / 1.21-1.24 / 1.17-1.20 / 1.21-1.23 / 1.41-1.47x; 16 KB into L2 1.05-1.09 / 1.10-1.15 /
+// 1.05-1.14 / 1.11-1.19 / 1.39-1.44x; 8, 12, 24 and 32 KB into L2 in between or alike; none 1.29-1.49x at 2 rows,
+// 2.3-2.5x at 16. There fp32 panels of 2+ rows prefetch 16 KB into L2. (At 16 rows the tile runs at this core's
+// FMA rate from L2 already: 4.3 ns per 16-row step against 3.9 ns for 16 register-only zmm FMAs.)
 struct PanelPrefetch {
   int64_t ahead;  // bytes ahead in the panel stream (0: no software prefetch)
   bool l2;        // into L2 (else L1)
@@ -460,7 +466,7 @@ inline PanelPrefetch f32_panel_prefetch() {
   static const bool zen5 = cpu_core() == Core::ZEN5;
   if (zen5 && (std::is_same_v<W, float> || MR == 1)) return {8192, true};
   static const bool intel = cpu_core() == Core::INTEL;
-  if (intel && std::is_same_v<W, float> && MR == 1) return {8192, true};
+  if (intel && std::is_same_v<W, float>) return MR == 1 ? PanelPrefetch{8192, true} : PanelPrefetch{16384, true};
   if constexpr (MR == 1) return {1024, true};
   static const bool zen4 = cpu_core() == Core::ZEN4;
   if (zen4) {
