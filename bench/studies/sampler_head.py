@@ -17,6 +17,10 @@ This script measures the head's ceiling before any decoding code is written:
     python bench/studies/sampler_head.py heldout --out HELDOUT_ANSWERS.pt
     python bench/studies/sampler_head.py collect --samples RUN/samples.pt --out F.pt [--limit N] [--threads 2]
     python bench/studies/sampler_head.py fit --train F1.pt,F2.pt --val HELDOUT.pt [--json OUT.json]
+    python bench/studies/sampler_head.py curve --train F1.pt,F2.pt --val HELDOUT.pt --sizes 68000,140000 [--json OUT]
+
+``curve`` trains the heads of t0 alone and of t0 with the block row's hidden state on growing random subsets of the
+training positions (the same order for every size), each evaluated on the held-out features.
 
 Results and the decision: docs/drafter.md, "A sampler head on slot 1 (a study)".
 """
@@ -161,6 +165,56 @@ def fit(train: list[str], val: str, threads: int, epochs: int = 5, out_json: str
     return rows
 
 
+def curve(train: list[str], val: str, sizes: list[int], threads: int, epochs: int = 5, out_json: str | None = None):
+    """Held-out slot-1 accuracy of heads trained on the first ``sizes`` positions of one random order of ``train``."""
+    from sbd_ext.demo import models
+
+    torch.set_num_threads(threads)
+    parts = [torch.load(p, weights_only=True) for p in train]
+    tr_all = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    va = torch.load(val, weights_only=True)
+    model, _ = models.load("smollm2")
+    E = model.get_output_embeddings().weight.detach().float()
+    order = torch.randperm(len(tr_all["tgt"]), generator=torch.Generator().manual_seed(0))
+    res = {
+        "val_positions": len(va["tgt"]),
+        "drafter_val_top1": float((va["top_i"][:, 0] == va["tgt"]).float().mean()),
+        "train_total": len(order),
+        "rows": [],
+    }
+    print(json.dumps(res), flush=True)
+    for n in sizes:
+        tr = {k: v[order[:n]] for k, v in tr_all.items()}
+        lab = (tr["top_i"] == tr["tgt"][:, None]).long().argmax(1)
+        has = (tr["top_i"] == tr["tgt"][:, None]).any(1)
+        for feats, dropout in ((("t0",), 0.1), (("t0", "h1"), 0.3), (("t0", "g0", "h1"), 0.3)):
+            torch.manual_seed(0)
+            m = Rescorer(E, feats, dropout=dropout)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
+            per_epoch = []
+            for _ in range(epochs):
+                m.train()
+                perm = torch.randperm(len(tr["tgt"]))
+                for lo in range(0, len(perm), 512):
+                    idx = perm[lo : lo + 512]
+                    idx = idx[has[idx]]
+                    loss = F.cross_entropy(m(tr, idx), lab[idx])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                m.eval()
+                with torch.no_grad():
+                    pick = va["top_i"].gather(1, m(va, torch.arange(len(va["tgt"]))).argmax(1, keepdim=True)).squeeze(1)
+                per_epoch.append(round(float((pick == va["tgt"]).float().mean()), 4))
+            row = {"train_positions": n, "features": list(feats), "dropout": dropout, "val_top1_by_epoch": per_epoch}
+            print(json.dumps(row), flush=True)
+            res["rows"].append(row)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(res | {"train": train, "val": val}, f, indent=1)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -178,11 +232,20 @@ def main() -> None:
     f.add_argument("--threads", type=int, default=2)
     f.add_argument("--epochs", type=int, default=5)
     f.add_argument("--json")
+    cv = sub.add_parser("curve")
+    cv.add_argument("--train", required=True, help="comma-separated feature files")
+    cv.add_argument("--val", required=True)
+    cv.add_argument("--sizes", required=True, help="comma-separated counts of training positions")
+    cv.add_argument("--threads", type=int, default=1)
+    cv.add_argument("--epochs", type=int, default=5)
+    cv.add_argument("--json")
     a = ap.parse_args()
     if a.cmd == "heldout":
         heldout(a.out, a.threads)
     elif a.cmd == "collect":
         collect(a.samples, a.out, a.limit, a.threads)
+    elif a.cmd == "curve":
+        curve(a.train.split(","), a.val, [int(x) for x in a.sizes.split(",")], a.threads, a.epochs, a.json)
     else:
         fit(a.train.split(","), a.val, a.threads, a.epochs, a.json)
 
