@@ -108,29 +108,53 @@ class Rescorer(nn.Module):
         return self.a * d["top_l"][idx].float() + torch.einsum("nkh,nh->nk", cand, self.net(x))
 
 
-def fit(train: list[str], val: str, threads: int, epochs: int = 5, out_json: str | None = None) -> list[dict]:
+def load(train: list[str], val: str) -> tuple[dict, dict, torch.Tensor]:
+    """The training feature files concatenated, the held-out features, and the model's output embedding."""
     from sbd_ext.demo import models
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
     parts = [torch.load(p, weights_only=True) for p in train]
     tr = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     va = torch.load(val, weights_only=True)
     model, _ = models.load("smollm2")
-    E = model.get_output_embeddings().weight.detach().float()
+    return tr, va, model.get_output_embeddings().weight.detach().float()
 
-    def acc(d, pick):
-        return float((pick == d["tgt"]).float().mean())
 
+def train_rescorer(E: torch.Tensor, tr: dict, va: dict, feats: tuple[str, ...], dropout: float, epochs: int) -> list:
+    """A :class:`Rescorer` of ``feats`` trained on ``tr`` (the base's token among the candidates; positions where it
+    is not among them carry no loss); its held-out top-1 accuracy on ``va`` after each epoch."""
+    lab = (tr["top_i"] == tr["tgt"][:, None]).long().argmax(1)
+    has = (tr["top_i"] == tr["tgt"][:, None]).any(1)
+    m = Rescorer(E, feats, dropout=dropout)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
+    per_epoch = []
+    for _ in range(epochs):
+        m.train()
+        perm = torch.randperm(len(tr["tgt"]))
+        for lo in range(0, len(perm), 512):
+            idx = perm[lo : lo + 512]
+            idx = idx[has[idx]]
+            loss = F.cross_entropy(m(tr, idx), lab[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        m.eval()
+        with torch.no_grad():
+            pick = va["top_i"].gather(1, m(va, torch.arange(len(va["tgt"]))).argmax(1, keepdim=True)).squeeze(1)
+        per_epoch.append(round(float((pick == va["tgt"]).float().mean()), 4))
+    return per_epoch
+
+
+def fit(train: list[str], val: str, threads: int, epochs: int = 5, out_json: str | None = None) -> list[dict]:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    tr, va, E = load(train, val)
     base = {
         "train_positions": len(tr["tgt"]),
         "val_positions": len(va["tgt"]),
-        "drafter_val_top1": acc(va, va["top_i"][:, 0]),
+        "drafter_val_top1": float((va["top_i"][:, 0] == va["tgt"]).float().mean()),
         "val_top64": float((va["top_i"] == va["tgt"][:, None]).any(1).float().mean()),
     }
     print(json.dumps(base), flush=True)
-    lab = (tr["top_i"] == tr["tgt"][:, None]).long().argmax(1)
-    has = (tr["top_i"] == tr["tgt"][:, None]).any(1)
     rows = []
     for feats, dropout in (
         (("t0",), 0.1),
@@ -139,23 +163,7 @@ def fit(train: list[str], val: str, threads: int, epochs: int = 5, out_json: str
         (("t0", "g0", "hc"), 0.3),
         (("t0", "g0", "h1", "hc"), 0.3),
     ):
-        m = Rescorer(E, feats, dropout=dropout)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
-        per_epoch = []
-        for _ in range(epochs):
-            m.train()
-            perm = torch.randperm(len(tr["tgt"]))
-            for lo in range(0, len(perm), 512):
-                idx = perm[lo : lo + 512]
-                idx = idx[has[idx]]
-                loss = F.cross_entropy(m(tr, idx), lab[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            m.eval()
-            with torch.no_grad():
-                pick = va["top_i"].gather(1, m(va, torch.arange(len(va["tgt"]))).argmax(1, keepdim=True)).squeeze(1)
-            per_epoch.append(round(acc(va, pick), 4))
+        per_epoch = train_rescorer(E, tr, va, feats, dropout, epochs)
         row = {"features": list(feats), "dropout": dropout, "val_top1_by_epoch": per_epoch}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -167,14 +175,8 @@ def fit(train: list[str], val: str, threads: int, epochs: int = 5, out_json: str
 
 def curve(train: list[str], val: str, sizes: list[int], threads: int, epochs: int = 5, out_json: str | None = None):
     """Held-out slot-1 accuracy of heads trained on the first ``sizes`` positions of one random order of ``train``."""
-    from sbd_ext.demo import models
-
     torch.set_num_threads(threads)
-    parts = [torch.load(p, weights_only=True) for p in train]
-    tr_all = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    va = torch.load(val, weights_only=True)
-    model, _ = models.load("smollm2")
-    E = model.get_output_embeddings().weight.detach().float()
+    tr_all, va, E = load(train, val)
     order = torch.randperm(len(tr_all["tgt"]), generator=torch.Generator().manual_seed(0))
     res = {
         "val_positions": len(va["tgt"]),
@@ -185,27 +187,9 @@ def curve(train: list[str], val: str, sizes: list[int], threads: int, epochs: in
     print(json.dumps(res), flush=True)
     for n in sizes:
         tr = {k: v[order[:n]] for k, v in tr_all.items()}
-        lab = (tr["top_i"] == tr["tgt"][:, None]).long().argmax(1)
-        has = (tr["top_i"] == tr["tgt"][:, None]).any(1)
         for feats, dropout in ((("t0",), 0.1), (("t0", "h1"), 0.3), (("t0", "g0", "h1"), 0.3)):
-            torch.manual_seed(0)
-            m = Rescorer(E, feats, dropout=dropout)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
-            per_epoch = []
-            for _ in range(epochs):
-                m.train()
-                perm = torch.randperm(len(tr["tgt"]))
-                for lo in range(0, len(perm), 512):
-                    idx = perm[lo : lo + 512]
-                    idx = idx[has[idx]]
-                    loss = F.cross_entropy(m(tr, idx), lab[idx])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                m.eval()
-                with torch.no_grad():
-                    pick = va["top_i"].gather(1, m(va, torch.arange(len(va["tgt"]))).argmax(1, keepdim=True)).squeeze(1)
-                per_epoch.append(round(float((pick == va["tgt"]).float().mean()), 4))
+            torch.manual_seed(0)  # each head from the same start, whatever ran before it
+            per_epoch = train_rescorer(E, tr, va, feats, dropout, epochs)
             row = {"train_positions": n, "features": list(feats), "dropout": dropout, "val_top1_by_epoch": per_epoch}
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
