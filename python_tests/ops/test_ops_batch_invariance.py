@@ -56,6 +56,33 @@ def test_row_linear_row_equals_the_row_alone(cpu_isa, N, K, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("K", [576, 70, 1536])
+def test_w8a8_packed_rows_quantised_together_equal_the_rows_alone(cpu_isa, K):
+    """x's blocks of 2-16 rows are quantised together (one max and one sum over 16 rows at a time, AVX-512): each
+    row's output is still bit for bit the row alone's, with rows of every kind side by side: NaN, inf, all zero,
+    subnormal, near FLT_MAX, one large value among small ones, and ordinary rows (NaN where the row alone is NaN)."""
+    gen = torch.Generator().manual_seed(K)
+    w = torch.randn(32, K, generator=gen)
+    q, s = quantize_weight(w)
+    p = pack_row_linear_int8(q)
+    x = torch.randn(24, K, generator=gen)
+    x[1, 5] = float("nan")
+    x[3, K - 1] = float("-inf")
+    x[4] = 0.0
+    x[6] = 1e-42 * torch.sign(x[6])
+    x[7] = 3e38 * torch.sign(x[7])
+    x[9, 40 % K] = 1e6
+    x[12, :32] = 0.0
+    f = lambda rows: sbd_ext.row_linear(rows, p, s, quantize_x=True)  # noqa: E731
+    alone = torch.cat([f(x[i : i + 1]) for i in range(x.shape[0])])
+    assert alone[1].isnan().all() and alone[3].isnan().all() and not alone[4].any()
+    for M in (2, 3, 5, 8, 16, 17, 24):
+        out = f(x[:M])
+        for i in range(M):
+            assert torch.equal(out[i].isnan(), alone[i].isnan()), f"M={M} row {i}: NaN pattern"
+            assert torch.equal(out[i].nan_to_num(), alone[i].nan_to_num()), f"M={M} row {i} differs"
+
+
 def test_gated_lora_linear_row_equals_the_row_alone(cpu_isa):
     """The gated adapter's product: a row's output does not depend on the other rows or on their gates."""
     gen = torch.Generator().manual_seed(7)
