@@ -30,6 +30,7 @@ Workload: each prompt in SmolLM2's chat template, one after the other at batch 1
 - ``sbd_verify_branch`` / ``_compiled`` / ``_packed_compiled`` (ours): verify with ``branch=True`` (each forward
   also drafts a block behind the last verified token, the next cycle's drafts when the first draft is rejected);
   ``..._no_head`` (ablation): the same without the drafter's sampler head (slot 1 in the drafter's own order);
+  ``..._no_store`` (ablation): without the drafter's draft store (the lookup's drafts from the context only);
 - ``sbd_verify_alternates_packed_compiled`` (ours): verify + branch with ``alternates=3`` (the first draft's three
   runners-up checked in the same forward, each a base row with a block behind it); ``..._alternates1_...``: one;
 - ``sbd_verify_compiled_other_merge`` (ours, CUDA only): compiled verify with the adapters' LoRA products instead of
@@ -226,6 +227,11 @@ ROWS = {
     "sbd_verify_branch_packed_compiled_no_head": dict(
         verify=True, branch=True, compile=True, packed=True, sampler_head=False
     ),
+    # the context's lookup drafts only (the drafter's draft store off: model.sbd_drafter.draft_store = None)
+    "sbd_verify_packed_compiled_no_store": dict(verify=True, compile=True, packed=True, draft_store=False),
+    "sbd_verify_branch_packed_compiled_no_store": dict(
+        verify=True, branch=True, compile=True, packed=True, draft_store=False
+    ),
 }
 if DEVICE.type == "cuda":  # the compiled adapters' LoRA products, against the merged GEMMs of CUDA's default
     ROWS["sbd_verify_compiled_other_merge"] = dict(verify=True, compile=True, other_merge=True)
@@ -254,7 +260,8 @@ def test_sbd(benchmark, setup, threads, impl):
         model = _packed_model(model)
     d = model.sbd_drafter if hasattr(model, "sbd_drafter") else None
     row = dict(kw)
-    kw.pop("sampler_head", None)
+    for a in ("sampler_head", "draft_store"):
+        kw.pop(a, None)
     if kw.pop("other_merge", False):
         d.merge = not d.merges(model, DEVICE)
     elif d is not None:
@@ -299,16 +306,18 @@ def test_sbd(benchmark, setup, threads, impl):
 
 @contextlib.contextmanager
 def _head_setting(d, row: dict):
-    """The drafter ``d``'s sampler head as the ``row`` (a ROWS entry) sets it, inside the block: kept unless the row
-    says ``sampler_head=False`` (then slot 1 in the drafter's own order)."""
-    if d is None or row.get("sampler_head", True):
-        yield
-        return
-    head, d.sampler_head = d.sampler_head, None
+    """The drafter ``d``'s sampler head and draft store as the ``row`` (a ROWS entry) sets them, inside the block:
+    kept unless the row says ``sampler_head=False`` (then slot 1 in the drafter's own order) or ``draft_store=False``
+    (then the lookup's drafts from the context only)."""
+    off = [a for a in ("sampler_head", "draft_store") if d is not None and not row.get(a, True)]
+    kept = {a: getattr(d, a) for a in off}
+    for a in off:
+        setattr(d, a, None)
     try:
         yield
     finally:
-        d.sampler_head = head
+        for a, v in kept.items():
+            setattr(d, a, v)
 
 
 PAIRED = ["hf_generate"] + os.environ.get(
@@ -339,7 +348,7 @@ def test_paired(benchmark, setup, threads):
         if name == "hf_generate":
             out = base.generate(p, attention_mask=torch.ones_like(p), **hf_kw)
             return _answers(out, p.shape[1], eos), None
-        kw = {k: v for k, v in ROWS[name].items() if k not in ("packed", "sampler_head")}
+        kw = {k: v for k, v in ROWS[name].items() if k not in ("packed", "sampler_head", "draft_store")}
         with _head_setting(packed.sbd_drafter, ROWS[name]):
             out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
         return _answers(out.sequences, p.shape[1], eos), int(out.nfe.sum())

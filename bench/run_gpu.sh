@@ -26,8 +26,8 @@
 #             and their time: compiled NTP, verify merged, verify with the LoRA products), ~1.5 min
 #   drafter-train  the gated drafter trained on the GPU (issue 62; needs the GGUF, as smollm2):
 #             python -m sbd_ext.recipes.smollm2.drafter_stage: the base's greedy answers to 20,000 prompts, a rank sweep,
-#             training in bf16, the sampler head, eval on the 56 held-out prompts x 128 (the new drafter and the
-#             shipped one); resumable: a second call on a warm machine continues in /tmp/sbd_drafter_stage, a later
+#             training in bf16, the sampler head, the draft store, eval on the 56 held-out prompts x 128 (the new
+#             drafter and the shipped one); resumable: a second call on a warm machine continues in /tmp/sbd_drafter_stage, a later
 #             session from the samples brought back (bench/results/gpu-*/drafter-train/drafter-samples.npz, committed)
 #             or, before the first, from a CPU data run's committed parts (bench/results/drafter-data/).
 #             Returns drafter-samples.npz and drafter-artifact.tar.partNN beside the stage's two files.
@@ -95,7 +95,7 @@
 #      npz: a later session imports it instead of regenerating); `cat drafter-artifact.tar.part* | tar x` gives the
 #      new drafter; if its eval row beats the shipped one's (stage.json "eval"), ship it:
 #      `python -m sbd_ext.recipes.smollm2.drafter ship --out <folder holding artifact/> --block-size 2 --threshold 100
-#      --lookup 16` (the ship record is re-measured on this CPU).
+#      --lookup 16 --branch` (the artifact carries the stage's draft store; the ship record is re-measured on this CPU).
 # `bash bench/run_gpu.sh cpu` measures the GPU machine's host CPU (issue 13). After each call, copy the files from
 # files_at into bench/results/gpu-<gpu name>/ and commit them before the next call.
 set -u -o pipefail

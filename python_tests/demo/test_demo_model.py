@@ -43,8 +43,9 @@ def test_embedded_models_present_and_small():
         for f in files:
             assert (folder / f).is_file(), f"{name}: {f} missing"
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        # the largest: smollm2-drafter, 11.0 MB (its rank-16 LoRA factors 9.8 MB in bf16 + its sampler head 1.2 MB)
-        assert size < 12e6, f"{name} is {size / 1e6:.1f} MB"
+        # the largest: smollm2-drafter, 12.7 MB (its rank-16 LoRA factors 9.8 MB in bf16 + its sampler head 1.2 MB +
+        # its draft store 1.7 MB)
+        assert size < 13e6, f"{name} is {size / 1e6:.1f} MB"
     with pytest.raises(FileNotFoundError):
         models.path("no-such-model")
 

@@ -30,7 +30,8 @@ def test_every_phase_ran_and_recorded_its_figures(dry):
     root, _, first, second = dry
     assert (first, second) == (0, 0)
     st = json.loads((root / "res" / "stage.json").read_text())
-    assert st["done"] == ["data", "sweep", "train", "head", "eval"]
+    assert st["done"] == ["data", "sweep", "train", "head", "store", "eval"]
+    assert st["store"]["answers"] == st["data"]["samples"] and st["store"]["entries"] > 0
     assert st["data"]["samples"] == stage.DRY["templates"] and st["data"]["answer_tokens"] > 0
     assert set(st["sweep"]) == {str(r) for r in stage.DRY["ranks"]}
     assert all(0.0 <= v["slot1_heldout"] <= 1.0 and v["s_per_step"] > 0 for v in st["sweep"].values())
@@ -51,7 +52,7 @@ def test_the_returned_parts_reassemble_into_the_drafter(dry, tmp_path):
         t.extractall(tmp_path, filter="data")
     cfg = drafter.read_drafter_config(tmp_path / "artifact")
     assert cfg["r"] == json.loads((root / "res" / "stage.json").read_text())["final"]["rank"]
-    assert "sampler_head" in cfg["sbd"]
+    assert "sampler_head" in cfg["sbd"] and "draft_store" in cfg["sbd"]
 
 
 def test_samples_survive_the_export(dry, tmp_path):

@@ -8,11 +8,20 @@ proposal that is right far more often than a 2-ahead guess (measured on SmolLM2'
 proposals, against the drafter's 37 % overall), and where the text repeats a whole phrase the proposal runs past the
 block. Verification keeps the output exact whatever the proposal; training-free, as transformers' prompt-lookup
 decoding (``prompt_lookup_num_tokens``), here inside SBD's single forward.
+
+Where the context has no earlier occurrence, a drafter may carry a second source, a :class:`DraftStore`: a frozen
+table from n-grams to the token that most often followed them in a corpus of the base's own answers (retrieval
+drafts, as REST), built once from the drafter's training data and shipped with it.
 """
 
 from __future__ import annotations
 
-__all__ = ["NgramIndex"]
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["DraftStore", "NgramIndex"]
 
 
 class NgramIndex:
@@ -43,3 +52,102 @@ class NgramIndex:
             if j is not None:
                 return ctx[j : j + m]
         return []
+
+
+class DraftStore:
+    """A frozen table n-gram -> next token (``n_min <= n <= n_max``), the token that most often followed the n-gram
+    in a corpus (see :meth:`from_sequences`). :meth:`propose` chains it: the longest final n-gram of the context in
+    the table gives the next token, which is appended, and so on.
+
+    ``keys`` [N, n_max] (integer; an n-gram of n < n_max tokens left-padded with -1) and ``next_ids`` [N] are the
+    table as stored (:meth:`tensors`); every key distinct, every id in ``[0, vocab)`` where ``vocab`` is given."""
+
+    def __init__(self, keys: torch.Tensor, next_ids: torch.Tensor, n_min: int = 2, vocab: int | None = None):
+        if not isinstance(keys, torch.Tensor) or not isinstance(next_ids, torch.Tensor):
+            raise TypeError("DraftStore: keys and next_ids must be tensors")
+        if keys.dim() != 2 or next_ids.dim() != 1 or keys.shape[0] != next_ids.shape[0] or keys.shape[1] < 1:
+            raise ValueError(
+                f"DraftStore: keys [N, n_max] and next_ids [N], got {tuple(keys.shape)} / {tuple(next_ids.shape)}"
+            )
+        if (
+            keys.dtype.is_floating_point
+            or keys.dtype.is_complex
+            or keys.dtype == torch.bool
+            or (next_ids.dtype.is_floating_point or next_ids.dtype.is_complex or next_ids.dtype == torch.bool)
+        ):
+            raise ValueError(f"DraftStore: keys and next_ids must be integer, got {keys.dtype} / {next_ids.dtype}")
+        n_max = keys.shape[1]
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"DraftStore: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        keys, next_ids = keys.long(), next_ids.long()
+        top = vocab if vocab is not None else None
+        if next_ids.numel() and (int(next_ids.min()) < 0 or (top is not None and int(next_ids.max()) >= top)):
+            raise ValueError(f"DraftStore: next_ids must be token ids in [0, {top if top is not None else 'vocab'})")
+        pad = keys < 0
+        if bool((keys < -1).any()) or (top is not None and keys.numel() and int(keys.max()) >= top):
+            raise ValueError(f"DraftStore: keys must be token ids in [0, {top if top is not None else 'vocab'}) or -1")
+        n = n_max - pad.sum(1)
+        if bool((pad[:, 1:] & ~pad[:, :-1]).any()) or bool((n < n_min).any()):
+            raise ValueError(f"DraftStore: each key is n_min={n_min}..{n_max} ids, left-padded with -1")
+        self.n_min, self.n_max = n_min, n_max
+        self._table = {
+            tuple(k[n_max - int(m) :]): int(t) for k, m, t in zip(keys.tolist(), n, next_ids.tolist(), strict=True)
+        }
+        if len(self._table) != keys.shape[0]:
+            raise ValueError("DraftStore: keys must be distinct")
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    @classmethod
+    def from_sequences(
+        cls,
+        seqs: Iterable[Iterable[int]],
+        n_max: int = 4,
+        n_min: int = 2,
+        min_count: int = 3,
+        min_share: float = 0.6,
+    ) -> DraftStore:
+        """The store of token lists ``seqs``: each n-gram whose most frequent follower (the first seen among equal
+        counts) followed it at least ``min_count`` times and in at least ``min_share`` of its occurrences."""
+        if not 1 <= n_min <= n_max or min_count < 1 or not 0 <= min_share <= 1:
+            raise ValueError(
+                f"DraftStore.from_sequences: need 1 <= n_min <= n_max, min_count >= 1, 0 <= min_share <= 1; got "
+                f"n_min={n_min}, n_max={n_max}, min_count={min_count}, min_share={min_share}"
+            )
+        counts: defaultdict[tuple[int, ...], Counter] = defaultdict(Counter)
+        for seq in seqs:
+            s = [int(t) for t in seq]
+            for end in range(len(s) - 1):
+                for n in range(n_min, min(n_max, end + 1) + 1):
+                    counts[tuple(s[end - n + 1 : end + 1])][s[end + 1]] += 1
+        keys, nxt = [], []
+        for gram, c in counts.items():
+            tok, k = c.most_common(1)[0]
+            if k >= min_count and k >= min_share * sum(c.values()):
+                keys.append([-1] * (n_max - len(gram)) + list(gram))
+                nxt.append(tok)
+        return cls(torch.tensor(keys, dtype=torch.long).view(-1, n_max), torch.tensor(nxt, dtype=torch.long), n_min)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, next_ids)`` as int32 tensors (the constructor's input; keys in insertion order)."""
+        keys = [[-1] * (self.n_max - len(g)) + list(g) for g in self._table]
+        return (
+            torch.tensor(keys, dtype=torch.int32).view(-1, self.n_max),
+            torch.tensor(list(self._table.values()), dtype=torch.int32),
+        )
+
+    def propose(self, ctx: list[int], m: int) -> list[int]:
+        """Up to ``m`` tokens: the follower of the longest final n-gram of ``ctx`` (+ the tokens proposed so far)
+        in the table, repeated until no final n-gram is in it."""
+        out, c = [], list(ctx[-self.n_max :])
+        while len(out) < m:
+            for n in range(min(self.n_max, len(c)), self.n_min - 1, -1):
+                t = self._table.get(tuple(c[-n:]))
+                if t is not None:
+                    break
+            else:
+                break
+            out.append(t)
+            c = c[1:] + [t] if len(c) == self.n_max else c + [t]
+        return out

@@ -74,7 +74,9 @@ class GenerationSettings:
     CUDA); same tokens as eager decoding (see :func:`generate`). lookup (verify): up to this many drafts per cycle
     from the context where it repeats itself (prompt lookup, as transformers' ``prompt_lookup_num_tokens``;
     :mod:`sbd_ext.decoding.lookup`): the tokens that followed the latest earlier occurrence of the text's final
-    4, 3 or 2 tokens. They take the block's later slots (the drafter's tokens stay where the lookup has none) and
+    4, 3 or 2 tokens, else, where the model's drafter carries a draft store (``model.sbd_drafter.draft_store``), its
+    chain of the tokens that most often followed such n-grams in the base's own answers. They take the block's
+    later slots (the drafter's tokens stay where the lookup has none or the block is sure of its own) and
     may run past the block; a cycle proposes 4 at first, twice as many after a fully accepted proposal, 4 again
     after a rejected one (``sbd_ext.decoding.state.LOOKUP_START``); 0 (default): off. The output stays verify's,
     exactly. Outside verify mode it does nothing (unchecked drafts would change the output), so a checkpoint can
@@ -207,6 +209,9 @@ class Job:
     vocab: int
     # verify with a gated drafter that has a sampler head: (head, the input embedding's weight); see sbd_ext.drafter
     sampler_head: tuple | None = None
+    # verify with lookup and a drafter that carries a draft store (sbd_ext.decoding.lookup.DraftStore): the lookup's
+    # drafts where the context has none
+    draft_store: object | None = None
 
     mode = property(lambda self: self.settings.mode)
     sbd = property(lambda self: self.settings.mode == "sbd")
@@ -378,7 +383,15 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
         _check_sampler_head(*head)
     else:
         head = None
-    return Job(settings, prompts, stop_ids, mask_id, vocab, head)
+    store = getattr(getattr(model, "sbd_drafter", None), "draft_store", None)
+    if store is not None and not (settings.verify and settings.lookup):
+        store = None
+    if store is not None and not callable(getattr(store, "propose", None)):
+        raise ValueError(
+            f"model.sbd_drafter.draft_store must be a sbd_ext.decoding.lookup.DraftStore or None, got "
+            f"{type(store).__name__}"
+        )
+    return Job(settings, prompts, stop_ids, mask_id, vocab, head, store)
 
 
 def _check_sampler_head(head, emb: torch.Tensor) -> None:

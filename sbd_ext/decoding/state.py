@@ -321,7 +321,8 @@ class SequenceState:
         room: int | None = None,
     ) -> list[int]:
         """Verify with ``lookup``: up to ``job.lookup`` drafts from the tokens that followed the latest earlier
-        occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP choice). Walking
+        occurrence of the context's final n-gram, the context ending in slot 0 (the verified NTP choice), or, where
+        the context has none, the drafter's draft store's chain (``job.draft_store``). Walking
         slots 1..keep-1 of the finished ``block`` (in place), a proposal replaces the slot's token unless the slot
         is sure of a different one (probability >= LOOKUP_YIELD_BELOW): there the block's tokens stay, from that
         slot on. A proposal that covers the block continues past it: returned (drafts past the block). Capped by
@@ -333,8 +334,11 @@ class SequenceState:
             if self.draft_cap is not None:
                 room = min(room, self.draft_cap - 1)
         m = min(self.lookup_cap, room)
-        cont = []
-        for t in self.lookup.propose(self.prompt + self.gen + block[:1] if context is None else context, m):
+        cont, context = [], self.prompt + self.gen + block[:1] if context is None else context
+        proposal = self.lookup.propose(context, m)
+        if not proposal and m > 0 and self.job.draft_store is not None:  # nothing in the context: the store's
+            proposal = self.job.draft_store.propose(context, m)
+        for t in proposal:
             if t in self.job.stop_ids or t == self.job.mask_id:
                 break
             cont.append(t)

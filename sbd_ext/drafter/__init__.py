@@ -39,6 +39,11 @@ Artifact (:func:`save_drafter` / :func:`load_drafter`), a folder in peft's layou
   token): tensors ``sbd_sampler_head.{w1,b1,w2,b2,a}`` and ``sbd.sampler_head`` (``hidden``, ``topk``, provenance).
   Loaded as ``model.sbd_drafter.sampler_head``; verify decoding uses it (set it to None for the drafter's own
   ranking). It changes which tokens are drafted, never what verify returns.
+* optionally a draft store (:class:`sbd_ext.decoding.lookup.DraftStore`: n-gram -> next token over the base's own
+  answers, verify's lookup drafts where the context has none): tensors ``sbd_draft_store.keys`` [N, n_max] and
+  ``sbd_draft_store.next`` [N] (int32) and ``sbd.draft_store`` (``entries``, ``n_max``, ``n_min``, provenance).
+  Loaded as ``model.sbd_drafter.draft_store`` (None: the context's drafts only); like the head, it changes which
+  tokens are drafted, never what verify returns.
 """
 
 from .artifact import (

@@ -34,6 +34,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKPOINT_SUBFOLDER = "sbd_drafter"  # where an exported checkpoint keeps its drafter (sbd-ext export)
 _MASK_ROW_KEY = "sbd_mask_row"
 _HEAD_PREFIX = "sbd_sampler_head."  # the sampler head's tensors (w1, b1, w2, b2, a), where the drafter has one
+_STORE_KEYS, _STORE_NEXT = "sbd_draft_store.keys", "sbd_draft_store.next"  # the draft store's table, where it has one
+MAX_STORE_ENTRIES = 1 << 26  # a draft store's entries at most (a crafted config allocates nothing past this)
 _PREFIX = "base_model.model."
 
 
@@ -67,6 +69,13 @@ def save_drafter(
         sbd = {**sbd, "sampler_head": {**sbd.get("sampler_head", {}), "hidden": head.hidden, "topk": head.topk}}
     else:
         sbd = {k: v for k, v in sbd.items() if k != "sampler_head"}
+    store = drafter.draft_store
+    if store is not None:
+        tensors[_STORE_KEYS], tensors[_STORE_NEXT] = store.tensors()
+        spec = {"entries": len(store), "n_max": store.n_max, "n_min": store.n_min}
+        sbd = {**sbd, "draft_store": {**sbd.get("draft_store", {}), **spec}}
+    else:
+        sbd = {k: v for k, v in sbd.items() if k != "draft_store"}
     save_file(tensors, folder / WEIGHTS_FILE)
     config = {
         "peft_type": PEFT_TYPE,
@@ -106,8 +115,14 @@ _SBD_FIELDS = {
     "base_loader": Field("loader", required=False),
     "generation": Field("dict", required=False),
     "sampler_head": Field("dict", required=False),
+    "draft_store": Field("dict", required=False),
 }
 _HEAD_FIELDS = {"hidden": Field("int", minimum=1), "topk": Field("int", minimum=1)}
+_STORE_FIELDS = {
+    "entries": Field("int", minimum=0),
+    "n_max": Field("int", minimum=1),
+    "n_min": Field("int", minimum=1),
+}
 
 
 def read_drafter_config(folder: str | Path) -> dict:
@@ -120,6 +135,13 @@ def read_drafter_config(folder: str | Path) -> dict:
     check_config(cfg["sbd"], f"{path} (object 'sbd')", _SBD_FIELDS)
     if "sampler_head" in cfg["sbd"]:
         check_config(cfg["sbd"]["sampler_head"], f"{path} (object 'sbd.sampler_head')", _HEAD_FIELDS)
+    if "draft_store" in cfg["sbd"]:
+        spec = check_config(cfg["sbd"]["draft_store"], f"{path} (object 'sbd.draft_store')", _STORE_FIELDS)
+        if not spec["n_min"] <= spec["n_max"] <= 64 or spec["entries"] > MAX_STORE_ENTRIES:
+            raise ArtifactError(
+                f"{path}: object 'sbd.draft_store' needs n_min <= n_max <= 64 and entries <= {MAX_STORE_ENTRIES}, "
+                f"got n_min {spec['n_min']}, n_max {spec['n_max']}, entries {spec['entries']}"
+            )
     return cfg
 
 
@@ -131,6 +153,15 @@ def _check_shapes(shapes: dict, cfg: dict, hidden_size: int, path: Path, cfg_pat
     if row != (hidden_size,):
         got = "missing" if row is None else f"of shape {row}"
         raise ArtifactError(f"{path}: tensor {_MASK_ROW_KEY!r} must be [{hidden_size}] (the hidden size), {got}")
+    store = cfg["sbd"].get("draft_store")
+    got = (shapes.get(_STORE_KEYS), shapes.get(_STORE_NEXT))
+    if store is None and got != (None, None):
+        raise ArtifactError(f"{path}: holds draft store tensors but {cfg_path} has no 'sbd.draft_store'")
+    if store is not None and got != ((store["entries"], store["n_max"]), (store["entries"],)):
+        raise ArtifactError(
+            f"{path}: the draft store's tensors {_STORE_KEYS!r} / {_STORE_NEXT!r} must be [{store['entries']}, "
+            f"{store['n_max']}] / [{store['entries']}] ({cfg_path}'s 'sbd.draft_store'), they are {got[0]} / {got[1]}"
+        )
     have = {k[len(_HEAD_PREFIX) :]: v for k, v in shapes.items() if k.startswith(_HEAD_PREFIX)}
     spec = cfg["sbd"].get("sampler_head")
     if spec is None:
@@ -156,6 +187,23 @@ def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path, dtype:
     head = SamplerHead(hidden_size, hidden=spec["hidden"], topk=spec["topk"])
     head.load_state_dict({n: t.float() for n, t in got.items()})
     return head.eval().requires_grad_(False)
+
+
+def _draft_store(tensors: dict, cfg: dict, vocab: int, mask_id: int, path: Path):
+    """The draft store the artifact holds (its tensors popped from ``tensors``, their shapes checked by
+    :func:`_check_shapes`): integer ids of the base's vocabulary ``vocab`` (never the mask token); None if none."""
+    from ..decoding.lookup import DraftStore
+
+    keys, nxt = tensors.pop(_STORE_KEYS, None), tensors.pop(_STORE_NEXT, None)
+    spec = cfg["sbd"].get("draft_store")
+    if spec is None:
+        return None
+    if bool((keys == mask_id).any()) or bool((nxt == mask_id).any()):
+        raise ArtifactError(f"{path}: the draft store holds the mask token {mask_id}")
+    try:
+        return DraftStore(keys, nxt, n_min=spec["n_min"], vocab=vocab)
+    except (TypeError, ValueError) as e:
+        raise ArtifactError(f"{path}: {e}") from None
 
 
 def _check_mask_id(model: nn.Module, mask_id: int, rows: int, cfg_path: Path, tokenizer) -> bool:
@@ -204,6 +252,7 @@ def load_weights(
     row = tensors.pop(_MASK_ROW_KEY)
     check_finite({_MASK_ROW_KEY: row}, path, dtype)
     head = _sampler_head(tensors, cfg, emb.shape[1], path, dtype)
+    store = _draft_store(tensors, cfg, emb.shape[0] + grow, cfg["sbd"]["mask_token_id"], path)
     unknown = sorted(k for k in tensors if not k.startswith(_PREFIX))
     if unknown:
         raise ArtifactError(f"{path}: unexpected tensor(s) {unknown[:3]}")
@@ -238,6 +287,7 @@ def load_weights(
     drafter.mask_row.row.copy_(row.to(drafter.mask_row.row.dtype))
     if head is not None:
         drafter.sampler_head = head.to(emb.device)
+    drafter.draft_store = store
     if grow:  # the base's config is a plain one (an exported checkpoint): the SBD fields come from the drafter
         set_sbd_metadata(model, sbd["mask_token_id"], tuple(sbd["sbd_block_size_range"]))
     for p in model.parameters():

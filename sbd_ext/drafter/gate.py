@@ -55,6 +55,8 @@ class Drafter(nn.Module):
         self.mask_token_id = int(mask_token_id)
         # Slot 1's draft rescored given slot 0's token in verify decoding (SamplerHead; None: the drafter's ranking)
         self.sampler_head = None
+        # Verify's lookup drafts where the context has none (sbd_ext.decoding.lookup.DraftStore; None: the context only)
+        self.draft_store = None
         self._hook = model.get_decoder().register_forward_pre_hook(self._gate_from_plan, with_kwargs=True)
         self._post = model.get_decoder().register_forward_hook(self._clear_plan_gate, with_kwargs=True)
 

@@ -6,8 +6,10 @@ its own answers, in fewer forwards.
     python -m sbd_ext.recipes.drafter data  --base DIR --out RUN --prompts self [--n 1024]
     python -m sbd_ext.recipes.drafter train --base DIR --out RUN [--steps 2000 --threads 2]   # --resume continues
     python -m sbd_ext.recipes.drafter head  --artifact RUN/artifact --samples RUN/samples.pt --out HEAD
+    python -m sbd_ext.recipes.drafter store --artifact HEAD/artifact --samples RUN/samples.pt --out HEAD
     python -m sbd_ext.recipes.drafter eval  --artifact HEAD/artifact [--n 16 --block-sizes 2 --thresholds 100]
-    python -m sbd_ext.recipes.drafter ship  --out HEAD --dest DRAFTER --block-size 2 --threshold 100 --lookup 16
+    python -m sbd_ext.recipes.drafter ship  --out HEAD --dest DRAFTER --block-size 2 --threshold 100 --lookup 16 \\
+        --branch
 
 * ``data``: the model's greedy answers (sbd_ext's NTP decoding) to the recipe's generated prompts in its chat
   template (plain text for a model without one), or to instructions it writes itself (``--prompts self``);
@@ -15,6 +17,8 @@ its own answers, in fewer forwards.
   shipped SmolLM2 drafter ended on unless given: fully masked blocks of 2-5 (how verify drafts), no loss on a
   block's first slot (the commit row supplies it);
 * ``head`` (optional): the sampler head (slot 1 rescored given slot 0's token);
+* ``store`` (optional): the draft store (n-gram -> the token that most often followed it in the answers: verify's
+  lookup drafts where the context has none);
 * ``eval``: tokens per forward on the 56 held-out general prompts, and equality with the model's NTP decoding;
 * ``ship``: the drafter with its recommended settings in ``--dest``, its record in ``ship_check.json``.
 
@@ -24,9 +28,9 @@ Load it with ``sbd_ext.demo.models.load(DRAFTER)`` (the base is the folder the d
 
 The recipe's modules, one per stage: :mod:`.prompts` (the training prompt generator and the held-out prompts, data
 files beside it), :mod:`.bases` (what a drafter drafts for; :class:`DrafterConfig`), :mod:`.data`, :mod:`.train`,
-:mod:`.head`, :mod:`.evaluate`, :mod:`.ship`, :mod:`.cli` (the command line; :mod:`.args` its checks). SmolLM2 is one
-configuration of it (:mod:`sbd_ext.recipes.smollm2.drafter`: the embedded base and its arithmetic control, no
-``--base``).
+:mod:`.head`, :mod:`.store`, :mod:`.evaluate`, :mod:`.ship`, :mod:`.cli` (the command line; :mod:`.args` its
+checks). SmolLM2 is one configuration of it (:mod:`sbd_ext.recipes.smollm2.drafter`: the embedded base and its
+arithmetic control, no ``--base``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .data import greedy_answers, make_samples, make_self_prompts
 from .evaluate import evaluate, slot_accuracy, verify_settings
 from .head import train_head
 from .ship import ship
+from .store import build_store
 from .train import BUCKET_WINDOW, make_batches, padding_fraction, train
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "DrafterConfig",
     "artifact_base",
     "artifact_task",
+    "build_store",
     "evaluate",
     "greedy_answers",
     "main",

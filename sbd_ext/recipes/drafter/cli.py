@@ -1,5 +1,5 @@
-"""The drafter recipe's command line: ``data``, ``train``, ``head``, ``eval`` and ``ship`` over one run folder
-(:mod:`sbd_ext.recipes.drafter` for a model of your own, :mod:`sbd_ext.recipes.smollm2.drafter` for SmolLM2).
+"""The drafter recipe's command line: ``data``, ``train``, ``head``, ``store``, ``eval`` and ``ship`` over one run
+folder (:mod:`sbd_ext.recipes.drafter` for a model of your own, :mod:`sbd_ext.recipes.smollm2.drafter` for SmolLM2).
 Arguments are checked before anything is loaded; errors are one line (:mod:`.args`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .data import make_samples
 from .evaluate import evaluate
 from .head import train_head
 from .ship import ship
+from .store import build_store
 from .train import train
 
 BASE_HELP = (
@@ -124,6 +125,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
     hd.add_argument("--topk", type=count(1), default=64)
     hd.add_argument("--seed", type=int, default=0)
     hd.add_argument("--threads", type=count(1))
+    st = sub.add_parser("store", help="a draft store for a drafter (n-gram -> next token over the base's answers)")
+    st.add_argument("--out", required=True)
+    st.add_argument("--artifact", default=str(MODELS / "smollm2-drafter"))
+    st.add_argument("--samples", nargs="+", required=True, help="samples.pt files of `data` (the base's answers)")
+    st.add_argument("--limit", type=count(1), help="the first N samples of each file")
+    st.add_argument("--n-max", type=count(1, 64), default=4, help="the longest n-gram matched")
+    st.add_argument("--n-min", type=count(1), default=2, help="the shortest n-gram matched")
+    st.add_argument("--min-count", type=count(1), default=3, help="times the follower followed the n-gram, at least")
+    st.add_argument("--min-share", type=number(0.0, 1.0), default=0.6, help="its share of the n-gram's followers")
     s = sub.add_parser("ship")
     s.add_argument("--out", required=True)
     s.add_argument("--dest", help="default: the embedded folder of the run's task (smollm2-drafter, ...)")
@@ -180,6 +190,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m sbd_ext.recipes.d
         )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    elif args.cmd == "store":
+        if args.n_min > args.n_max:
+            ap.error(f"store: --n-min ({args.n_min}) must be at most --n-max ({args.n_max})")
+        print(
+            build_store(
+                out,
+                Path(args.artifact),
+                [Path(p) for p in args.samples],
+                args.limit,
+                args.n_max,
+                args.n_min,
+                args.min_count,
+                args.min_share,
+            )
+        )
     elif args.cmd == "head":
         print(
             train_head(

@@ -17,7 +17,8 @@ first stopped; a phase cut by ``--deadline`` continues from its own checkpoint):
 3. ``train``: the best rank whose artifact can ship (``--max-ship-rank``) for the time left, from the shipped
    drafter (``--init-from``; grown to the chosen rank where that is higher, :func:`sbd_ext.drafter.grow_rank`);
 4. ``head``: the sampler head on the trained drafter;
-5. ``eval``: tokens per forward and equality with NTP on ``--eval-n`` held-out prompts x ``--eval-max-new``
+5. ``store``: the draft store over the answers (:func:`sbd_ext.recipes.drafter.build_store`), added to it;
+6. ``eval``: tokens per forward and equality with NTP on ``--eval-n`` held-out prompts x ``--eval-max-new``
    tokens, verify at the shipped settings, for the new drafter and the shipped one.
 
 ``--results``: small files (``stage.json`` with every phase's figures, logs). ``--returns``: the big ones, split
@@ -194,6 +195,14 @@ def phase_head(work: Path, cfg: dict, a, st: dict, log) -> None:
     log(f"head: {st['head']}")
 
 
+def phase_store(work: Path, cfg: dict, a, st: dict, log) -> None:
+    """The draft store over the stage's answers, into the head's artifact (in place; ~10 s per 10^6 answer tokens
+    on one host core)."""
+    art = recipe.build_store(work / "head", work / "head" / "artifact", [work / recipe.SAMPLES_FILE])
+    st["store"] = drafter_mod.read_drafter_config(art)["sbd"]["draft_store"]
+    log(f"store: {st['store']}")
+
+
 def phase_eval(work: Path, cfg: dict, a, st: dict, log) -> None:
     kw = recipe.verify_settings(drafter_mod.read_drafter_config(SHIPPED)["sbd"]["generation"])
     settings = [kw | {"branch": False}, kw | {"branch": True}, kw | {"branch": True, "alternates": 3}]
@@ -231,7 +240,14 @@ def _returns(work: Path, a, st: dict) -> list[str]:
     return made
 
 
-PHASES = {"data": phase_data, "sweep": phase_sweep, "train": phase_train, "head": phase_head, "eval": phase_eval}
+PHASES = {
+    "data": phase_data,
+    "sweep": phase_sweep,
+    "train": phase_train,
+    "head": phase_head,
+    "store": phase_store,
+    "eval": phase_eval,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
