@@ -135,7 +135,7 @@ def test_a_store_that_is_always_wrong_changes_nothing_but_forwards(monkeypatch):
     got = sbd_ext.generate(model, ids, att, block_size=2, verify=True, lookup=16, **kw)
     assert torch.equal(got.sequences, ref.sequences)
     model.sbd_drafter.draft_store = "not a store"
-    with pytest.raises(ValueError, match="DraftStore or None"):
+    with pytest.raises(TypeError, match="DraftStore or None"):
         sbd_ext.generate(model, ids, att, block_size=2, verify=True, lookup=16, **kw)
 
 

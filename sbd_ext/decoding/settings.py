@@ -387,7 +387,7 @@ def make_job(model, input_ids, attention_mask, settings: GenerationSettings) -> 
     if store is not None and not (settings.verify and settings.lookup):
         store = None
     if store is not None and not callable(getattr(store, "propose", None)):
-        raise ValueError(
+        raise TypeError(
             f"model.sbd_drafter.draft_store must be a sbd_ext.decoding.lookup.DraftStore or None, got "
             f"{type(store).__name__}"
         )

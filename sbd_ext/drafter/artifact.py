@@ -24,6 +24,7 @@ from ..artifact_checks import (
     resolve_base_loader,
     tensor_shapes,
 )
+from ..decoding.lookup import DraftStore
 from ..metadata import get_sbd_metadata, set_sbd_metadata
 from .gate import attach, detach, get_drafter
 from .sampler_head import SamplerHead
@@ -35,7 +36,9 @@ CHECKPOINT_SUBFOLDER = "sbd_drafter"  # where an exported checkpoint keeps its d
 _MASK_ROW_KEY = "sbd_mask_row"
 _HEAD_PREFIX = "sbd_sampler_head."  # the sampler head's tensors (w1, b1, w2, b2, a), where the drafter has one
 _STORE_KEYS, _STORE_NEXT = "sbd_draft_store.keys", "sbd_draft_store.next"  # the draft store's table, where it has one
-MAX_STORE_ENTRIES = 1 << 26  # a draft store's entries at most (a crafted config allocates nothing past this)
+# A draft store's entries at most (~0.6 GB as the table's Python dict; a crafted config allocates nothing past this;
+# the shipped store has 86,035)
+MAX_STORE_ENTRIES = 1 << 22
 _PREFIX = "base_model.model."
 
 
@@ -192,8 +195,6 @@ def _sampler_head(tensors: dict, cfg: dict, hidden_size: int, path: Path, dtype:
 def _draft_store(tensors: dict, cfg: dict, vocab: int, mask_id: int, path: Path):
     """The draft store the artifact holds (its tensors popped from ``tensors``, their shapes checked by
     :func:`_check_shapes`): integer ids of the base's vocabulary ``vocab`` (never the mask token); None if none."""
-    from ..decoding.lookup import DraftStore
-
     keys, nxt = tensors.pop(_STORE_KEYS, None), tensors.pop(_STORE_NEXT, None)
     spec = cfg["sbd"].get("draft_store")
     if spec is None:
