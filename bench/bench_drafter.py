@@ -279,7 +279,7 @@ def test_sbd(benchmark, setup, threads, impl):
     first = None
     if kw.get("compile"):
         t0 = time.perf_counter()
-        with _head_setting(d, row):
+        with _drafter_setting(d, row):
             sbd_ext.generate(model, prompts[0], **kw)
         first = time.perf_counter() - t0
 
@@ -290,7 +290,7 @@ def test_sbd(benchmark, setup, threads, impl):
         return outs
 
     benchmark.group = f"drafter: {N} general prompts, {MAX_NEW} new tokens, batch 1, greedy, fp32, {threads} thr{_ON}"
-    with _head_setting(d, row):
+    with _drafter_setting(d, row):
         outs = benchmark.pedantic(run, rounds=2, warmup_rounds=0, iterations=1)
     answers = [_answers(o.sequences, p.shape[1], eos) for o, p in zip(outs, prompts, strict=True)]
     nfe = sum(c.forwards for c in counters) if counters else sum(int(o.nfe.sum()) for o in outs)
@@ -305,7 +305,7 @@ def test_sbd(benchmark, setup, threads, impl):
 
 
 @contextlib.contextmanager
-def _head_setting(d, row: dict):
+def _drafter_setting(d, row: dict):
     """The drafter ``d``'s sampler head and draft store as the ``row`` (a ROWS entry) sets them, inside the block:
     kept unless the row says ``sampler_head=False`` (then slot 1 in the drafter's own order) or ``draft_store=False``
     (then the lookup's drafts from the context only)."""
@@ -349,7 +349,7 @@ def test_paired(benchmark, setup, threads):
             out = base.generate(p, attention_mask=torch.ones_like(p), **hf_kw)
             return _answers(out, p.shape[1], eos), None
         kw = {k: v for k, v in ROWS[name].items() if k not in ("packed", "sampler_head", "draft_store")}
-        with _head_setting(packed.sbd_drafter, ROWS[name]):
+        with _drafter_setting(packed.sbd_drafter, ROWS[name]):
             out = sbd_ext.generate(packed, p, max_new_tokens=MAX_NEW, eos_token_id=eos, **kw)
         return _answers(out.sequences, p.shape[1], eos), int(out.nfe.sum())
 

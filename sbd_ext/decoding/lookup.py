@@ -69,23 +69,18 @@ class DraftStore:
             raise ValueError(
                 f"DraftStore: keys [N, n_max] and next_ids [N], got {tuple(keys.shape)} / {tuple(next_ids.shape)}"
             )
-        if (
-            keys.dtype.is_floating_point
-            or keys.dtype.is_complex
-            or keys.dtype == torch.bool
-            or (next_ids.dtype.is_floating_point or next_ids.dtype.is_complex or next_ids.dtype == torch.bool)
-        ):
+        if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in (keys, next_ids)):
             raise ValueError(f"DraftStore: keys and next_ids must be integer, got {keys.dtype} / {next_ids.dtype}")
         n_max = keys.shape[1]
         if not 1 <= n_min <= n_max:
             raise ValueError(f"DraftStore: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         keys, next_ids = keys.long(), next_ids.long()
-        top = vocab if vocab is not None else None
-        if next_ids.numel() and (int(next_ids.min()) < 0 or (top is not None and int(next_ids.max()) >= top)):
-            raise ValueError(f"DraftStore: next_ids must be token ids in [0, {top if top is not None else 'vocab'})")
+        ids = f"token ids in [0, {'vocab' if vocab is None else vocab})"
+        if next_ids.numel() and (int(next_ids.min()) < 0 or (vocab is not None and int(next_ids.max()) >= vocab)):
+            raise ValueError(f"DraftStore: next_ids must be {ids}")
         pad = keys < 0
-        if bool((keys < -1).any()) or (top is not None and keys.numel() and int(keys.max()) >= top):
-            raise ValueError(f"DraftStore: keys must be token ids in [0, {top if top is not None else 'vocab'}) or -1")
+        if bool((keys < -1).any()) or (vocab is not None and keys.numel() and int(keys.max()) >= vocab):
+            raise ValueError(f"DraftStore: keys must be {ids} or -1")
         n = n_max - pad.sum(1)
         if bool((pad[:, 1:] & ~pad[:, :-1]).any()) or bool((n < n_min).any()):
             raise ValueError(f"DraftStore: each key is n_min={n_min}..{n_max} ids, left-padded with -1")

@@ -35,7 +35,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKPOINT_SUBFOLDER = "sbd_drafter"  # where an exported checkpoint keeps its drafter (sbd-ext export)
 _MASK_ROW_KEY = "sbd_mask_row"
 _HEAD_PREFIX = "sbd_sampler_head."  # the sampler head's tensors (w1, b1, w2, b2, a), where the drafter has one
-_STORE_KEYS, _STORE_NEXT = "sbd_draft_store.keys", "sbd_draft_store.next"  # the draft store's table, where it has one
+STORE_PREFIX = "sbd_draft_store."  # the draft store's table (keys, next), where the drafter has one
+_STORE_KEYS, _STORE_NEXT = STORE_PREFIX + "keys", STORE_PREFIX + "next"
 # A draft store's entries at most (~0.6 GB as the table's Python dict; a crafted config allocates nothing past this;
 # the shipped store has 86,035)
 MAX_STORE_ENTRIES = 1 << 22
@@ -74,8 +75,8 @@ def save_drafter(
         sbd = {k: v for k, v in sbd.items() if k != "sampler_head"}
     store = drafter.draft_store
     if store is not None:
-        tensors[_STORE_KEYS], tensors[_STORE_NEXT] = store.tensors()
-        spec = {"entries": len(store), "n_max": store.n_max, "n_min": store.n_min}
+        stored, spec = draft_store_entries(store)
+        tensors.update(stored)
         sbd = {**sbd, "draft_store": {**sbd.get("draft_store", {}), **spec}}
     else:
         sbd = {k: v for k, v in sbd.items() if k != "draft_store"}
@@ -91,6 +92,13 @@ def save_drafter(
     }
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def draft_store_entries(store: DraftStore) -> tuple[dict[str, torch.Tensor], dict]:
+    """A draft store as an artifact holds it: its tensors (``STORE_PREFIX`` + keys / next, int32) and the fields of
+    ``sbd.draft_store`` that loading checks them against (entries, n_max, n_min)."""
+    keys, nxt = store.tensors()
+    return {_STORE_KEYS: keys, _STORE_NEXT: nxt}, {"entries": len(store), "n_max": store.n_max, "n_min": store.n_min}
 
 
 def is_drafter(folder: str | Path) -> bool:

@@ -12,6 +12,7 @@ import torch
 from ... import drafter as drafter_mod
 from ...artifact_checks import load_tensor_file
 from ...decoding.lookup import DraftStore
+from ...drafter.artifact import STORE_PREFIX, draft_store_entries
 
 
 def build_store(
@@ -39,16 +40,16 @@ def build_store(
             n_tokens += len(answers[-1])
     store = DraftStore.from_sequences(answers, n_max, n_min, min_count, min_share)
     mask = cfg["sbd"]["mask_token_id"]
-    keys, nxt = store.tensors()
-    if bool((keys == mask).any()) or bool((nxt == mask).any()):
+    stored, spec = draft_store_entries(store)
+    if any(bool((t == mask).any()) for t in stored.values()):
         raise ValueError(f"build_store: the answers hold the mask token {mask}")
     print(f"draft store: {len(answers)} answers, {n_tokens} tokens, {len(store)} n-grams", flush=True)
     tensors = {
         k: v
         for k, v in load_tensor_file(Path(artifact) / drafter_mod.WEIGHTS_FILE).items()
-        if not k.startswith("sbd_draft_store.")
+        if not k.startswith(STORE_PREFIX)
     }
-    tensors["sbd_draft_store.keys"], tensors["sbd_draft_store.next"] = keys, nxt
+    tensors.update(stored)
     cfg["sbd"]["draft_store"] = {
         "samples": [str(p) for p in samples],
         "limit": limit,
@@ -56,9 +57,7 @@ def build_store(
         "answer_tokens": n_tokens,
         "min_count": min_count,
         "min_share": min_share,
-        "entries": len(store),
-        "n_max": n_max,
-        "n_min": n_min,
+        **spec,
     }
     dest = Path(out) / "artifact"
     dest.mkdir(parents=True, exist_ok=True)
