@@ -59,6 +59,7 @@ def e2e_rows() -> tuple[list[tuple[str, float]], str]:
 
 def drafter_rows() -> tuple[list[tuple[str, float]], str]:
     runs = [json.loads(f.read_text()) for f in (RESULTS / "drafter").glob("bench_*.json")]
+    runs = [r for r in runs if isinstance(r, dict) and "benchmarks" in r]  # pytest-benchmark files only
     for r in runs:  # the 1-thread rows (a run may also hold 2-thread rows)
         r["benchmarks"] = [b for b in r["benchmarks"] if b["name"].endswith("-1]")]
     # the newest run with its 1-thread baseline and more than a spot check (a second run of two rows)

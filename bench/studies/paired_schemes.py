@@ -8,7 +8,7 @@ passes; each answer checked against the scheme's own NTP decoding:
 
     python bench/studies/paired_schemes.py w8a8 8 96 2 [OUT.json]
 
-Result (2026-12-06, Intel Xeon, AMX, 1 thread; bench/results/drafter/bench_xeon_amx_96_paired_store_w8a8.json): w8a8
+Result (2026-12-06, Intel Xeon, AMX, 1 thread; bench/results/drafter/study_xeon_amx_96_paired_store_w8a8.json): w8a8
 NTP 84.2 tok/s; verify 0.95x, + store 0.93x; verify + branch 0.84x, + store 0.87x (16/16 equal to NTP each).
 """
 

@@ -228,3 +228,36 @@ def test_profile_suite_splits_a_forward_and_renders(monkeypatch):
     }
     page = render.page_block([rep])
     assert "Where a one-row decoding forward's time goes" in page and "| packed | " in page
+
+
+def _load_plots():
+    spec = importlib.util.spec_from_file_location("plots", ROOT / "bench" / "plots.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_drafter_bench_files_are_pytest_benchmark_runs():
+    """``bench/results/drafter/bench_*.json`` are pytest-benchmark files (bench/plots.py reads them as such); a study's
+    own JSON is named ``study_*`` or ``eval_*``."""
+    bad = []
+    for f in sorted((ROOT / "bench" / "results" / "drafter").glob("bench_*.json")):
+        d = json.loads(f.read_text())
+        if not (isinstance(d, dict) and {"benchmarks", "machine_info", "commit_info", "datetime"} <= d.keys()):
+            bad.append(f.name)
+    assert not bad, f"not pytest-benchmark files (rename them study_*.json): {bad}"
+
+
+def test_plot_data_readers_run_on_the_committed_results():
+    """What the docs build draws (bench/plots.py) reads the committed results without error: every panel has its
+    HF ``generate`` baseline and positive rates (matplotlib is not needed for the data)."""
+    plots = _load_plots()
+    panels = [plots.e2e_rows(), plots.drafter_rows()]
+    if (peers := plots.peers_generate_rows()) is not None:
+        panels.append(peers)
+    for rows, caption in panels:
+        assert rows and caption
+        assert any("hf_generate" in n for n, _ in rows), caption
+        assert all(v > 0 for _, v in rows), caption
+    series, caption = plots.forward_rows()
+    assert series and caption
