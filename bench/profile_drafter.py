@@ -2,6 +2,7 @@
 adapters merged, and with the LoRA products), per forward.
 
     python bench/profile_drafter.py [--device cuda] [--prompts 4] [--max-new 64] [--no-compile] [--json PATH]
+                                    [--quantize packed|bf16|w8a8]
 
 For each row: the wall time of ``--prompts`` held-out chat prompts (greedy, batch 1, fp32; the step compiled unless
 ``--no-compile``: CUDA graphs on a GPU), milliseconds per forward and tokens per forward; then one prompt again
@@ -58,13 +59,13 @@ def _kernels(prof, device: torch.device) -> dict[str, tuple[int, float]]:
     return {k: (int(v[0]), float(v[1])) for k, v in out.items()}
 
 
-def run(device: torch.device, n_prompts: int, max_new: int, compiled: bool) -> dict:
-    model, tok = models.load("smollm2-drafter", device=device)
+def run(device: torch.device, n_prompts: int, max_new: int, compiled: bool, quantize: str | None = None) -> dict:
+    model, tok = models.load("smollm2-drafter", device=device, quantize=quantize)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompts = [torch.tensor([checkpoint.chat_prompt(tok, p["text"])], device=device) for p in eval_prompts()]
     prompts = prompts[:n_prompts]
     report = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    report.update(prompts=len(prompts), max_new=max_new, compiled=compiled, rows={})
+    report.update(prompts=len(prompts), max_new=max_new, compiled=compiled, quantize=quantize, rows={})
     for name, row in ROWS.items():
         kw = {k: v for k, v in row.items() if k != "merge"}
         kw.update(max_new_tokens=max_new, eos_token_id=eos, compile=compiled)
@@ -113,13 +114,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--quantize", default=None, help="a weight scheme (packed: the CPU's fastest fp32 layout; w8a8, bf16)"
+    )
     args = ap.parse_args(argv)
     if not smollm2.is_available():
         raise SystemExit(f"SmolLM2 is not available ({smollm2.INSTALL_HINT})")
     device = torch.device(args.device)
-    rep = run(device, args.prompts, args.max_new, not args.no_compile)
+    rep = run(device, args.prompts, args.max_new, not args.no_compile, args.quantize)
     unit = "kernels" if device.type == "cuda" else "operators"
-    print(f"== {rep['name']}: {rep['prompts']} prompts x {rep['max_new']}, compiled {rep['compiled']}")
+    print(f"== {rep['name']}: {rep['prompts']} prompts x {rep['max_new']}, compiled {rep['compiled']}, {args.quantize}")
     print(f"| row | merged | tok/s | tok/fwd | ms/fwd | {unit}/fwd | {unit} ms/fwd |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rep["rows"].items():

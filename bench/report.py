@@ -15,9 +15,9 @@ decoder in turn, the order rotating) so that a drift of the machine's speed fall
   (the peer), sbd_ext's compiled next-token decoding on the same weights (own NTP), SBD and verify compiled.
 - ``smollm2_sbd``: the same rows on ``smollm2-sbd`` (SmolLM2-135M converted to SBD by the recipe's fine-tune).
 - ``chat``: the unmodified SmolLM2-135M-Instruct with its gated drafter (``smollm2-drafter``) on the held-out chat
-  prompts: HF ``generate`` (the peer), compiled NTP, verify, verify + branch and verify + branch + 3 alternates
-  (compiled; packed fp32 weights on a CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is
-  installed (the ``peers`` extra), also
+  prompts: HF ``generate`` (the peer), compiled NTP, verify (k=2, lookup 16 and the draft store, no branch), verify
+  + branch (the drafter's recommendation) and verify + branch + 3 alternates (compiled; packed fp32 weights on a
+  CPU); answers compared with HF ``generate``'s. Where llama-cpp-python is installed (the ``peers`` extra), also
   llama.cpp F32 and Q8_0 on the same weights (``bench/llama_peer.py``) and sbd_ext's compiled NTP in w8a8 (Q8_0's
   precision class); where vLLM's CPU build has its venv (``tools/vllm_env.sh``: ``.venv-vllm``, or
   ``SBD_BENCH_VLLM_PYTHON``), vLLM serving the same checkpoint (fp32, eager, one request at a time).
@@ -297,7 +297,8 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
     decoders = {
         "HF generate": hf_decoder(base, max_new, eos, tok.pad_token_id),
         "NTP, compiled": sbd_decoder(model, max_new, eos, mode="ntp", verify=False, compile=compiled),
-        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, compile=compiled),
+        # verify without the branch (k=2, lookup 16 and the draft store), then the drafter's recommendation (+ branch)
+        "verify, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=False, compile=compiled),
         "verify + branch, compiled": sbd_decoder(model, max_new, eos, verify=True, branch=True, compile=compiled),
         "verify + branch + alternates 3, compiled": sbd_decoder(
             model, max_new, eos, verify=True, branch=True, alternates=3, compile=compiled
@@ -314,14 +315,19 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
         # int8 weights and inputs (NTP runs the base alone)
         bf16, _ = models.load("smollm2-drafter", device=device, quantize="bf16")
         decoders["NTP, compiled, bf16"] = sbd_decoder(bf16, max_new, eos, mode="ntp", verify=False, compile=compiled)
-        decoders["verify, compiled, bf16"] = sbd_decoder(bf16, max_new, eos, verify=True, compile=compiled)
+        decoders["verify, compiled, bf16"] = sbd_decoder(
+            bf16, max_new, eos, verify=True, branch=False, compile=compiled
+        )
         # where the bf16 weights run on AMX-BF16 tiles a verify forward's extra rows cost ~nothing: the wider modes
         decoders["verify + branch + alternates 3, compiled, bf16"] = sbd_decoder(
             bf16, max_new, eos, verify=True, branch=True, alternates=3, compile=compiled
         )
         w8a8, _ = models.load("smollm2-drafter", device=device, quantize="w8a8")
         decoders["NTP, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, mode="ntp", verify=False, compile=compiled)
-        decoders["verify, compiled, w8a8"] = sbd_decoder(w8a8, max_new, eos, verify=True, compile=compiled)
+        # w8a8 without the branch (what the docs tell w8a8 users: its extra rows cost more than they save there)
+        decoders["verify, compiled, w8a8"] = sbd_decoder(
+            w8a8, max_new, eos, verify=True, branch=False, compile=compiled
+        )
         for kind, label in (("f32", "llama.cpp F32"), ("bf16", "llama.cpp BF16"), ("q8_0", "llama.cpp Q8_0")):
             llm = llama_peer.llama(kind, torch.get_num_threads())
             decoders[label] = lambda p, llm=llm: (llama_peer.greedy(llm, p[0].tolist(), eos, max_new), None)
@@ -354,8 +360,9 @@ def suite_chat(device: torch.device, n: int, max_new: int, compiled: bool = True
                 row["equal_to_own_precision_ntp"] = f"{same}/{len(ref)}"
                 row["vs_own_precision_ntp"] = round(own["seconds"] / runs[row["decoder"]]["seconds"], 3)
     return {
-        "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter, its settings: verify k=2, "
-        f"lookup 16), {n} held-out chat prompts x {max_new} new tokens, {weights} weights",
+        "what": f"SmolLM2-135M-Instruct, unmodified, + its gated drafter (smollm2-drafter: verify k=2, lookup 16 with "
+        f"its draft store; its recommendation adds the branch), {n} held-out chat prompts x {max_new} new tokens, "
+        f"{weights} weights",
         "rows": rows,
         **extra,
     }
