@@ -31,10 +31,14 @@ from sbd_ext.recipes.smollm2 import checkpoint
 
 ROWS = {
     "ntp": dict(mode="ntp", verify=False, merge=None),
-    "verify_merged": dict(verify=True, merge=True),
-    "verify_products": dict(verify=True, merge=False),
+    "verify_merged": dict(verify=True, branch=False, merge=True),
+    "verify_products": dict(verify=True, branch=False, merge=False),
     "verify_branch_merged": dict(verify=True, branch=True, merge=True),  # + the branch's k rows and attention call
+    "verify_branch_products": dict(verify=True, branch=True, merge=False),
 }
+# a quantized base (--quantize) cannot merge the adapters: its rows run the LoRA products
+MERGED_ONLY = ("verify_merged", "verify_branch_merged")
+PRODUCTS_ONLY = ("verify_branch_products",)  # (with a plain base the merged branch row says what it costs)
 
 
 def _sync(device: torch.device) -> None:
@@ -67,6 +71,8 @@ def run(device: torch.device, n_prompts: int, max_new: int, compiled: bool, quan
     report = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report.update(prompts=len(prompts), max_new=max_new, compiled=compiled, quantize=quantize, rows={})
     for name, row in ROWS.items():
+        if name in (MERGED_ONLY if quantize else PRODUCTS_ONLY):
+            continue
         kw = {k: v for k, v in row.items() if k != "merge"}
         kw.update(max_new_tokens=max_new, eos_token_id=eos, compile=compiled)
         model.sbd_drafter.merge = row["merge"]
