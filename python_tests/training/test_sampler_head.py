@@ -57,6 +57,38 @@ def test_rescore_matches_the_reference():
         head.rescore_(logits[0], t0, emb)
 
 
+@pytest.mark.parametrize("rows", ["all", "some"])
+def test_rescore_slot1_rescores_exactly_the_rows_it_should(rows):
+    """verify's reveal (sbd_ext.decoding.rows.rescore_slot1) on a [B, K, V] view of a forward's logits: slot 1 of
+    each row whose slot 0 holds a token and whose slot 1 is masked equals the reference's rescoring, every other
+    entry is untouched (the mask id banned); "all" is a verify forward at batch 1 (rescored in place)."""
+    from types import SimpleNamespace
+
+    from sbd_ext.decoding.rows import rescore_slot1
+
+    _, model = _with_drafter(seed=5)
+    head, emb = model.sbd_drafter.sampler_head, model.get_input_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(6)
+    B, K = (1, 3) if rows == "all" else (4, 3)
+    out = torch.randn(B, K + 2, VOCAB, generator=g) * 3  # the forward's rows; the block is rows 1..K
+    x = out[:, 1 : 1 + K]
+    block = torch.full((B, K), MASK_ID)
+    block[:, 0] = torch.randint(0, MASK_ID, (B,), generator=g)
+    if rows == "some":
+        block[1, 0] = MASK_ID  # slot 0 still masked: not rescored
+        block[2, 1] = 7  # slot 1 already revealed: not rescored
+    want = out.clone()
+    want[:, 1 : 1 + K, MASK_ID] = -math.inf  # the block's rows only
+    cond = (block[:, 0] != MASK_ID) & (block[:, 1] == MASK_ID)
+    for b in range(B):
+        if cond[b]:
+            want[b, 2] = sh.rescore_reference(head, want[b, 2:3].clone(), block[b, :1], emb)[0].float()
+    rescore_slot1(SimpleNamespace(sampler_head=(head, emb), mask_id=MASK_ID), x, block)
+    assert int(cond.sum()) == (1 if rows == "all" else 2)
+    assert torch.equal(torch.isinf(out), torch.isinf(want))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_rescore_keeps_each_tokens_direction_until_the_head_changes():
     """rescore_'s per-token cache of u (cached_direction): a batch with a repeated token, hits and misses, equals
     the reference; an in-place change of a parameter (an optimizer step) or of the embedding drops it."""

@@ -38,6 +38,9 @@ def rescore_slot1(job: Job, x: torch.Tensor, block: torch.Tensor) -> None:
     head, emb = job.sampler_head
     ban_mask(x, job.mask_id)
     t0, cond = block[:, 0], (block[:, 0] != job.mask_id) & (block[:, 1] == job.mask_id)
+    if x.device.type == "cpu" and bool(cond.all()):  # every row rescored (a verify forward at batch 1): in place
+        head.rescore_(x[:, 1], t0, emb)
+        return
     new = head.rescore_(x[:, 1].clone(), torch.where(cond, t0, 0), emb)
     x[:, 1] = torch.where(cond.view(-1, 1), new, x[:, 1])
 

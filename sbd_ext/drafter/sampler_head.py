@@ -104,7 +104,8 @@ class SamplerHead(nn.Module):
         SmolLM2's head) and ~10 small ops per forward become a lookup."""
         if torch.compiler.is_compiling() or self.training or t0.device.type != "cpu" or t0.dim() != 1:
             return None  # (inside a compiled graph -- the device cycle -- the MLP is part of the graph)
-        key = (emb.data_ptr(), emb._version, emb.dtype, *((q.data_ptr(), q._version) for q in self.parameters()))
+        params = self._parameters.values()  # (the head's own: no submodules; cheaper than self.parameters())
+        key = (emb.data_ptr(), emb._version, emb.dtype, *((q.data_ptr(), q._version) for q in params))
         cache = self.__dict__.get("_directions")
         if cache is None or cache[0] != key or len(cache[1]) > self.DIRECTION_CACHE:
             cache = self.__dict__["_directions"] = (key, {})
