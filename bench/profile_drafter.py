@@ -36,9 +36,9 @@ ROWS = {
     "verify_branch_merged": dict(verify=True, branch=True, merge=True),  # + the branch's k rows and attention call
     "verify_branch_products": dict(verify=True, branch=True, merge=False),
 }
-# a quantized base (--quantize) cannot merge the adapters: its rows run the LoRA products
-MERGED_ONLY = ("verify_merged", "verify_branch_merged")
-PRODUCTS_ONLY = ("verify_branch_products",)  # (with a plain base the merged branch row says what it costs)
+# a quantized base (--quantize) cannot merge the adapters: its rows run the LoRA products; with a plain base the
+# merged branch row says what the branch costs
+PRODUCTS_ONLY = ("verify_branch_products",)
 
 
 def _sync(device: torch.device) -> None:
@@ -71,7 +71,7 @@ def run(device: torch.device, n_prompts: int, max_new: int, compiled: bool, quan
     report = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report.update(prompts=len(prompts), max_new=max_new, compiled=compiled, quantize=quantize, rows={})
     for name, row in ROWS.items():
-        if name in (MERGED_ONLY if quantize else PRODUCTS_ONLY):
+        if row["merge"] if quantize else name in PRODUCTS_ONLY:
             continue
         kw = {k: v for k, v in row.items() if k != "merge"}
         kw.update(max_new_tokens=max_new, eos_token_id=eos, compile=compiled)

@@ -21,9 +21,17 @@ from sbd_ext.quantization import PackedLinear
 ROOT = Path(__file__).resolve().parents[2]
 if not (ROOT / "bench" / "render_results.py").is_file():
     pytest.skip("not a source checkout", allow_module_level=True)
-_spec = importlib.util.spec_from_file_location("render_results", ROOT / "bench" / "render_results.py")
-render = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render)
+
+
+def _load_bench(name: str):
+    """``bench/<name>.py`` as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+render = _load_bench("render_results")
 
 
 def _tables_outside_blocks(text: str) -> list[str]:
@@ -230,13 +238,6 @@ def test_profile_suite_splits_a_forward_and_renders(monkeypatch):
     assert "Where a one-row decoding forward's time goes" in page and "| packed | " in page
 
 
-def _load_plots():
-    spec = importlib.util.spec_from_file_location("plots", ROOT / "bench" / "plots.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_drafter_bench_files_are_pytest_benchmark_runs():
     """``bench/results/drafter/bench_*.json`` are pytest-benchmark files (bench/plots.py reads them as such); a study's
     own JSON is named ``study_*`` or ``eval_*``."""
@@ -251,7 +252,7 @@ def test_drafter_bench_files_are_pytest_benchmark_runs():
 def test_plot_data_readers_run_on_the_committed_results():
     """What the docs build draws (bench/plots.py) reads the committed results without error: every panel has its
     HF ``generate`` baseline and positive rates (matplotlib is not needed for the data)."""
-    plots = _load_plots()
+    plots = _load_bench("plots")
     panels = [plots.e2e_rows(), plots.drafter_rows()]
     if (peers := plots.peers_generate_rows()) is not None:
         panels.append(peers)
