@@ -14,6 +14,7 @@
 
 #include "block_attention_checks.h"
 #include "cpu/block_attention_kernel.h"
+#include "cpu/output_pool.h"
 
 namespace sbd_ext {
 namespace {
@@ -72,7 +73,7 @@ at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const std::vector<int64_t> lens = host_lengths(cache_lens), commit = host_lengths(n_commit),
                              valid = host_lengths(n_valid);
   check_block_attention_lengths(lens, commit, valid, T, S);
-  at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+  at::Tensor out = pooled_empty({B, T, Hq, D}, q.options());
   if (B == 0 || T == 0) return out;
 
   sbd_cpu::BlockAttentionParams p;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu/aligned_buffer.h"
+#include "cpu/output_pool.h"
 #include "cpu/row_linear_kernel.h"
 #include "row_linear_checks.h"
 
@@ -121,7 +122,7 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   if (x_in.scalar_type() == at::kBFloat16) return row_linear_cpu(x_in.to(at::kFloat), weight, scale, quantize_x).to(at::kBFloat16);
   const at::Tensor& x = x_in;
   const int64_t M = x.size(0), N = row_linear_out_features(weight), K = x.size(1);
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = pooled_empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const bool plain = weight.scalar_type() == at::kFloat && !row_linear_is_packed(weight);
   if (plain && K > 0 && M > sbd_cpu::kRowLinearRows) return at::mm_out(out, x, weight.t());
@@ -263,7 +264,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const uint16_t* bb = b16 ? reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()) : nullptr;
   const float* g = gate.data_ptr<float>();
   if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
-    if (M == 0) return at::empty({0, N}, x.options());
+    if (M == 0) return pooled_empty({0, N}, x.options());
     // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
     // into this thread's scratch, then W's outputs copied row by row: a full tensor and its
     // narrow(1, 0, N).contiguous() were two allocations and ~7 us of dispatched ops per call (210 calls per SmolLM2
@@ -274,7 +275,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     XScratch xs;  // the call's own slot: row_linear_write's buffers are its own XScratch's other slots
     float* full = xs.get<float>(XScratch::kLoraFull, n_full, at::kFloat);
     row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
-    at::Tensor out = at::empty({M, N}, x.options());
+    at::Tensor out = pooled_empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, full + m * F, N * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
@@ -283,7 +284,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     return out;
   }
   const int64_t r_pad = (r + P - 1) / P * P;
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = pooled_empty({M, N}, x.options());
   if (M == 0) return out;
   if (K == 0) return out.zero_();
   const float* xp = x.data_ptr<float>();

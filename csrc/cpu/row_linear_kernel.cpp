@@ -915,9 +915,18 @@ inline void q8_panel_scalar(const RowLinearParams& p, int64_t m0, int64_t rows, 
 // linears + head in the weight arena, direct op calls, the settings alternated within one process, median of 9:
 // 10 / 12 / 14 / 16 rows 14.4 / 17.4 / 24.4 / 27.1 ms -> 12.0 / 13.9 / 18.0 / 19.0; 2-8 rows as fast or faster as
 // they were, 8 rows mixed between runs).
+// Re-measured on the Zen 4 on huge pages (2026-12-06, 1 thread, a standalone copy of this tile over SmolLM2's w8a8
+// linears + head, 135 MB, best / median of 15 interleaved passes, three processes): 2 / 3 / 4 / 5 x rows with the
+// hardware prefetcher alone 4.5 / 4.5 / 4.9 / 5.2 ms against 5.2 / 5.3 / 6.1 / 5.9 4 KB ahead into L1, so there
+// they prefetch nothing: the compiled w8a8 verify step (4 held-out chat prompts x 64, median call, order-swapped
+// process pairs) 9.5-9.6 -> 8.3-8.5 ms. Kept as they were, the rest: one row (none was as fast in the standalone,
+// 4.1-4.3 ms, a plain read's time, while 4 KB into L2 ran at ~20 GB/s in two processes of three -- Zen 4 drops some
+// PREFETCHT1s -- but the compiled NTP step was the same either way, 6.4-6.7 ms) and 6-9 rows (8 KB into L2 was
+// faster in the standalone, 6 / 8 rows 5.6 / 6.4 ms against 6.3 / 7.3, but not in the verify + branch step).
 inline PanelPrefetch q8_panel_prefetch(int64_t M) {
   static const bool zen4 = cpu_core() == Core::ZEN4;
   if (zen4 && M >= 10) return {8192, true};
+  if (zen4 && M >= 2 && M <= 5) return {0, false};
   return {kPanelAhead, M == 1};
 }
 
@@ -935,11 +944,10 @@ __attribute__((target("avx512vnni"))) void q8_panel_tile(const RowLinearParams& 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * kQPanelBytes;
     const int32_t* xb = xq + b * 8 * M;
-    if constexpr (PREFETCH) {
+    if (PREFETCH && pf.ahead > 0) {
       for (int64_t line = 0; line < kQPanelBytes; line += 64) {
         const char* ahead = reinterpret_cast<const char*>(wb) + pf.ahead + line;
-        // one x row: into L2 (the stream is the whole cost; 6.5-6.9 ms for SmolLM2's one-row linears against
-        // 7.7-9.0 into L1, AMD EPYC Zen 4), more rows: into L1 (a Zen 4 with 10 or more: see q8_panel_prefetch)
+        // one x row: into L2 (the stream is the whole cost), more rows: into L1 (a Zen 4: see q8_panel_prefetch)
         if (ahead < end) prefetch_line(ahead, pf.l2);
       }
     }
