@@ -7,7 +7,8 @@
 // was ~8 % of a w8a8 NTP forward's samples (docs/notes/benchmarks-log.md, 2026-12-06).
 //
 // How: blocks of a power-of-two size from 64 bytes to kMaxPooled, 64-byte aligned; a freed output's block goes back
-// to its class's list (at most kPerClass kept per class; the rest, and anything larger, freed at once). The lists
+// to its class's list (at most kPerClass per class and kKeepBytes in all kept; the rest, and anything larger, freed
+// at once: a decoding forward's outputs are a few hundred KB at a time). The lists
 // are shared by all threads under one mutex (a deleter runs on whichever thread drops the last reference). A tensor
 // from here is an ordinary CPU tensor: its storage resizes (through this allocator), shares, and frees as any other.
 #pragma once
@@ -28,7 +29,7 @@ namespace sbd_ext {
 class OutputPool final : public c10::Allocator {
  public:
   static constexpr size_t kMinPooled = 64, kMaxPooled = size_t{1} << 20;  // bytes
-  static constexpr size_t kPerClass = 64;
+  static constexpr size_t kPerClass = 64, kKeepBytes = size_t{32} << 20;
   static constexpr int kClasses = 15;  // 64 B .. 1 MB
 
   c10::DataPtr allocate(size_t n) override {
@@ -41,6 +42,7 @@ class OutputPool final : public c10::Allocator {
       if (!list.empty()) {
         base = list.back();
         list.pop_back();
+        kept_ -= class_bytes(c);
       }
     }
     if (base == nullptr) {
@@ -77,9 +79,11 @@ class OutputPool final : public c10::Allocator {
     OutputPool& pool = get();
     {
       std::lock_guard<std::mutex> lock(pool.mu_);
-      auto& list = pool.free_[*reinterpret_cast<int*>(base)];
-      if (list.size() < kPerClass) {
+      const int c = *reinterpret_cast<int*>(base);
+      auto& list = pool.free_[c];
+      if (list.size() < kPerClass && pool.kept_ + class_bytes(c) <= kKeepBytes) {
         list.push_back(base);
+        pool.kept_ += class_bytes(c);
         return;
       }
     }
@@ -88,6 +92,7 @@ class OutputPool final : public c10::Allocator {
 
   std::mutex mu_;
   std::array<std::vector<char*>, kClasses> free_;
+  size_t kept_ = 0;  // bytes in the lists
 };
 
 // at::empty(sizes, options) for a CPU op's output (contiguous), its memory from OutputPool.
