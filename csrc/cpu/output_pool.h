@@ -21,8 +21,9 @@
 #include <array>
 #include <cstdlib>
 #include <mutex>
-#include <new>
 #include <vector>
+
+#include "cpu/aligned_buffer.h"
 
 namespace sbd_ext {
 
@@ -31,6 +32,7 @@ class OutputPool final : public c10::Allocator {
   static constexpr size_t kMinPooled = 64, kMaxPooled = size_t{1} << 20;  // bytes
   static constexpr size_t kPerClass = 64, kKeepBytes = size_t{32} << 20;
   static constexpr int kClasses = 15;  // 64 B .. 1 MB
+  static_assert((kMinPooled << (kClasses - 1)) == kMaxPooled, "one class per power of two up to kMaxPooled");
 
   c10::DataPtr allocate(size_t n) override {
     const int c = size_class(n);
@@ -47,8 +49,7 @@ class OutputPool final : public c10::Allocator {
     }
     if (base == nullptr) {
       // a header cache line holds the class; the data starts after it (64-byte aligned, as at::empty's)
-      base = static_cast<char*>(std::aligned_alloc(64, kHeader + class_bytes(c)));
-      if (base == nullptr) throw std::bad_alloc();
+      base = sbd_cpu::alloc_aligned<char>(static_cast<int64_t>(kHeader + class_bytes(c))).release();
       *reinterpret_cast<int*>(base) = c;
     }
     return {base + kHeader, base, &release, c10::Device(c10::DeviceType::CPU)};
