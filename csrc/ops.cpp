@@ -43,6 +43,12 @@ TORCH_LIBRARY(sbd_ext, m) {
   // x W^T + gate[:, None] * ((x A^T) (scale B)^T) [M, N] fp32 (rows with gate 0: x W^T exactly). CPU only; no
   // backward.
   m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate, Tensor? scale=None) -> Tensor");
+  // A greedy decoder's output head: x [M, K] fp32; weight [P, K, 16] fp32 packed (the head); screen [P, K, 16] bf16
+  // packed (the same rows rounded to bf16); screen_norm [V] fp32 (each real row's L2 norm, rounded up); exclude -1 or
+  // a row id -> logits [M, P * 16] fp32 whose largest entry (over all columns, and over all but `exclude`) is where
+  // row_linear(x, weight)'s is: the columns that may hold it carry row_linear's values bit for bit, the rest the
+  // screen's, each below the row's largest. For argmax only (not a distribution). No backward.
+  m.def("screened_head(Tensor x, Tensor weight, Tensor screen, Tensor screen_norm, int exclude=-1) -> Tensor");
   // x [N, V] fp32 -> (values [N, k] fp32, indices [N, k] int64, lse [N] fp32): each row's k largest entries by
   // (value descending, index ascending; NaN first) and torch.logsumexp of the row. CPU only (a sampler head's
   // rescoring in the host's reveal); no backward.
@@ -140,6 +146,10 @@ pybind11::dict build_info() {
 
 }  // namespace
 
+namespace sbd_ext {
+std::vector<int64_t> screened_head_stats();  // csrc/cpu/screened_head_cpu.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sbd_ext compiled kernels; the ops are reached through torch.ops.sbd_ext";
   m.def("build_info", &build_info, "How this extension was built: CUDA kernels, CPU ISA variants, debug flags.");
@@ -160,6 +170,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sums on the vector units, slow); sbd_ext.quantize(model, \"bf16\") packs in tiles unless \"model\".");
   m.def("row_linear_amx_calls", &sbd_cpu::amx_range_calls,
         "row_linear weight ranges that ran on AMX tiles (or their emulation) since the process started.");
+  m.def("screened_head_stats", &sbd_ext::screened_head_stats,
+        "screened_head on the CPU since the process started: [calls, rows, fp32 panels computed again, calls that "
+        "ran the fp32 head whole].");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

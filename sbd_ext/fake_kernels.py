@@ -130,6 +130,32 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
     return x.new_empty((x.shape[0], lora_b.shape[0] * PANEL))
 
 
+@torch.library.register_fake("sbd_ext::screened_head")
+def _screened_head_fake(x, weight, screen, screen_norm, exclude=-1):
+    # The binding's checks (csrc/screened_head_checks.h) on what a fake tensor knows.
+    op = "screened_head"
+    want = {"x": (x, torch.float32, 2), "weight": (weight, torch.float32, 3), "screen": (screen, torch.bfloat16, 3)}
+    want["screen_norm"] = (screen_norm, torch.float32, 1)
+    for name, (t, dtype, dim) in want.items():
+        if t.dtype != dtype:
+            raise TypeError(f"{op}: {name} must have dtype {dtype}, got {t.dtype}")
+        if t.dim() != dim:
+            raise ValueError(f"{op}: {name} must be {dim}-D, got shape {tuple(t.shape)}")
+        if t.device != x.device:
+            raise RuntimeError(
+                f"{op}: {name} is on {t.device} but x is on {x.device}; all tensors must be on the same device"
+            )
+    if weight.shape[1] != x.shape[1] or weight.shape[2] != PANEL or tuple(screen.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"{op}: weight and screen must be [P, K, 16] with K = x.size(1) = {x.shape[1]}, got {tuple(weight.shape)} "
+            f"and {tuple(screen.shape)}"
+        )
+    n, v = weight.shape[0] * PANEL, screen_norm.shape[0]
+    if not (n - PANEL < v <= n and v >= 1) or not -1 <= exclude < v:
+        raise ValueError(f"{op}: screen_norm has one entry per real row of the head and exclude is -1 or one of them")
+    return x.new_empty((x.shape[0], n))
+
+
 @torch.library.register_fake("sbd_ext::row_linear")
 def _row_linear_fake(x, weight, scale=None, quantize_x=False):
     # The binding's checks (csrc/row_linear_checks.h) on what a fake tensor knows: dtype, rank, K, N, device. This

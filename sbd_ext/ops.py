@@ -23,6 +23,7 @@ __all__ = [
     "mask_replace",
     "row_linear",
     "row_linear_out_features",
+    "screened_head",
     "topk_logsumexp",
 ]
 
@@ -260,6 +261,35 @@ def row_linear(
     if not isinstance(quantize_x, bool):
         raise TypeError(f"row_linear: quantize_x must be a bool, got {type(quantize_x).__name__}")
     return torch.ops.sbd_ext.row_linear(x, weight, scale, quantize_x)
+
+
+def screened_head(
+    x: torch.Tensor, weight: torch.Tensor, screen: torch.Tensor, screen_norm: torch.Tensor, exclude: int = -1
+) -> torch.Tensor:
+    """A greedy decoder's output head at about the bytes of a bf16 one, with the fp32 head's choice: the head runs over
+    its bf16 copy (``screen``) and the few columns whose exact value may be a row's largest run again over the fp32
+    panels (csrc/cpu/screened_head_cpu.cpp; the bound it screens with is derived there).
+
+    Args:
+        x: [M, K] fp32, contiguous along K.
+        weight: the fp32 head packed in panels, [P, K, 16] contiguous (:func:`sbd_ext.packing.pack_row_linear_weight`).
+        screen, screen_norm: :func:`sbd_ext.packing.pack_screened_head` of the same head: its rows in bf16, [P, K, 16],
+            and their L2 norms [V] (V: the head's real rows, P * 16 - 16 < V <= P * 16).
+        exclude: -1, or a row id that a caller bans (a mask token): the largest entry over the other columns is
+            exact too.
+
+    Returns:
+        [M, P * 16] fp32 logits for argmax: each row's largest entry, over all columns and over all columns but
+        ``exclude``, is where ``row_linear(x, weight)``'s is (equal values: the lower index) -- the columns that may
+        hold it (and ``exclude``'s) carry row_linear's values bit for bit, every other column the screen's value,
+        below the row's largest and within the bound of the exact one. Not a distribution to sample from or to
+        take the entropy of. A row with a NaN or infinite value, or a call whose candidates fill more than an eighth
+        of the panels, gets the fp32 head whole. On CUDA the fp32 head whole. No backward.
+        :func:`sbd_ext.reference.screened_head` is the definition.
+    """
+    named = dict(x=x, weight=weight, screen=screen, screen_norm=screen_norm)
+    _check_tensors("screened_head", named, ("x",))
+    return torch.ops.sbd_ext.screened_head(x, weight, screen, screen_norm, _as_int(exclude, "screened_head", "exclude"))
 
 
 def gated_lora_linear(

@@ -13,6 +13,7 @@ __all__ = [
     "is_bf16_tiles",
     "pack_row_linear_int8",
     "pack_row_linear_weight",
+    "pack_screened_head",
     "unpack_row_linear_int8",
     "unpack_row_linear_weight",
 ]
@@ -136,3 +137,15 @@ def unpack_row_linear_int8(packed: torch.Tensor, n: int | None = None, k: int | 
     p, k4 = packed.shape[:2]
     w = (packed.transpose(1, 2).reshape(p * PANEL, k4 * 4).to(torch.int16) - 128).to(torch.int8)
     return w[: p * PANEL if n is None else n, : k4 * 4 if k is None else k].contiguous()
+
+
+@torch.no_grad()
+def pack_screened_head(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The screen of an fp32 output head [N, K] for :func:`sbd_ext.ops.screened_head`: ``(screen, screen_norm)``,
+    the head rounded to bf16 (to nearest even) in row_linear's panel layout ([ceil(N / 16), K, 16], zero rows to
+    whole panels) and each row's L2 norm [N] fp32, computed in float64 and rounded up. New tensors."""
+    n, _ = _checked("pack_screened_head", weight, (torch.float32,), "the screen is made from the fp32 head", True)
+    norm64 = weight.detach().double().norm(dim=1)
+    norm = norm64.float()
+    norm = torch.where(norm.double() < norm64, torch.nextafter(norm, torch.tensor(float("inf"))), norm)
+    return pack_row_linear_weight(weight.detach().to(torch.bfloat16), pad=True), norm.contiguous()

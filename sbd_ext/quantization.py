@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _C, packing
+from .greedy_head import SCREEN, drop_screen, screened_rows, set_screen
 from .linear import RowLinear, as_rows, bf16_tiles_in_use, row_count
 from .ops import row_linear
 from .packing import (
@@ -64,16 +65,8 @@ from .packing import (
 from .reference import quantized_x
 from .weight_arena import kernel_tensor
 
-__all__ = [
-    "SCHEMES",
-    "Int8Linear",
-    "PackedLinear",
-    "check_trainable_weights",
-    "quantize",
-    "quantize_weight",
-    "quantized_scheme",
-    "saveable_state_dict",
-]
+__all__ = ["SCHEMES", "Int8Linear", "PackedLinear", "check_trainable_weights", "quantize", "quantize_weight"]
+__all__ += ["quantized_scheme", "saveable_state_dict"]
 
 SCHEMES = ("packed", "bf16", "int8", "w8a8")
 _PANEL_DTYPES = {"packed": torch.float32, "bf16": torch.bfloat16}
@@ -174,15 +167,14 @@ class Int8Linear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose weight is stored in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]:
-    :func:`~sbd_ext.packing.pack_row_linear_weight`; scheme ``"packed"``, fp32: the same values, so the same outputs to
-    fp32 rounding; ``"bf16"``: the weight rounded to bf16, widened in the kernel), with a CPU kernel that runs a
-    verify forward's 9-16 rows at the FMA rate. fp32 rows without an autograd graph run
-    :func:`~sbd_ext.ops.row_linear` on the packed weight (any row count; on CUDA its binding unpacks it); anything
-    else runs ``F.linear`` on the weight unpacked for that call. ``.weight`` is the tied fp32 tensor where the layer
-    shares the embedding's, else the unpacked weight (computed on each access)."""
+    """``nn.Linear`` with its weight in row_linear's panel layout (``weight_packed`` [N / 16, K, 16]; ``"packed"``:
+    fp32, the same values; ``"bf16"``: rounded to bf16, widened in the kernel): its CPU kernel runs a verify forward's
+    9-16 rows at the FMA rate. fp32 rows without an autograd graph run :func:`~sbd_ext.ops.row_linear` on it (any row
+    count; on CUDA it is unpacked; a head with a screen in greedy decoding: :mod:`sbd_ext.greedy_head`), anything else
+    ``F.linear`` on the weight unpacked for that call. ``.weight``: the tied fp32 tensor where the layer shares the
+    embedding's, else the unpacked weight."""
 
-    _arena_tensors = ("weight_packed",)  # weight_arena
+    _arena_tensors = ("weight_packed",) + SCREEN  # weight_arena
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -193,8 +185,10 @@ class PackedLinear(nn.Linear):
         _follow_tied(self)
         wp = kernel_tensor(self, "weight_packed")
         rows = _kernel_rows(x, wp)
-        if rows:
-            out = _kernel_out(row_linear(as_rows(x, rows), wp), x, self.out_features)
+        screened = screened_rows(self, x, wp, rows)  # greedy decoding: a head's choice over its screen
+        if screened is not None or rows:
+            raw = row_linear(as_rows(x, rows), wp) if screened is None else screened
+            out = _kernel_out(raw, x, self.out_features)
         else:
             out = F.linear(x, unpack_row_linear_weight(wp, self.out_features, self.in_features).to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -220,6 +214,8 @@ def _follow_tied(m: nn.Module) -> None:
     if isinstance(m, PackedLinear):
         tiles = packing.is_bf16_tiles(m.weight_packed)
         m.weight_packed = constant_weight(pack_row_linear_weight(tied.to(m.weight_packed.dtype), pad=True, tiles=tiles))
+        if "screen_packed" in m._buffers:
+            set_screen(m, tied)
     else:
         packed = "weight_int8_packed" in m._buffers
         if packed:
@@ -236,15 +232,15 @@ def _tied_ids(model: nn.Module) -> set[int]:
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
+def quantize(model: nn.Module, scheme: str = "int8", screen_head: bool = True) -> nn.Module:
     """The weights of every plain ``nn.Linear`` / ``RowLinear`` of an fp32 ``model`` in another format, in place
     (see the module doc); returns ``model``. ``scheme``: "int8" (int8 weights), "w8a8" (and int8 inputs), "packed"
     (fp32 weights in row_linear's panel layout: the same values, an output size that is not a multiple of 16 padded
-    with zero rows whose outputs the layer drops) or "bf16" (those panels in bf16). Calling it again with the same
-    scheme is a no-op; between "int8" and "w8a8" it switches the layers' inputs (the int8 weights are the same);
-    "bf16" / "int8" / "w8a8" on a packed model convert the packed layers too; any other change from rounded weights
-    (int8 or bf16) is refused. Raises ValueError for an unknown scheme or a model whose linear weights are
-    not fp32 (the kernel's activations are fp32: convert with ``model.float()`` first), TypeError for a non-module."""
+    with zero rows whose outputs the layer drops; ``screen_head``: the output head also gets a bf16 screen,
+    :mod:`sbd_ext.greedy_head`) or "bf16" (those panels in bf16). Calling it again with the same scheme is a no-op;
+    between "int8" and "w8a8" it switches the layers' inputs (the int8 weights are the same); "bf16" / "int8" / "w8a8"
+    on a packed model convert the packed layers too; any other change from rounded weights (int8 or bf16) is refused.
+    ValueError: an unknown scheme or non-fp32 linear weights (``model.float()`` first); TypeError: not a module."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, got {type(model).__name__}")
     if scheme not in SCHEMES:
@@ -266,6 +262,7 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 f"this model has linear weights in {', '.join(bad)}: call model.float() first"
             )
         tied = _tied_ids(model)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         panel, tiles = _PANEL_DTYPES.get(scheme), scheme == "bf16" and bf16_tiles_in_use()  # AMX-BF16 tiles
         if panel is not None:  # checks before any change
             converted = [(pack_row_linear_weight(m.weight.to(panel), pad=True, tiles=tiles),) for m in targets]
@@ -277,6 +274,7 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 del m.weight  # frees the fp32 weight (the module's parameter; nothing else holds it)
             if isinstance(m, PackedLinear):
                 del m.weight_packed
+                drop_screen(m)
             if panel is not None:
                 m.register_buffer("weight_packed", constant_weight(new[0].to(w.device)))
                 m.__class__ = PackedLinear
@@ -284,6 +282,8 @@ def quantize(model: nn.Module, scheme: str = "int8") -> nn.Module:
                 m.register_buffer("weight_int8", constant_weight(new[0].to(w.device)))
                 m.register_buffer("weight_scale", constant_weight(new[1].to(w.device)))
                 m.__class__ = Int8Linear
+            if scheme == "packed" and screen_head and m is head and m.bias is None:
+                set_screen(m, w)
             if "weight" in m._parameters:  # tied: the copy follows the tied weight (_follow_tied)
                 m._sbd_tied_key = _tied_key(w)
         pack = scheme == "w8a8" and _cpu_vnni()

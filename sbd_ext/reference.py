@@ -371,3 +371,13 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     lower index first), its first ``k``; and the row's logsumexp in float64, rounded to fp32."""
     order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
     return x.gather(1, order), order, torch.logsumexp(x.double(), dim=-1).float()
+
+
+def screened_head(
+    x: torch.Tensor, weight: torch.Tensor, screen: torch.Tensor, screen_norm: torch.Tensor, exclude: int = -1
+) -> torch.Tensor:
+    """screened_head's definition as far as its contract goes: the exact head, :func:`row_linear` of ``weight`` (the
+    op's largest entry per row, over all columns and over all but ``exclude``, is where this one's is; its other
+    values are only bounded: see :func:`sbd_ext.ops.screened_head`)."""
+    del screen, screen_norm, exclude
+    return row_linear(x, weight)

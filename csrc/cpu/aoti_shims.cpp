@@ -28,6 +28,8 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
                                const at::Tensor& n_valid, double scale, double softcap, int64_t window_left);
+at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                             const at::Tensor& screen_norm, int64_t exclude);
 }  // namespace sbd_ext
 
 namespace {
@@ -85,6 +87,14 @@ __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_block_atten
   return guarded("block_attention", [&] {
     *ret0 = new_tensor_handle(sbd_ext::block_attention_cpu(t(q), t(k), t(v), t(k_cache), t(v_cache), t(cache_lens),
                                                            t(n_commit), t(n_valid), scale, softcap, window_left));
+  });
+}
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_screened_head(
+    AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle screen, AtenTensorHandle screen_norm, int64_t exclude,
+    AtenTensorHandle* ret0) {
+  return guarded("screened_head", [&] {
+    *ret0 = new_tensor_handle(sbd_ext::screened_head_cpu(t(x), t(weight), t(screen), t(screen_norm), exclude));
   });
 }
 

@@ -19,6 +19,7 @@
 #include "cpu/aligned_buffer.h"
 #include "cpu/output_pool.h"
 #include "cpu/row_linear_kernel.h"
+#include "cpu/row_linear_write.h"
 #include "row_linear_checks.h"
 
 namespace sbd_ext {
@@ -107,11 +108,6 @@ void row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, float*
   }
 }
 
-// row_linear of fp32 rows x [M, K] (M, N >= 1) into out (row stride ld, N outputs per row), for every weight layout
-// but a plain fp32 one over more than kRowLinearRows rows (at::mm_out's, in row_linear_cpu).
-void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                      bool quantize_x, float* out, int64_t N, int64_t ld);
-
 }  // namespace
 
 at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
@@ -129,8 +125,6 @@ at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   row_linear_write(x, weight, scale, quantize_x, out.data_ptr<float>(), N, N);
   return out;
 }
-
-namespace {
 
 void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                       bool quantize_x, float* out, int64_t N, int64_t ld) {
@@ -208,6 +202,8 @@ void row_linear_write(const at::Tensor& x, const at::Tensor& weight, const std::
     });
   }
 }
+
+namespace {
 
 // The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
 // h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16] in fp32 (b) or bf16 (bb, its bits; the other

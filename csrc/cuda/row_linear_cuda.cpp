@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "row_linear_checks.h"
+#include "screened_head_checks.h"
 
 namespace sbd_ext {
 
@@ -61,6 +62,17 @@ at::Tensor row_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   return at::mm(x, w.t());
 }
 
-TORCH_LIBRARY_IMPL(sbd_ext, CUDA, m) { m.impl("row_linear", &row_linear_cuda); }
+// screened_head, CUDA binding: the CPU binding's checks, then the fp32 head whole (its values are the op's contract's
+// exact ones; the screen exists for the CPU's bandwidth-bound one-row forward).
+at::Tensor screened_head_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                              const at::Tensor& screen_norm, int64_t exclude) {
+  check_screened_head(x, weight, screen, screen_norm, exclude);
+  return row_linear_cuda(x, weight, std::nullopt, false);
+}
+
+TORCH_LIBRARY_IMPL(sbd_ext, CUDA, m) {
+  m.impl("row_linear", &row_linear_cuda);
+  m.impl("screened_head", &screened_head_cuda);
+}
 
 }  // namespace sbd_ext

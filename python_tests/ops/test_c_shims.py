@@ -15,7 +15,7 @@ from torch._inductor.codecache import output_code_log
 from torch._inductor.utils import fresh_cache
 
 from sbd_ext.decoding import c_shims, compiled
-from sbd_ext.packing import pack_row_linear_int8, pack_row_linear_weight
+from sbd_ext.packing import pack_row_linear_int8, pack_row_linear_weight, pack_screened_head
 from sbd_ext.quantization import quantize_weight
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -39,15 +39,16 @@ def _inputs():
     lens = torch.tensor([5], dtype=torch.int32)
     commit, valid = torch.tensor([1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     return [x, pack_row_linear_weight(w), wq, sq, fused, pack_row_linear_weight(b), gate, q, k, v, kc, vc, lens, commit,
-            valid]  # fmt: skip
+            valid, *pack_screened_head(w)]  # fmt: skip
 
 
-def _layer(x, wp, wq, sq, fused, bp, gate, q, k, v, kc, vc, lens, commit, valid):
+def _layer(x, wp, wq, sq, fused, bp, gate, q, k, v, kc, vc, lens, commit, valid, sp, sn):
     a = OPS.row_linear(x, wp, None, False)
     b = OPS.row_linear(x, wq, sq, True)
     c = OPS.gated_lora_linear(x, fused, bp, gate, None)
     o = OPS.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125, 0.0, -1)
-    return a + 1.0, b + 1.0, c + 1.0, o + 1.0
+    h = OPS.screened_head(x, wp, sp, sn, 3)
+    return a + 1.0, b + 1.0, c + 1.0, o + 1.0, h + 1.0
 
 
 def _compiled_code(fn, args):
@@ -75,7 +76,7 @@ def test_the_compiled_step_calls_the_ops_through_their_c_functions_with_the_same
     with torch.no_grad():
         want = _layer(*want_args)
     got, code = _compiled_code(_layer, args)
-    for op in ("row_linear", "gated_lora_linear", "block_attention"):
+    for op in ("row_linear", "gated_lora_linear", "block_attention", "screened_head"):
         assert f"aoti_torch_cpu_{op}(" in code, op
         assert f'aoti_torch_call_dispatcher("sbd_ext::{op}"' not in code, op
     for g, w in zip(got, want, strict=True):

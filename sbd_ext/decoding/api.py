@@ -11,6 +11,7 @@ import torch
 
 from .. import families
 from ..cache import SBDCache
+from ..greedy_head import greedy_exclude, greedy_head
 from ..hf import ATTN_IMPLEMENTATION, CUDA_HEAD_DIMS, kernel_available
 from ..linear import ensure_row_linear
 from .compiled import COMPILED_RUN_LOCK, decode_compiled, pooled_cache
@@ -102,21 +103,23 @@ def generate(
     else:
         seqs = [StreamingState(prompt, job, b, on_final_tokens) for b, prompt in enumerate(job.prompts)]
     rows = max(map(len, job.prompts)) + job.max_new_tokens
-    if not job.settings.compile:
-        cache = SBDCache(model.config, len(seqs), rows, dtype, device)
-        if on_device:
-            decode_device(model, cache, seqs, job, device, compiled=False)
-        else:
-            decode(seqs, job, step_cls(model, cache, device))
-    else:
-        pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
-        pool = pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext()
-        with COMPILED_RUN_LOCK, pool as cache:
-            cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
+    # greedy next-token / verify decoding: a packed fp32 head's choice at a bf16 head's bytes (sbd_ext.greedy_head)
+    with greedy_head(greedy_exclude(job)):
+        if not job.settings.compile:
+            cache = SBDCache(model.config, len(seqs), rows, dtype, device)
             if on_device:
-                decode_device(model, cache, seqs, job, device, compiled=True)
+                decode_device(model, cache, seqs, job, device, compiled=False)
             else:
-                decode_compiled(model, cache, seqs, job, device)
+                decode(seqs, job, step_cls(model, cache, device))
+        else:
+            pooled = device.type == "cuda" and not return_cache  # a returned cache must not be reused
+            pool = pooled_cache(model, len(seqs), rows, dtype, device) if pooled else contextlib.nullcontext()
+            with COMPILED_RUN_LOCK, pool as cache:
+                cache = cache or SBDCache(model.config, len(seqs), rows, dtype, device)
+                if on_device:
+                    decode_device(model, cache, seqs, job, device, compiled=True)
+                else:
+                    decode_compiled(model, cache, seqs, job, device)
     return finish(seqs, job, input_ids.device, return_trace, cache if return_cache else None)
 
 

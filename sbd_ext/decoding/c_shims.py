@@ -33,6 +33,8 @@ C_SHIMS = {
     "AtenTensorHandle v, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle cache_lens, "
     "AtenTensorHandle n_commit, AtenTensorHandle n_valid, double scale, double softcap, int64_t window_left, "
     "AtenTensorHandle* ret0)",
+    "screened_head": "AOTITorchError aoti_torch_cpu_screened_head(AtenTensorHandle x, AtenTensorHandle weight, "
+    "AtenTensorHandle screen, AtenTensorHandle screen_norm, int64_t exclude, AtenTensorHandle* ret0)",
 }
 
 

@@ -14,6 +14,7 @@ import torch
 
 from .. import families, ops, weight_arena
 from ..cache import SBDCache
+from ..greedy_head import greedy_exclude
 from ..linear import row_linear_state
 from ..quantization import quantized_scheme
 from . import direct_call
@@ -56,7 +57,8 @@ _FALLBACK_WARNED = False
 
 def _variant_key(model, job: Job, device: torch.device, dtype) -> tuple:
     key = (id(model), len(job.prompts), job.block_size, job.mode, job.first_from_ntp, job.branch_rows, job.alternates)
-    return key + (dtype, device.type, row_linear_state(model), quantized_scheme(model))  # linear layers: own graph
+    key += (dtype, device.type, row_linear_state(model), quantized_scheme(model))  # linear layers: own graph
+    return key + (greedy_exclude(job),)  # the output head: exact, or screened for argmax (sbd_ext.greedy_head)
 
 
 def _compiled_variant_ok(key: tuple, variants: set | None = None) -> bool:
