@@ -4,10 +4,12 @@ time goes on this CPU, per weight scheme, against the core's plain read rate (is
 For SmolLM2-135M-Instruct (as the chat suite loads it, with its drafter attached and idle) in packed fp32, bf16 and
 w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forward:
 
-- ``weights_mb``: the bytes a one-row forward streams (every linear's weight buffers and the head's);
+- ``weights_mb``: the bytes a one-row greedy forward streams (every linear's weight buffers and the head's; a packed
+  fp32 head's bf16 screen, :mod:`sbd_ext.greedy_head`);
   ``read_gbs``: a plain read of that many bytes on one core (``torch.sum`` over a buffer of that size on the pages
   the weight arena uses, the best of a few rounds): the copy rate the issue measures against;
-- ``linears_ms``: the linears and the head at one row, their kernels alone (:func:`kernels_ms`), with
+- ``linears_ms``: the linears and the head at one row, their kernels alone (:func:`kernels_ms`; a screened head:
+  ``screened_head``), with
   ``linears_vs_read`` = the plain read's time for the same bytes over it (1.0: at the read rate);
 - ``attention_ms``: ``block_attention`` at one row over the cache's mean length, once per layer, likewise;
 - ``step_ms``: the compiled step (the graph and its call), timed around its calls (the median call);
@@ -36,21 +38,24 @@ from sbd_ext import weight_arena
 from sbd_ext.decoding import compiled as compiled_step
 from sbd_ext.decoding.step import EagerStep
 from sbd_ext.demo import models
+from sbd_ext.greedy_head import SCREEN
 from sbd_ext.quantization import Int8Linear, PackedLinear
 from sbd_ext.recipes.drafter.prompts import eval_prompts
 from sbd_ext.recipes.smollm2 import checkpoint
 
 
 def weight_bytes(model) -> int:
-    """The bytes of every quantized / packed linear's stored tensors: the base's weights a one-row forward streams (an
-    adapter's factors not counted: ~3 % more where an idle drafter's projections run over [W; A]; the embedding a
-    tied head shares not counted: the lookup reads one row of it)."""
+    """The bytes of every quantized / packed linear's stored tensors: the base's weights a one-row greedy forward
+    streams (an adapter's factors not counted: ~3 % more where an idle drafter's projections run over [W; A]; the
+    embedding a tied head shares not counted: the lookup reads one row of it; a packed head with a screen: the
+    screen, not its fp32 panels, of which a greedy forward reads a few: sbd_ext.greedy_head)."""
     emb = model.get_input_embeddings().weight.data_ptr()
     n = 0
     for m in model.modules():
         if isinstance(m, (Int8Linear, PackedLinear)):
+            skip = {emb} | ({m.weight_packed.data_ptr()} if SCREEN[0] in m._buffers else set())
             ts = (*m._buffers.values(), *m._parameters.values())
-            n += sum(t.nbytes for t in ts if t is not None and t.data_ptr() != emb)
+            n += sum(t.nbytes for t in ts if t is not None and t.data_ptr() not in skip)
     return n
 
 
@@ -98,6 +103,14 @@ def _op_args(m, x: torch.Tensor) -> tuple:
     return x, m.weight_packed, None, False
 
 
+def _op_call(m, x: torch.Tensor) -> tuple:
+    """(op, arguments) of a module's kernel call in greedy decoding: ``row_linear`` (:func:`_op_args`), or
+    ``screened_head`` for a packed head with a screen (x random: one or two fp32 panels again on SmolLM2's head)."""
+    if SCREEN[0] in m._buffers:
+        return torch.ops.sbd_ext.screened_head, (x, m.weight_packed, m.screen_packed, m.screen_norm, -1)
+    return torch.ops.sbd_ext.row_linear, _op_args(m, x)
+
+
 def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, float]:
     """(linears + head, attention) ms of one one-row forward's kernels: ``row_linear`` at one row on each of the
     model's linear modules' weights in turn (the arguments its forward passes), and ``block_attention`` at one row
@@ -106,7 +119,7 @@ def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, f
     overhead those loops pay and a compiled graph does not; the median of ``pairs`` paired differences."""
     mods = [m for m in model.modules() if isinstance(m, (Int8Linear, PackedLinear))]
     xs = {k: torch.randn(1, k) for k in {m.in_features for m in mods}}
-    calls = [_op_args(m, xs[m.in_features]) for m in mods]
+    calls = [_op_call(m, xs[m.in_features]) for m in mods]
     tiny = _op_args(sbd_ext.quantize(nn.Sequential(nn.Linear(32, 16)), scheme)[0], torch.randn(1, 32))
     op = torch.ops.sbd_ext.row_linear
     cfg = model.config
@@ -124,7 +137,7 @@ def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, f
         ]
 
     with torch.no_grad():
-        lin = _paired(lambda: [op(*c) for c in calls], lambda: [op(*tiny) for _ in calls], pairs)
+        lin = _paired(lambda: [f(*a) for f, a in calls], lambda: [op(*tiny) for _ in calls], pairs)
         att = _paired(attn(cache_len), attn(0), pairs)
     return 1e3 * lin, 1e3 * att
 

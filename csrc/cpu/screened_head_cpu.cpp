@@ -12,7 +12,7 @@
 // 1 + 2^-8 for the screen) of their real values, and the screen's weights within 2^-8 |w_jk| (bf16 to nearest even)
 // of the fp32 ones, so |a_j - exact_j| <= (2^-8 + 3 gamma) sum_k |x_k w_jk| <= (2^-8 + 3 gamma) |x| |w_j| (Cauchy-
 // Schwarz; screen_norm holds |w_j|, rounded up), widened for the fp32 arithmetic of the screen itself and for
-// underflow (mark_candidates). A row with a non-finite x norm, screen value or bound, or a call whose
+// underflow (screened_head_kernel.cpp). A row with a non-finite x norm, screen value or bound, or a call whose
 // candidates fill more than an eighth of the panels, runs the fp32 head whole: the result is then row_linear's.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -24,14 +24,17 @@
 #include <vector>
 
 #include "cpu/output_pool.h"
+#include "cpu/row_linear_kernel.h"
 #include "cpu/row_linear_write.h"
+#include "cpu/screened_head_kernel.h"
 #include "screened_head_checks.h"
 
 namespace sbd_ext {
 
 namespace {
 
-constexpr int64_t kPanel = 16;
+constexpr int64_t kPanel = sbd_cpu::kScreenPanel;
+static_assert(kPanel == sbd_cpu::kRowLinearPanel, "the screen's panels are row_linear's");
 
 // calls, rows, candidate panels computed again, calls that ran the fp32 head whole (screened_head_stats)
 std::atomic<int64_t> g_calls{0}, g_rows{0}, g_panels{0}, g_whole{0};
@@ -41,46 +44,6 @@ double bound_factor(int64_t K) {
   const double ku = static_cast<double>(K) * std::ldexp(1.0, -24);
   if (ku >= 0.01) return -1.0;
   return (std::ldexp(1.0, -8) + 3.0 * ku / (1.0 - ku)) * (1.0 + std::ldexp(1.0, -40));
-}
-
-// Marks in `mark` the panels of row `a` (V real columns) whose exact value may be the row's largest among the
-// columns other than `exclude` (whose entry the caller has set to -FLT_MAX; its panel is marked too); false if the row must
-// run whole (a NaN or infinite value). In fp32, 16 lanes at a time (a panel): each bound e_j is widened by
-// 2^-22 (|a_j| + e_j) + 2^-100, more than the roundings of e_j, a_j - e_j and a_j + e_j (each within 2^-24 of its
-// operands' magnitudes), so a column left out still has a_j + e_j < t in real arithmetic.
-bool mark_candidates(const float* a, const float* wn, int64_t V, int64_t exclude, float scale,
-                     std::vector<uint8_t>& mark) {
-  constexpr float kRel = 0x1p-22f, kAbs = 0x1p-100f;
-  const auto widened = [&](float aj, float wj) {
-    const float e = scale * wj;
-    return e + kRel * (std::fabs(aj) + e) + kAbs;
-  };
-  float tl[kPanel], nan[kPanel];
-  for (int64_t i = 0; i < kPanel; ++i) tl[i] = -INFINITY, nan[i] = 0.f;
-  const int64_t full = V / kPanel * kPanel;
-  for (int64_t j = 0; j < full; j += kPanel)
-    for (int64_t i = 0; i < kPanel; ++i) {
-      const float lo = a[j + i] - widened(a[j + i], wn[j + i]);
-      tl[i] = lo > tl[i] ? lo : tl[i];
-      nan[i] += a[j + i] * 0.f;  // inf * 0: NaN
-    }
-  float t = -INFINITY, bad = 0.f;
-  for (int64_t i = 0; i < kPanel; ++i) t = tl[i] > t ? tl[i] : t, bad += nan[i];
-  for (int64_t j = full; j < V; ++j) {
-    const float lo = a[j] - widened(a[j], wn[j]);
-    t = lo > t ? lo : t;
-    bad += a[j] * 0.f;
-  }
-  if (std::isnan(bad) || !std::isfinite(t) || !std::isfinite(scale)) return false;
-  for (int64_t j = 0; j < full; j += kPanel) {
-    int hit = 0;
-    for (int64_t i = 0; i < kPanel; ++i) hit |= a[j + i] + widened(a[j + i], wn[j + i]) >= t;
-    if (hit) mark[j / kPanel] = 1;
-  }
-  for (int64_t j = full; j < V; ++j)
-    if (a[j] + widened(a[j], wn[j]) >= t) mark[j / kPanel] = 1;
-  if (exclude >= 0) mark[exclude / kPanel] = 1;
-  return true;
 }
 
 }  // namespace
@@ -112,7 +75,9 @@ at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, cons
     const float scale = std::nextafter(static_cast<float>(factor * std::sqrt(ss) * (1.0 + 0x1p-40)), INFINITY);
     float* row = o + m * N;
     if (exclude >= 0) row[exclude] = -FLT_MAX;  // left out of t; its panel runs again below
-    if (!mark_candidates(row, wn, V, exclude, scale, mark)) return whole();
+    bool finite = false;
+    SBD_CPU_DISPATCH(screened_head_mark, row, wn, V, exclude, scale, mark.data(), &finite);
+    if (!finite) return whole();
   }
   std::vector<int64_t> panels;
   for (int64_t p = 0; p < P; ++p)
