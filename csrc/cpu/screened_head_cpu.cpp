@@ -71,7 +71,7 @@ at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   for (int64_t m = 0; m < M; ++m) {
     double ss = 0.0;
     for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(xp[m * x.stride(0) + k]) * xp[m * x.stride(0) + k];
-    // |x| |w_j| times the bound's factor, in fp32 rounded up (the widening in mark_candidates covers the product)
+    // |x| |w_j| times the bound's factor, in fp32 rounded up (screened_head_mark's widening covers the product)
     const float scale = std::nextafter(static_cast<float>(factor * std::sqrt(ss) * (1.0 + 0x1p-40)), INFINITY);
     float* row = o + m * N;
     if (exclude >= 0) row[exclude] = -FLT_MAX;  // left out of t; its panel runs again below
