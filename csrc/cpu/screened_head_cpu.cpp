@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "cpu/output_pool.h"
-#include "cpu/row_linear_kernel.h"
 #include "cpu/row_linear_write.h"
 #include "cpu/screened_head_kernel.h"
 #include "screened_head_checks.h"
@@ -33,8 +32,7 @@ namespace sbd_ext {
 
 namespace {
 
-constexpr int64_t kPanel = sbd_cpu::kScreenPanel;
-static_assert(kPanel == sbd_cpu::kRowLinearPanel, "the screen's panels are row_linear's");
+constexpr int64_t kPanel = sbd_cpu::kRowLinearPanel;  // the screen's panels are row_linear's
 
 // calls, rows, candidate panels computed again, calls that ran the fp32 head whole (screened_head_stats)
 std::atomic<int64_t> g_calls{0}, g_rows{0}, g_panels{0}, g_whole{0};

@@ -9,7 +9,7 @@ namespace sbd_cpu {
 namespace CPU_CAPABILITY {
 
 namespace {
-constexpr int64_t kPanel = kScreenPanel;
+constexpr int64_t kPanel = kRowLinearPanel;
 }  // namespace
 
 void screened_head_mark(const float* a, const float* wn, int64_t V, int64_t exclude, float scale, uint8_t* mark,

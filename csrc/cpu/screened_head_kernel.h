@@ -4,11 +4,9 @@
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "cpu/row_linear_kernel.h"  // kRowLinearPanel: the packed head's rows per panel
 
 namespace sbd_cpu {
-
-// Output rows per panel of the packed head (row_linear_kernel.h kRowLinearPanel).
-constexpr int64_t kScreenPanel = 16;
 
 // One row's screened logits a [V] (V real columns; the caller has set a[exclude] to -FLT_MAX, exclude -1 for none)
 // and the head rows' norms wn [V]: t = max_j (a_j - e_j) with e_j = scale * wn_j, then mark[j / 16] = 1 for every j

@@ -42,8 +42,15 @@ def cache_tag() -> str:
     code compiled against an earlier sbd_ext whose op took other arguments (row_linear gained ``scale``) would be
     loaded from the cache and call the op with the old argument list, a crash. With the schemas in the key, an
     upgrade compiles afresh."""
-    ops = ("block_attention", "entropy_sample", "gated_lora_linear", "mask_replace", "row_linear", "screened_head")
-    ops += ("topk_logsumexp",)
+    ops = (
+        "block_attention",
+        "entropy_sample",
+        "gated_lora_linear",
+        "mask_replace",
+        "row_linear",
+        "screened_head",
+        "topk_logsumexp",
+    )
     schemas = "|".join(str(getattr(torch.ops.sbd_ext, op).default._schema) for op in ops)
     schemas += "|c_shims" if c_shims.shims_available() else ""  # the C functions' signatures follow the schemas
     return "sbd_ext-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
