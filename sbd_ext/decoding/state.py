@@ -365,8 +365,8 @@ class SequenceState:
 
 def block_tensor(seqs: list[SequenceState], active: list[bool], job: Job) -> torch.Tensor:
     """[B, block_size] int64 on the CPU: each active sequence's block, then a filler that is not the mask id."""
-    block = torch.full((len(seqs), job.block_size), job.filler, dtype=torch.int64)
-    for b, seq in enumerate(seqs):
-        if active[b] and seq.block:
-            block[b, : len(seq.block)] = torch.tensor(seq.block, dtype=torch.int64)
-    return block
+    K, fill = job.block_size, job.filler
+    rows = [list(seq.block) if a else [] for seq, a in zip(seqs, active, strict=True)]
+    if any(len(r) > K for r in rows):
+        raise RuntimeError(f"internal: a block longer than block_size {K}")
+    return torch.tensor([r + [fill] * (K - len(r)) for r in rows], dtype=torch.int64).view(len(seqs), K)  # one op

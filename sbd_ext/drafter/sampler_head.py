@@ -91,7 +91,8 @@ class SamplerHead(nn.Module):
         if u is None:
             s = self.scores(emb, t0, top_l, top_i)
         else:  # scores() with u from the cache, each row's dot products summed alone (the same at any N)
-            s = self.a * top_l.to(u.dtype) + (emb[top_i].to(u.dtype) * u.unsqueeze(1)).sum(-1)
+            cand = emb.index_select(0, top_i.reshape(-1)).view(*top_i.shape, -1)  # (emb[top_i], one op: ~2x faster)
+            s = self.a * top_l.to(u.dtype) + (cand.to(u.dtype) * u.unsqueeze(1)).sum(-1)
         logits.fill_(-math.inf).scatter_(-1, top_i, s.to(logits.dtype))
         return logits
 
