@@ -5,6 +5,8 @@ and the guard settings of each call. Used by :mod:`sbd_ext.decoding.compiled` an
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import threading
 
@@ -12,7 +14,7 @@ import torch
 
 from . import c_shims
 
-__all__ = ["CPU_COMPILE_OPTIONS", "cache_tag", "compiled_once"]
+__all__ = ["CPU_COMPILE_OPTIONS", "cache_tag", "compiled_once", "gc_paused"]
 
 # The CPU step's inductor options. The C++ wrapper is one function per graph with every layer unrolled; built with its
 # kernels in one g++ -O3 run SmolLM2's verify graph took 23.5 min (Zen 3), so cpp_wrapper_build_separate compiles
@@ -72,6 +74,33 @@ _GUARD_CONFIG = dict(
 )
 
 
+# Python's cyclic garbage collector during a call that compiles. dynamo and inductor leave ~1M tracked objects per
+# graph (SmolLM2's verify step with its drafter: 375k -> 1.5M in the process), the collector's oldest generation runs
+# again each time the objects it holds grew by a quarter, and dynamo collects the younger two after each frame it
+# compiles (run_gc_after_compile): 8 full collections during that first call (4.5 s) and 8 of the younger ones
+# (2.6 s), and a full one (0.7-1.7 s) still due in the decoding after it. Paused for the call (dynamo's own
+# collections off), then one full collection where the call left more than COLLECT_AFTER new tracked objects (a
+# compile; a compiled call allocates hundreds).
+COLLECT_AFTER = 100_000
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The collector paused inside the block (where it was enabled), one full collection after it where the block
+    left more than :data:`COLLECT_AFTER` new tracked objects. Process-wide, like ``gc.disable`` itself: compiled
+    generations run one at a time (``COMPILED_RUN_LOCK``), and a thread that finds the collector paused leaves it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        if gc.get_count()[0] > COLLECT_AFTER:
+            gc.collect()
+
+
 def _with_cache_tag(fn):
     tag = cache_tag()
 
@@ -79,7 +108,8 @@ def _with_cache_tag(fn):
         outer = torch.compiler.config.cache_key_tag  # a user's own tag is kept
         with (
             torch.compiler.config.patch(cache_key_tag=f"{outer}|{tag}" if outer else tag),
-            torch._dynamo.config.patch(**_GUARD_CONFIG),
+            torch._dynamo.config.patch(**_GUARD_CONFIG, run_gc_after_compile=False),
+            gc_paused(),
         ):
             return fn(*args)
 
