@@ -66,6 +66,7 @@ def test_one_full_collection_after_a_large_block(collector_on):
             assert runs == []  # nothing collected inside, whatever was allocated
         assert runs == [2]  # one full collection at the exit
         assert ref() is None
+        assert len(keep) > compile_options.COLLECT_AFTER  # (alive until here: freed, they would lower the count)
         runs.clear()
         with gc_paused():
             ref = _cycle()
@@ -73,4 +74,3 @@ def test_one_full_collection_after_a_large_block(collector_on):
         assert ref() is not None
     finally:
         gc.callbacks.remove(seen)
-        del keep
