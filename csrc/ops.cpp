@@ -148,6 +148,7 @@ pybind11::dict build_info() {
 
 namespace sbd_ext {
 std::vector<int64_t> screened_head_stats();  // csrc/cpu/screened_head_cpu.cpp
+bool set_screen_pairs(bool enabled);          // csrc/cpu/screened_head_cpu.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -172,7 +173,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row_linear weight ranges that ran on AMX tiles (or their emulation) since the process started.");
   m.def("screened_head_stats", &sbd_ext::screened_head_stats,
         "screened_head on the CPU since the process started: [calls, rows, fp32 panels computed again, calls that "
-        "ran the fp32 head whole].");
+        "ran the fp32 head whole, calls screened with bf16 products (x rounded to bf16: AVX512-BF16)].");
+  m.def("set_screen_pairs", &sbd_ext::set_screen_pairs, pybind11::arg("enabled"),
+        "Whether screened_head may screen several rows with bf16 products where the CPU has them (the default: "
+        "True); False keeps the widened fp32 products. Returns the previous setting. Never changes a row's choice.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

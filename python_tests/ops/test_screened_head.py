@@ -23,17 +23,26 @@ def _head(N, K, seed, scale=1.0):
     return w, pack_row_linear_weight(w, pad=True), *pack_screened_head(w)
 
 
-def _bound(x, w):
-    """The op's bound on |screen - exact| per entry (csrc/cpu/screened_head_cpu.cpp), from the float64 norms."""
+def _bound(x, w, pairs=False):
+    """The op's bound on |screen - exact| per entry (csrc/cpu/screened_head_cpu.cpp), from the float64 norms; with
+    ``pairs`` that of bf16 products (x rounded to bf16 too; what the instruction flushes to zero as well)."""
     K = x.shape[1]
     ku = K * 2.0**-24
-    factor = 2.0**-8 + 3 * ku / (1 - ku)
-    return factor * x.double().norm(dim=1)[:, None] * w.double().norm(dim=1)[None, :]
+    factor = (2.0**-7 + 2.0**-16 if pairs else 2.0**-8) + 3 * ku / (1 - ku)
+    xn, wn = x.double().norm(dim=1)[:, None], w.double().norm(dim=1)[None, :]
+    flushed = 2.0**-126 * (1.01 * K**0.5 * (xn + wn) + 3 * K) if pairs else 0.0
+    return factor * xn * wn + flushed
+
+
+def _pairs_stat():
+    return _C.screened_head_stats()[4]
 
 
 def _check(x, w, wp, sp, sn, exclude=-1):
     N = w.shape[0]
+    before = _pairs_stat()
     got = screened_head(x, wp, sp, sn, exclude)
+    pairs = _pairs_stat() > before
     assert got.shape == (x.shape[0], wp.shape[0] * 16) and got.dtype == torch.float32
     got = got[:, :N]
     exact = row_linear(x, wp)[:, :N]
@@ -54,8 +63,13 @@ def _check(x, w, wp, sp, sn, exclude=-1):
         clear = (two[:, 0] - two[:, 1]) > 1e-4 * ref.abs().amax(1)
         assert torch.equal(top[clear], r.argmax(1)[clear])
         assert bool((g <= g[rows, top][:, None]).all())
-    assert bool(((got.double() - ref).abs() <= _bound(x, w) + 1e-5 * ref.abs() + 1e-30).all())
+    assert bool(((got.double() - ref).abs() <= _bound(x, w, pairs) + 1e-5 * ref.abs() + 1e-30).all())
     return got, exact
+
+
+def _pairs_usable(M):
+    """Whether a call of M rows screens with bf16 products here (the AVX-512 variant on a CPU with AVX512-BF16)."""
+    return M >= 2 and sbd_ext.build_info()["cpu_avx512_bf16"] and sbd_ext.build_info()["cpu_isa"] == "avx512"
 
 
 @pytest.mark.parametrize("M", [1, 2, 6, 16, 33])
@@ -67,13 +81,58 @@ def test_choice_is_the_exact_heads(cpu_isa, M, N, K):
     _check(x, w, wp, sp, sn, exclude=N // 3)
 
 
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13])
+@pytest.mark.parametrize("N, K", [(48, 1), (37, 9), (1000, 64), (4099, 576)])
+def test_bf16_products_screen(cpu_isa, M, N, K):
+    """Several rows screen with bf16 products where the CPU has them: each entry is the fp32 head's (a candidate's
+    panel) or the fp32 sum of x and the head both rounded to bf16 (the float64 model's, within its summation's
+    error); the same choices as the widened fp32 products (set_screen_pairs(False)), which run everywhere else."""
+    w, wp, sp, sn = _head(N, K, seed=M * 11 + N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K + M)) * 3
+    before = list(_C.screened_head_stats())
+    got, exact = _check(x, w, wp, sp, sn)
+    _, _, _, whole, pairs = (b - a for a, b in zip(before, _C.screened_head_stats(), strict=True))
+    assert pairs == _pairs_usable(M)
+    model = x.bfloat16().double() @ w.bfloat16().double().t()
+    gamma = K * 2.0**-24 / (1 - K * 2.0**-24)
+    err = gamma * (x.bfloat16().double().abs() @ w.bfloat16().double().abs().t()) + 1e-30
+    screened = (got.double() - model).abs() <= err
+    if _pairs_usable(M):
+        assert bool((screened | (got == exact)).all())
+        assert bool(screened.any()) or whole  # the screen's own values where the fp32 head did not run whole
+    prev = _C.set_screen_pairs(False)
+    try:
+        before = _pairs_stat()
+        off, _ = _check(x, w, wp, sp, sn)
+        assert _pairs_stat() == before
+    finally:
+        _C.set_screen_pairs(prev)
+    assert torch.equal(off.argmax(1), got.argmax(1))
+
+
+def test_bf16_products_screen_underflow_and_overflow(cpu_isa):
+    """x below bf16's normal range (flushed to zero by the bf16 products: the absolute term of the bound) and x that
+    rounds past bf16's largest value: the exact head's choice all the same."""
+    w, wp, sp, sn = _head(2048, 64, seed=12)
+    g = torch.Generator().manual_seed(13)
+    for x in (torch.randn(4, 64, generator=g) * 1e-39, torch.randn(4, 64, generator=g) * 3e-38):
+        _check(x, w, wp, sp, sn)
+    x = w[[3, 70, 900]] * 40
+    x[1, 5] = torch.finfo(torch.float32).max  # rounds to bf16's infinity: the row's screen is not finite
+    before = _C.screened_head_stats()[3]
+    got = screened_head(x.contiguous(), wp, sp, sn)
+    assert torch.equal(got.nan_to_num().argmax(1), row_linear(x.contiguous(), wp).nan_to_num().argmax(1))
+    if _pairs_usable(3):
+        assert _C.screened_head_stats()[3] == before + 1  # the fp32 head whole
+
+
 def test_peaked_rows_compute_few_panels_again():
     """Rows with a clear winner (a decoder's usual case) run one or two fp32 panels again, not the head."""
     w, wp, sp, sn = _head(4096, 256, seed=3)
     x = (w[[5, 900, 2100, 4000]] * 40).contiguous()  # each row points at a head row
     before = list(_C.screened_head_stats())
     got, _ = _check(x, w, wp, sp, sn)
-    calls, rows, panels, whole = (b - a for a, b in zip(before, _C.screened_head_stats(), strict=True))
+    calls, rows, panels, whole, _ = (b - a for a, b in zip(before, _C.screened_head_stats(), strict=True))
     assert (calls, rows, whole) == (1, 4, 0) and 1 <= panels <= 8
     assert got.argmax(1).tolist() == [5, 900, 2100, 4000]
     assert not torch.equal(got, row_linear(x, wp)[:, :4096])  # the screen's values elsewhere
