@@ -5,6 +5,8 @@ forward); a rejected first draft no longer costs a forward without drafts."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from sbd_models import (
@@ -15,8 +17,10 @@ from sbd_models import (
 )
 
 from sbd_ext.decoding import GenerationSettings, SBDCache, generate
+from sbd_ext.decoding import step as step_module
 from sbd_ext.decoding.step import TwoForwardStep
 from sbd_ext.drafter import gate_rows
+from sbd_ext.drafter.sampler_head import SamplerHead
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -46,6 +50,44 @@ def test_branch_equals_ntp(models, k, gamma, lookup, temperature):
         for b, want in enumerate(_generated_positions(br)):
             got = sorted(p for _, pos, _ in br.trace[b] for p in pos)
             assert got == want, (case, b)
+
+
+def _with_sampler_head(seed: int):
+    """A tiny Llama with a random gated drafter and a random sampler head (verify rescores slot 1 with it)."""
+    _, model = random_drafter(seed=seed)
+    head = SamplerHead(model.config.hidden_size, hidden=32, topk=16)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.sbd_drafter.sampler_head = head.eval()
+    return model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_block_and_branch_revealed_in_one_pass_as_in_two(models, monkeypatch, temperature):
+    """A branch of the block's size is revealed with the block in one pass over their rows: the same drafts as a
+    pass each (``merge=False``) -- the same sequences, forwards and trace -- at batch 1 and ragged batches, with
+    and without a sampler head, lookup and the draft's noise; and the one pass ran (2B rows at once)."""
+    seen = []
+    sample_rows = step_module._sample_rows
+    monkeypatch.setattr(step_module, "_sample_rows", lambda x, *a: seen.append(x.shape[0]) or sample_rows(x, *a))
+    for i, m in enumerate([*models, _with_sampler_head(3)]):
+        for lens, k, lookup in (([7], 2, 0), ([3, 9, 6], 3, 4), ([5, 4], 2, 6)):
+            ids, mask = random_prompts(lens, seed=40 + i)
+            kw = dict(max_new_tokens=25, seed=5, temperature=temperature, block_size=k, threshold=2.0, verify=True)
+            kw |= dict(branch=True, lookup=lookup, return_trace=True)
+            seen.clear()
+            one = generate(m, ids, mask, **kw)
+            assert 2 * len(lens) in seen, (i, lens)
+            with monkeypatch.context() as mp:
+                mp.setattr(step_module, "_reveal_blocks", functools.partial(step_module._reveal_blocks, merge=False))
+                seen.clear()
+                two = generate(m, ids, mask, **kw)
+                assert 2 * len(lens) not in seen, (i, lens)
+            case = (i, lens, k, lookup, temperature)
+            assert torch.equal(one.sequences, two.sequences), case
+            assert torch.equal(one.nfe, two.nfe) and one.trace == two.trace, case
 
 
 def test_branch_rows_see_only_the_rows_before_the_branch_point(models):

@@ -17,33 +17,49 @@ if TYPE_CHECKING:
     from .state import SequenceState
     from .step import ForwardRows, StepLogits
 
-__all__ = ["sample_alternates", "sample_branch"]
+__all__ = ["branch_keys", "branch_start", "branch_tokens", "sample_alternates", "sample_branch"]
 
 
-def sample_branch(
-    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The branch block of each sequence ([B, Rb] tokens and the slots' max probabilities): slot 0 is the NTP choice
-    of committed row 0 (the token after the last verified one: the correction if the first draft is rejected),
-    the others revealed from the branch rows (the last Rb rows of the forward) by the sampler, as the block is.
-    Sequences without a branch get a filler that is not the mask id (nothing revealed). A sequence with a branch
-    reads its committed rows' choices from row 0 on (``first_row_read`` is 0 when the rows after row 0 are all
-    drafts), so row 0's choice is column 0 of ``ntp``."""
-    B, Rb, T = len(seqs), fw.branch_rows, fw.ids.shape[1]
-    device = out.logits.device
+def branch_tokens(fw: ForwardRows, job: Job, ntp: torch.Tensor, device) -> torch.Tensor:
+    """The branch blocks before their reveal, [B, Rb]: slot 0 the NTP choice of committed row 0 (column 0 of ``ntp``;
+    the token after the last verified one: the correction if the first draft is rejected), the other slots masked;
+    a sequence without a branch gets a filler that is not the mask id (nothing revealed)."""
+    B, Rb = len(fw.n_commit), fw.branch_rows
     valid = torch.tensor(fw.branch_valid).view(B, 1)
     branch = torch.where(torch.arange(Rb).view(1, Rb) < valid, job.mask_id, job.filler).long().to(device)
     first = ntp[:, 0]
     branch[:, 0] = torch.where((valid.view(B) > 0).to(device) & (first >= 0), first, branch[:, 0])
-    start = T - Rb - fw.n_alt_groups * fw.alt_rows  # the alternates' rows come after the branch's
-    x = gather_rows(out, (start + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    return branch
+
+
+def branch_keys(fw: ForwardRows, seqs: list[SequenceState], job: Job) -> list[int] | None:
+    """The branch positions' Philox keys where its drafts are drawn with noise (their checks use the same), else
+    None."""
+    if job.temperature == 0:
+        return None
+    at = fw.branch_at or (1,) * len(seqs)
+    return [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(len(seqs)) for j in range(fw.branch_rows)]
+
+
+def branch_start(fw: ForwardRows) -> int:
+    """The branch's first row in the forward (the alternates' rows come after the branch's)."""
+    return fw.ids.shape[1] - fw.branch_rows - fw.n_alt_groups * fw.alt_rows
+
+
+def sample_branch(
+    out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int, ntp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The branch block of each sequence ([B, Rb] tokens, the slots' max probabilities and slot 1's runners-up):
+    :func:`branch_tokens` revealed from the branch rows (the last Rb rows before the alternates') by the sampler, as
+    the block is. A sequence with a branch reads its committed rows' choices from row 0 on (``first_row_read`` is 0
+    when the rows after row 0 are all drafts), so row 0's choice is column 0 of ``ntp``."""
+    B, Rb = len(seqs), fw.branch_rows
+    branch = branch_tokens(fw, job, ntp, out.logits.device)
+    x = gather_rows(out, (branch_start(fw) + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
     if job.sampler_head is not None and Rb >= 2:
         rescore_slot1(job, x, branch)
     top = runners_up(job, x)
-    at = fw.branch_at or (1,) * B
-    keys = None
-    if job.temperature > 0:  # drafts drawn with the noise their checks will use
-        keys = [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(B) for j in range(Rb)]
+    keys = branch_keys(fw, seqs, job)
     _, _, _, pmax, _ = sample_block(
         x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
     )

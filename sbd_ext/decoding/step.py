@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SBDCache
-from .branch import sample_alternates, sample_branch
+from .branch import branch_keys, branch_start, branch_tokens, sample_alternates, sample_branch
 from .rows import gather_rows, rescore_slot1, runners_up
 from .sampling import ban_mask, position_key, sample_block, sample_positions
 from .settings import Job
@@ -266,6 +266,57 @@ def _commit_row_choices(
     return ntp, lo
 
 
+def _sample_rows(x: torch.Tensor, block: torch.Tensor, job: Job, f: int, keys: list[int] | None):
+    """Blocks ``block`` [N, K] revealed in place from their rows' logits ``x`` [N, K, V] (slot 1 rescored by the
+    sampler head first, where the job has one): (n_revealed [N], n_remaining [N], max_prob [N, K], slot 1's
+    runners-up [N, A + 1] or None)."""
+    if job.sampler_head is not None and x.shape[1] >= 2:  # verify: slot 1's draft given slot 0's token
+        rescore_slot1(job, x, block)
+    top = runners_up(job, x) if job.verify else None
+    n_rev, n_rem, _, pmax, _ = sample_block(
+        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )
+    return n_rev, n_rem, pmax, top
+
+
+def _reveal_blocks(
+    out: StepLogits,
+    fw: ForwardRows,
+    seqs: list[SequenceState],
+    job: Job,
+    f: int,
+    block: torch.Tensor,
+    ntp,
+    merge: bool = True,
+) -> tuple:
+    """The block's reveal, and the branch's where the forward has one: (block, n_revealed, n_remaining, max_prob,
+    runners-up, (branch, its max_prob, its runners-up) or None). A branch of the block's size is revealed with the
+    block in one pass over their 2B rows (each row's result is its own: the same as two passes, in half the calls;
+    at batch 1 the rows are one view when the block's rows end where the branch's begin); ``merge=False``: two."""
+    B, K, Rb = len(seqs), job.block_size, fw.branch_rows
+    keys = None
+    if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
+        keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
+    rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K)
+    if merge and Rb == K and not out.block_rows_only:
+        branch = branch_tokens(fw, job, ntp, block.device)
+        rows = torch.cat([rows, (branch_start(fw) + torch.arange(K)).view(1, K).expand(B, K)], dim=1)
+        x = gather_rows(out, rows).reshape(2 * B, K, -1)  # rows (b, block) and (b, branch) in turn
+        both = torch.stack([block, branch], dim=1).view(2 * B, K)
+        if keys is not None:
+            bk = branch_keys(fw, seqs, job)
+            keys = [k for b in range(B) for k in keys[b * K : (b + 1) * K] + bk[b * K : (b + 1) * K]]
+        n_rev, n_rem, pmax, top = _sample_rows(x, both, job, f, keys)
+        both, pmax = both.view(B, 2, K), pmax.view(B, 2, K)
+        top = None if top is None else top.view(B, 2, -1)
+        first, second = (None, None) if top is None else (top[:, 0], top[:, 1])
+        n_rev, n_rem = n_rev.view(B, 2)[:, 0], n_rem.view(B, 2)[:, 0]
+        return both[:, 0], n_rev, n_rem, pmax[:, 0], first, (both[:, 1], pmax[:, 1], second)
+    x = out.logits if out.block_rows_only else gather_rows(out, rows)  # [B, K, V]
+    n_rev, n_rem, pmax, top = _sample_rows(x, block, job, f, keys)
+    return block, n_rev, n_rem, pmax, top, sample_branch(out, fw, seqs, job, f, ntp) if Rb else None
+
+
 def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> dict[int, int]:
     """Alg. 3, "reveal": sample every block position and reveal by the sampler rule in place (SBD; NTP mode: the
     next token); one device-to-host read; each sequence then advances (finished blocks move to the output, or in
@@ -277,26 +328,14 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     B, K = len(seqs), job.block_size
     block = block_tensor(seqs, [not seq.done for seq in seqs], job).to(out.logits.device)
     ntp, lo = _commit_row_choices(out, fw, seqs, job, block) if job.first_from_ntp else (None, None)
-    if out.block_rows_only:
-        x = out.logits  # [B, K, V]
-    else:
-        x = gather_rows(out, torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K))  # [B, K, V]
-    if job.sampler_head is not None and K >= 2:  # verify: slot 1's draft given slot 0's token (the commit row's)
-        rescore_slot1(job, x, block)
-    top = runners_up(job, x) if job.verify else None
-    keys = None
-    if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
-        keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
-    n_rev, n_rem, _, pmax, _ = sample_block(
-        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )
+    block, n_rev, n_rem, pmax, top, branched = _reveal_blocks(out, fw, seqs, job, f, block, ntp)
     parts = [n_rev.view(B, 1), n_rem.view(B, 1), block] + ([ntp] if job.verify else [])
     lookup = job.verify and job.lookup > 0
     if lookup:  # the block rows' confidence, which decides between their tokens and the lookup's (in millionths)
         parts.append((pmax * CONFIDENCE_SCALE).round().long())
     Rb, A, n_top = fw.branch_rows, fw.n_alt_groups, job.alternates + 1
     if Rb:  # the branch behind the anchor: its slot 0 is that row's NTP choice, the rest revealed by the sampler
-        branch, bpmax, btop = sample_branch(out, fw, seqs, job, f, ntp)
+        branch, bpmax, btop = branched
         parts += [branch] + ([(bpmax * CONFIDENCE_SCALE).round().long()] if lookup else [])
     if top is not None:  # verify with alternates: the runners-up of the block's and the branch's slot 1
         parts += [top] + ([btop] if Rb else [])
