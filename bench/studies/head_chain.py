@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sbd_ext.decoding import branch, step
+from sbd_ext.decoding import rows as reveal_rows
 from sbd_ext.decoding.sampling import ban_mask
 from sbd_ext.recipes.smollm2 import drafter as recipe
 
@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "chain":
-        step.rescore_slot1 = branch.rescore_slot1 = chained  # reveal and the branch look it up by name
+        reveal_rows.rescore_slot1 = chained  # sample_rows (the block's, the branch's, the alternates') looks it up
     verify = dict(verify=True, sampler="eb", threshold=100.0, branch=True)
     settings = [verify | dict(block_size=k, lookup=16) for k in (2, 3, 4)]
     settings += [verify | dict(block_size=k, lookup=0) for k in (2, 3)]

@@ -52,6 +52,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu/bf16_rne.h"
 #include "cpu/row_linear_kernel.h"
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -1092,13 +1093,6 @@ void row_linear_quantize_x_packed(const RowLinearParams& p, int32_t* xq4, float*
           for (int64_t j = 0; j < kB / 4; ++j) std::memcpy(xq4 + (b * 8 + j) * M + m0 + i, qb + i * kB + 4 * j, 4);
     }
   }
-}
-
-inline uint16_t bf16_rne(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 void row_linear_bf16_tiles_x(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t nb, int64_t cols,

@@ -8,8 +8,8 @@
 // per instruction on the weights as they are stored, once x is rounded to bf16 too.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
+#include "cpu/bf16_rne.h"
 #include "cpu/screened_head_kernel.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -58,22 +58,13 @@ void screened_head_mark(const float* a, const float* wn, int64_t V, int64_t excl
   if (exclude >= 0) mark[exclude / kPanel] = 1;
 }
 
-namespace {
-uint32_t bf16_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  if (std::isnan(v)) return 0x7FC0u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-}  // namespace
-
 void screened_head_x_pairs(const float* x, int64_t x_stride, int64_t M, int64_t K, uint32_t* xp) {
   const int64_t J = (K + 1) / 2;
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * x_stride;
     for (int64_t j = 0; j < J; ++j) {
-      const uint32_t hi = 2 * j + 1 < K ? bf16_bits(r[2 * j + 1]) : 0u;
-      xp[j * M + m] = bf16_bits(r[2 * j]) | hi << 16;
+      const uint32_t hi = 2 * j + 1 < K ? bf16_rne(r[2 * j + 1]) : 0u;
+      xp[j * M + m] = bf16_rne(r[2 * j]) | hi << 16;
     }
   }
 }

@@ -70,8 +70,8 @@ def test_block_and_branch_revealed_in_one_pass_as_in_two(models, monkeypatch, te
     pass each (``merge=False``) -- the same sequences, forwards and trace -- at batch 1 and ragged batches, with
     and without a sampler head, lookup and the draft's noise; and the one pass ran (2B rows at once)."""
     seen = []
-    sample_rows = step_module._sample_rows
-    monkeypatch.setattr(step_module, "_sample_rows", lambda x, *a: seen.append(x.shape[0]) or sample_rows(x, *a))
+    sample_rows = step_module.sample_rows
+    monkeypatch.setattr(step_module, "sample_rows", lambda x, *a: seen.append(x.shape[0]) or sample_rows(x, *a))
     for i, m in enumerate([*models, _with_sampler_head(3)]):
         for lens, k, lookup in (([7], 2, 0), ([3, 9, 6], 3, 4), ([5, 4], 2, 6)):
             ids, mask = random_prompts(lens, seed=40 + i)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .rows import gather_rows, rescore_slot1, runners_up
-from .sampling import ban_mask, position_key, sample_block, sample_positions
+from .rows import gather_rows, sample_rows
+from .sampling import ban_mask, position_key, sample_positions
 from .settings import Job
 
 if TYPE_CHECKING:
@@ -56,13 +56,7 @@ def sample_branch(
     B, Rb = len(seqs), fw.branch_rows
     branch = branch_tokens(fw, job, ntp, out.logits.device)
     x = gather_rows(out, (branch_start(fw) + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
-    if job.sampler_head is not None and Rb >= 2:
-        rescore_slot1(job, x, branch)
-    top = runners_up(job, x)
-    keys = branch_keys(fw, seqs, job)
-    _, _, _, pmax, _ = sample_block(
-        x, branch, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )
+    _, _, pmax, top = sample_rows(x, branch, job, f, branch_keys(fw, seqs, job))
     return branch, pmax, top
 
 
@@ -87,15 +81,9 @@ def sample_alternates(
     block = torch.full((B * A, k), job.mask_id, dtype=torch.int64, device=device)
     block[:, 0] = torch.where(valid & (nxt >= 0), nxt, job.filler)
     block[~valid] = job.filler
-    xb = x[:, 1:]
-    if job.sampler_head is not None and k >= 2:
-        rescore_slot1(job, xb, block)
-    top = runners_up(job, xb)
-    top = torch.zeros(B * A, job.alternates + 1, dtype=torch.int64, device=device) if top is None else top
     keys = None
     if job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, p + 1 + j) for b, p in zip(owner, pos, strict=True) for j in range(k)]
-    _, _, _, pmax, _ = sample_block(
-        xb, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )
+    _, _, pmax, top = sample_rows(x[:, 1:], block, job, f, keys)
+    top = torch.zeros(B * A, job.alternates + 1, dtype=torch.int64, device=device) if top is None else top
     return [nxt.view(B, A), block.view(B, A * k), pmax.reshape(B, A * k), top.view(B, -1)]

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ops import topk_logsumexp
-from .sampling import ban_mask
+from .sampling import ban_mask, sample_block
 from .settings import Job
 
 if TYPE_CHECKING:
     from .step import StepLogits
 
-__all__ = ["gather_rows", "rescore_slot1", "runners_up"]
+__all__ = ["gather_rows", "rescore_slot1", "runners_up", "sample_rows"]
 
 
 def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
@@ -54,3 +54,16 @@ def runners_up(job: Job, x: torch.Tensor) -> torch.Tensor | None:
     if slot1.dtype != torch.float32:
         return slot1.topk(job.alternates + 1, dim=-1).indices
     return topk_logsumexp(slot1, job.alternates + 1)[1]  # on the CPU one kernel call per row (torch.topk elsewhere)
+
+
+def sample_rows(x: torch.Tensor, block: torch.Tensor, job: Job, f: int, keys: list[int] | None):
+    """Blocks ``block`` [N, K] revealed in place from their rows' logits ``x`` [N, K, V] (slot 1 rescored by the
+    sampler head first, where the job has one): (n_revealed [N], n_remaining [N], max_prob [N, K], slot 1's
+    runners-up [N, A + 1] or None). The block's, the branch's and the alternates' reveal."""
+    if job.sampler_head is not None and x.shape[1] >= 2:  # verify: slot 1's draft given slot 0's token
+        rescore_slot1(job, x, block)
+    top = runners_up(job, x)
+    n_rev, n_rem, _, pmax, _ = sample_block(
+        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
+    )
+    return n_rev, n_rem, pmax, top

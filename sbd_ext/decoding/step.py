@@ -15,8 +15,8 @@ import torch
 
 from ..cache import SBDCache
 from .branch import branch_keys, branch_start, branch_tokens, sample_alternates, sample_branch
-from .rows import gather_rows, rescore_slot1, runners_up
-from .sampling import ban_mask, position_key, sample_block, sample_positions
+from .rows import gather_rows, sample_rows
+from .sampling import ban_mask, position_key, sample_positions
 from .settings import Job
 from .state import SequenceState, block_tensor
 
@@ -266,19 +266,6 @@ def _commit_row_choices(
     return ntp, lo
 
 
-def _sample_rows(x: torch.Tensor, block: torch.Tensor, job: Job, f: int, keys: list[int] | None):
-    """Blocks ``block`` [N, K] revealed in place from their rows' logits ``x`` [N, K, V] (slot 1 rescored by the
-    sampler head first, where the job has one): (n_revealed [N], n_remaining [N], max_prob [N, K], slot 1's
-    runners-up [N, A + 1] or None)."""
-    if job.sampler_head is not None and x.shape[1] >= 2:  # verify: slot 1's draft given slot 0's token
-        rescore_slot1(job, x, block)
-    top = runners_up(job, x) if job.verify else None
-    n_rev, n_rem, _, pmax, _ = sample_block(
-        x, block, job.mask_id, job.sampler, job.threshold, job.temperature, job.seed, f, keys=keys
-    )
-    return n_rev, n_rem, pmax, top
-
-
 def _reveal_blocks(
     out: StepLogits,
     fw: ForwardRows,
@@ -306,14 +293,14 @@ def _reveal_blocks(
         if keys is not None:
             bk = branch_keys(fw, seqs, job)
             keys = [k for b in range(B) for k in keys[b * K : (b + 1) * K] + bk[b * K : (b + 1) * K]]
-        n_rev, n_rem, pmax, top = _sample_rows(x, both, job, f, keys)
+        n_rev, n_rem, pmax, top = sample_rows(x, both, job, f, keys)
         both, pmax = both.view(B, 2, K), pmax.view(B, 2, K)
         top = None if top is None else top.view(B, 2, -1)
         first, second = (None, None) if top is None else (top[:, 0], top[:, 1])
         n_rev, n_rem = n_rev.view(B, 2)[:, 0], n_rem.view(B, 2)[:, 0]
         return both[:, 0], n_rev, n_rem, pmax[:, 0], first, (both[:, 1], pmax[:, 1], second)
     x = out.logits if out.block_rows_only else gather_rows(out, rows)  # [B, K, V]
-    n_rev, n_rem, pmax, top = _sample_rows(x, block, job, f, keys)
+    n_rev, n_rem, pmax, top = sample_rows(x, block, job, f, keys)
     return block, n_rev, n_rem, pmax, top, sample_branch(out, fw, seqs, job, f, ntp) if Rb else None
 
 
