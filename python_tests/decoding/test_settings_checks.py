@@ -14,7 +14,7 @@ from sbd_models import (
     tiny_llama,
 )
 
-import sbd_ext.decoding.step as step_mod
+import sbd_ext.decoding.rows as rows_mod
 from sbd_ext import reference
 from sbd_ext.decoding import GenerationSettings, generate, generate_reference, get_sbd_metadata
 
@@ -31,9 +31,9 @@ def test_memory_follows_the_effective_block(model, monkeypatch):
     k = 2*10**6 on the demo model allocated 2.3 GB), and the tokens are those of k = max_new_tokens."""
     ids, mask = random_prompts([3, 5])
     shapes = []
-    real = step_mod.sample_block
+    real = rows_mod.sample_block  # every block's reveal (sample_rows) samples through it
     monkeypatch.setattr(
-        step_mod, "sample_block", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real(x, *a, **kw)
+        rows_mod, "sample_block", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real(x, *a, **kw)
     )
     kw = dict(max_new_tokens=6, eos_token_id=[], strict_block_size=False)
     big = generate(model, ids, mask, block_size=50_000, **kw)
