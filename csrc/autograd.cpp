@@ -43,7 +43,8 @@ at::Tensor row_linear_autograd(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor gated_lora_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                     const at::Tensor& gate, const std::optional<at::Tensor>& scale) {
+                                     const at::Tensor& gate, const std::optional<at::Tensor>& scale,
+                                     at::IntArrayRef segments) {
   const at::Tensor none;
   refuse_grads("gated_lora_linear",
                {{"x", &x}, {"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate},
@@ -53,8 +54,8 @@ at::Tensor gated_lora_linear_autograd(const at::Tensor& x, const at::Tensor& wei
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("sbd_ext::gated_lora_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&)>();
-  return op.call(x, weight, lora_b, gate, scale);
+                                         const std::optional<at::Tensor>&, at::IntArrayRef)>();
+  return op.call(x, weight, lora_b, gate, scale, segments);
 }
 
 }  // namespace

@@ -42,7 +42,9 @@ TORCH_LIBRARY(sbd_ext, m) {
   // rows [r, K] (zero rows to whole panels); lora_b [N / 16, r, 16] packed (scale * B); gate [M] fp32 ->
   // x W^T + gate[:, None] * ((x A^T) (scale B)^T) [M, N] fp32 (rows with gate 0: x W^T exactly). CPU only; no
   // backward.
-  m.def("gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate, Tensor? scale=None) -> Tensor");
+  m.def(
+      "gated_lora_linear(Tensor x, Tensor weight, Tensor lora_b, Tensor gate, Tensor? scale=None, int[] segments=[]) "
+      "-> Tensor");
   // A greedy decoder's output head: x [M, K] fp32; weight [P, K, 16] fp32 packed (the head); screen [P, K, 16] bf16
   // packed (the same rows rounded to bf16); screen_norm [V] fp32 (each real row's L2 norm, rounded up); exclude -1 or
   // a row id -> logits [M, P * 16] fp32 whose largest entry (over all columns, and over all but `exclude`) is where

@@ -108,7 +108,8 @@ inline void check_row_linear(const at::Tensor& x, const at::Tensor& weight, cons
 // lora_b fp32 or bf16 packed [N / 16, r, 16] (bf16: its values widened, the fp32 panels' sums); gate fp32 [M]; every
 // tensor on x's device, weight, lora_b and gate contiguous, x contiguous along K.
 inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                    const at::Tensor& gate, const std::optional<at::Tensor>& scale = std::nullopt) {
+                                    const at::Tensor& gate, const std::optional<at::Tensor>& scale = std::nullopt,
+                                    at::IntArrayRef segments = {}) {
   constexpr const char* op = "gated_lora_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dtype(op, "weight", weight, {at::kFloat, at::kBFloat16, at::kByte});
@@ -147,6 +148,19 @@ inline void check_gated_lora_linear(const at::Tensor& x, const at::Tensor& weigh
   TORCH_CHECK_VALUE(weight.size(0) - lora_b.size(0) >= a_panels, op, ": weight must hold the base's ",
                     lora_b.size(0), " panels (N = ", n, ") and ", a_panels, " panel(s) of A's ", lora_b.size(1),
                     " rows, got shape ", weight.sizes());
+  if (!segments.empty()) {  // S projections' [W_i; A_i] one after another, their B' likewise (same r)
+    int64_t total = 0;
+    for (const int64_t s : segments) {
+      TORCH_CHECK_VALUE(s >= 16 && s % 16 == 0 && s <= n, op,
+                        ": each of segments (a projection's outputs N_i) must be a positive multiple of 16 up to ", n,
+                        ", got ", segments);
+      total += s;  // each <= n: no overflow
+      TORCH_CHECK_VALUE(total <= n, op, ": segments must sum to N = 16 * lora_b.size(0) = ", n, ", got ", segments);
+    }
+    const int64_t panels = lora_b.size(0) + checked_mul(op, "the A panels", {a_panels, int64_t(segments.size())});
+    TORCH_CHECK_VALUE(total == n && weight.size(0) == panels, op, ": segments ", segments, " must sum to N = ", n,
+                      " and weight hold their [W_i; A_i]: ", panels, " panels, got shape ", weight.sizes());
+  }
   const std::pair<const char*, const at::Tensor*> dense[] = {{"weight", &weight}, {"lora_b", &lora_b}, {"gate", &gate}};
   for (const auto& [name, t] : dense)
     TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t->sizes(), " and strides ",

@@ -49,6 +49,30 @@ def _topk_logsumexp_fake(x, k):
     return x.new_empty((N, k)), x.new_empty((N, k), dtype=torch.int64), x.new_empty((N,))
 
 
+def _check_segments(op: str, weight, lora_b, segments) -> None:
+    """check_gated_lora_linear's segments checks: each a positive multiple of 16, summing to N, and weight holding
+    each projection's [W_i; A_i]."""
+    if not segments:
+        return
+    n, a_panels = lora_b.shape[0] * PANEL, (lora_b.shape[1] + PANEL - 1) // PANEL
+    for s in segments:
+        torch._check_value(
+            s >= PANEL and s % PANEL == 0 and s <= n,
+            lambda: (
+                f"{op}: each of segments (a projection's outputs N_i) must be a positive multiple of 16 up to {n}, "
+                f"got {list(segments)}"
+            ),
+        )
+    panels = lora_b.shape[0] + a_panels * len(segments)
+    torch._check_value(
+        sum(segments) == n and weight.shape[0] == panels,
+        lambda: (
+            f"{op}: segments {list(segments)} must sum to N = {n} and weight hold their [W_i; A_i]: {panels} "
+            f"panels, got shape {tuple(weight.shape)}"
+        ),
+    )
+
+
 # gated_lora_linear's dtypes other than fp32-only (check_gated_lora_linear), with the binding's spelling
 _GATED_DTYPES = {
     "weight": ((torch.float32, torch.bfloat16, torch.uint8), "Float, BFloat16, Byte"),
@@ -57,7 +81,7 @@ _GATED_DTYPES = {
 
 
 @torch.library.register_fake("sbd_ext::gated_lora_linear")
-def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
+def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None, segments=()):
     # The binding's checks (csrc/row_linear_checks.h, check_gated_lora_linear) on what a fake tensor knows.
     op = "gated_lora_linear"
     q8 = weight.dtype == torch.uint8
@@ -119,6 +143,7 @@ def _gated_lora_linear_fake(x, weight, lora_b, gate, scale=None):
         weight.shape[0] - lora_b.shape[0] >= (lora_b.shape[1] + PANEL - 1) // PANEL,
         lambda: f"{op}: weight must hold the base's {lora_b.shape[0]} panels and A's, got shape {tuple(weight.shape)}",
     )
+    _check_segments(op, weight, lora_b, segments)
     for name, t in (("weight", weight), ("lora_b", lora_b), ("gate", gate)) + ((("scale", scale),) if q8 else ()):
         if not t.is_contiguous():
             raise ValueError(

@@ -8,6 +8,7 @@ csrc/cpu/<name>_cpu.cpp and csrc/cuda/<name>_cuda.cpp, and have pure-PyTorch ref
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 
@@ -300,9 +301,11 @@ def gated_lora_linear(
     lora_b: torch.Tensor,
     gate: torch.Tensor,
     scale: torch.Tensor | None = None,
+    segments: Sequence[int] = (),
 ) -> torch.Tensor:
     """A projection with a gated LoRA adapter in one call: ``x W^T + gate[:, None] * ((x A^T) B'^T)``, the CPU kernel
-    of a compiled drafter step over a packed base (:meth:`sbd_ext.drafter.GatedLoRALinear.fused_weight`).
+    of a compiled drafter step over a packed base (:meth:`sbd_ext.drafter.GatedLoRALinear.fused_weight`); with
+    ``segments``, S sibling projections of one input at once (:mod:`sbd_ext.merged_linears`).
 
     Args:
         x: [M, K] fp32, contiguous along K (rows may be strided).
@@ -316,9 +319,14 @@ def gated_lora_linear(
             as the fp32 panels of its values, half the bytes).
         gate: [M] fp32, one factor per row (the drafter's 0/1 block-row gate).
         scale: with an int8 weight only: [P * 16] fp32, one per row of [W; A] (any value on the padding rows).
+        segments: empty (one projection), or the outputs N_1 .. N_S (multiples of 16, summing to N) of S projections
+            with adapters of one rank r: ``weight`` is their [W_1; A_1; ...; W_S; A_S] (each A_i padded to whole
+            panels, exactly that many panels), ``lora_b`` their B'_i one after another, ``scale`` their scales alike.
 
     Returns:
-        [M, N] fp32. A row with gate 0 is ``row_linear(x, W)`` bit for bit (``row_linear(x, W, scale[:N], True)`` for
+        [M, N] fp32 (with ``segments``: projection i's outputs in columns N_1 + .. + N_(i-1) onward, each bit for bit
+        what a call on its own [W_i; A_i] and B'_i gives). A row with gate 0 is ``row_linear(x, W)`` bit for bit
+        (``row_linear(x, W, scale[:N], True)`` for
         an int8 weight: the base's own call over the same panels; its adapter is not computed); the other rows add
         ``gate * (x A^T) B'^T`` (the B product of those rows only). Sums run in a fixed order, independent of the
         thread count. CPU only (a CUDA drafter step merges the adapter into the weight instead); no backward.
@@ -326,12 +334,15 @@ def gated_lora_linear(
     """
     named = dict(x=x, weight=weight, lora_b=lora_b, gate=gate) | ({} if scale is None else dict(scale=scale))
     _check_tensors("gated_lora_linear", named, tuple(named))
+    if isinstance(segments, (str, bytes, torch.Tensor)) or not isinstance(segments, Sequence):
+        raise TypeError(f"gated_lora_linear: segments must be a sequence of ints, got {type(segments).__name__}")
+    segments = [_as_int(s, "gated_lora_linear", "segments[i]") for s in segments]
     if x.device.type not in ("cpu", "meta"):
         raise NotImplementedError(
             f"gated_lora_linear: the op has a CPU kernel only, got tensors on {x.device} (a compiled CUDA drafter step "
             "merges the adapter into the weight: GatedLoRALinear.merged_weight)"
         )
-    return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate, scale)
+    return torch.ops.sbd_ext.gated_lora_linear(x, weight, lora_b, gate, scale, segments)
 
 
 def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,10 +1,9 @@
 """Weight formats for the CPU decoding forward: ``sbd_ext.quantize(model, "packed")`` (fp32 in row_linear's panel
 layout), ``"bf16"`` (the same panels in bf16), ``"int8"`` (weight-only) or ``"w8a8"``.
 
-Why: on a CPU a decoding forward of a few rows is a pass over the weights, and fp32 weights are four bytes each. With
-int8 weights and one fp32 scale per output row (symmetric, per channel: ``scale = max|w_row| / 127``,
-``q = round(w / scale)``) the pass reads a quarter of the bytes, and :func:`sbd_ext.ops.row_linear` widens them to
-fp32 in registers (csrc/cpu/row_linear_kernel.cpp): activations, sums, norms, attention and logits stay fp32.
+Why: on a CPU a decoding forward of a few rows is a pass over the weights. With int8 weights and one fp32 scale per
+output row (``scale = max|w_row| / 127``, ``q = round(w / scale)``) it reads a quarter of fp32's bytes, and
+:func:`sbd_ext.ops.row_linear` widens them in registers: activations, sums, norms, attention and logits stay fp32.
 
 :func:`quantize` turns every plain ``nn.Linear`` of an fp32 model (and :class:`~sbd_ext.linear.RowLinear`; the frozen
 base projection inside a gated drafter's adapter too) into :class:`Int8Linear` (:class:`PackedLinear`) **in place**, by
@@ -15,13 +14,12 @@ int8 copy for the head; every other fp32 weight is freed. The embedding itself s
 
 ``"w8a8"`` keeps the same int8 weights and also quantises each linear layer's input at run time, per row in blocks of 32
 values (one fp32 scale per block, as llama.cpp's Q8_0 does), so the kernel multiplies int8 by int8 (``row_linear(...,
-quantize_x=True)``), at a further small accuracy cost (speed per CPU class, decoding and accuracy measured:
-docs/notes/benchmarks-log.md).
+quantize_x=True)``), at a further small accuracy cost (measured: docs/notes/benchmarks-log.md).
 
 ``"packed"`` keeps fp32 weights, the same values, in row_linear's panel layout (:class:`PackedLinear`, ``weight_packed``
 [N / 16, K, 16]), where the CPU kernel runs a few rows at the FMA rate. Outputs equal the plain layers' to fp32 rounding
-(the sum order differs); a weight tied to the embedding (the head) gets a packed copy. For the compiled CPU step every
-scheme's layer weights are moved into one buffer per dtype (:mod:`sbd_ext.weight_arena`).
+(the sum order differs); a weight tied to the embedding (the head) gets a packed copy. The compiled CPU step reads
+every scheme's weights from one buffer per dtype (:mod:`sbd_ext.weight_arena`).
 
 ``"bf16"`` is ``"packed"`` with each weight rounded to bf16 (to nearest even): half the bytes, widened exactly in
 registers, the products and sums those of ``"packed"`` in fp32 (activations stay fp32), so a one-row forward -- a pass
@@ -30,14 +28,13 @@ keeps about 7 at best). A row's result does not depend on the rows beside it, so
 With AMX-BF16 (``build_info()["cpu_bf16_tiles"]``) it packs in tiles and rounds x to bf16 too (docs/ops.md).
 
 It is one-way and for inference: gradients do not flow through an int8 or packed weight, and the tensors are buffers
-(``weight_int8``, ``weight_scale``, ``weight_packed``), not a checkpoint format; quantize after loading, every time.
-So the quantized model's ``save_pretrained`` (and :func:`sbd_ext.integration.save_pretrained`) writes a packed model's
-weights in ``nn.Linear``'s layout (unpacked: the same values, a checkpoint ``from_pretrained`` loads) and refuses an
-int8 / w8a8 model (its int8 values are not the original weights); ``model.train()`` on a quantized model whose base
-is still trainable (its embedding requires grad), or its whole ``model.parameters()`` taken with autograd on (an
-optimizer's list), warns once per model that the linear weights are frozen buffers. A tied head follows the
-embedding: an in-place edit of it or ``resize_token_embeddings`` (seen by the tensor's version, storage and shape;
-not an edit through ``.data``) re-packs (re-quantises) the head's copy at its next forward outside torch.compile.
+(``weight_int8``, ``weight_scale``, ``weight_packed``), not a checkpoint format (quantize after loading). The quantized
+model's ``save_pretrained`` (and :func:`sbd_ext.integration.save_pretrained`) writes a packed model's weights unpacked
+(the same values, a checkpoint ``from_pretrained`` loads) and refuses an int8 / w8a8 model; ``model.train()`` on a
+quantized model whose base is still trainable, or its whole ``model.parameters()`` taken with autograd on (an
+optimizer's list), warns once per model that the linear weights are frozen buffers. A tied head follows the embedding:
+an in-place edit or ``resize_token_embeddings`` (seen by the tensor's version, storage and shape; not an edit through
+``.data``) re-packs (re-quantises) the head's copy at its next forward outside torch.compile.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import _C, packing
+from . import _C, merged_linears, packing
 from .greedy_head import SCREEN, drop_screen, screened_rows, set_screen
 from .linear import RowLinear, as_rows, bf16_tiles_in_use, row_count
 from .ops import row_linear
@@ -130,6 +127,7 @@ class Int8Linear(nn.Linear):
 
     quantize_x = False
     _arena_tensors = ("weight_int8_packed", "weight_scale_padded", "weight_int8", "weight_scale")  # weight_arena
+    _arena_late = ("weight_scale_padded", "weight_scale")  # a drafter's [W; A] scales stay adjacent (weight_arena)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -153,9 +151,10 @@ class Int8Linear(nn.Linear):
         _follow_tied(self)
         q, scale = self.kernel_weight()
         rows = _kernel_rows(x, q)
-        if rows:
+        out = merged_linears.member_out(self, x) if rows else None  # q/k/v, gate/up: one call
+        if out is None and rows:
             out = _kernel_out(row_linear(as_rows(x, rows), q, scale, self.quantize_x), x, self.out_features)
-        else:
+        elif out is None:
             # "w8a8": the input as the kernel quantises it, so this path computes what the kernel computes
             xin = quantized_x(x.float()).to(x.dtype) if self.quantize_x else x
             out = F.linear(xin, _dequantized(self, x.dtype))
@@ -186,10 +185,11 @@ class PackedLinear(nn.Linear):
         wp = kernel_tensor(self, "weight_packed")
         rows = _kernel_rows(x, wp)
         screened = screened_rows(self, x, wp, rows)  # greedy decoding: a head's choice over its screen
-        if screened is not None or rows:
+        out = merged_linears.member_out(self, x) if rows else None  # q/k/v, gate/up: one call
+        if out is None and (screened is not None or rows):
             raw = row_linear(as_rows(x, rows), wp) if screened is None else screened
             out = _kernel_out(raw, x, self.out_features)
-        else:
+        elif out is None:
             out = F.linear(x, unpack_row_linear_weight(wp, self.out_features, self.in_features).to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 

@@ -332,14 +332,29 @@ def row_linear(
 
 
 def gated_lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_b: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    segments=(),
 ) -> torch.Tensor:
     """``x W^T + gate[:, None] * ((x A^T) B'^T)`` in float64, returned as fp32 [M, N]: ``weight`` packed [P, K, 16]
     (fp32 or bf16)
     holds W (its first N = 16 * lora_b.size(0) rows) and A (the next r = lora_b.size(1) rows), ``lora_b`` packed
     [N / 16, r, 16] holds B' [N, r]. Rows with gate 0 are ``x W^T`` (their adapter term is not added). An int8
     ``weight`` (packed uint8 [P, K / 4, 16, 4]) with ``scale`` [P * 16]: ``x W^T`` and ``x A^T`` are
-    :func:`row_linear` with ``quantize_x`` over those rows. A bf16 ``weight`` in tiles: x rounded to bf16 for both."""
+    :func:`row_linear` with ``quantize_x`` over those rows. A bf16 ``weight`` in tiles: x rounded to bf16 for both.
+    ``segments`` N_1 .. N_S: S projections, ``weight`` their [W_i; A_i] one after another, ``lora_b`` their B'_i:
+    each one's definition above, side by side."""
+    if len(segments) > 1:
+        a_panels, outs, p, bp = -(-lora_b.shape[1] // 16), [], 0, 0
+        for n in segments:
+            rows = n // 16 + a_panels
+            s = None if scale is None else scale[p * 16 : (p + rows) * 16]
+            outs.append(gated_lora_linear(x, weight[p : p + rows], lora_b[bp : bp + n // 16], gate, s))
+            p, bp = p + rows, bp + n // 16
+        return torch.cat(outs, dim=1)
     b = unpack_row_linear_weight(lora_b).double()
     if is_bf16_tiles(weight):
         x = x.to(torch.bfloat16)

@@ -31,6 +31,7 @@ import threading
 import torch
 from torch import nn
 
+from . import merged_linears
 from .packing import constant_weight
 
 __all__ = ["Arena", "flat_buffer", "in_use", "kernel_tensor", "prepare"]
@@ -43,11 +44,14 @@ _LOCK = threading.Lock()
 
 
 class Arena:
-    """The flat buffers (``flats``: dtype name -> 1-D constant weight) and whether a compiled step of this module
-    reads them now (``on``, set by :func:`in_use`: part of the graphs' guards)."""
+    """The flat buffers (``flats``: dtype name -> 1-D constant weight), whether a compiled step of this module
+    reads them now (``on``, set by :func:`in_use`: part of the graphs' guards) and whether sibling projections run as
+    one call there (``merged``, :mod:`sbd_ext.merged_linears`; ``SBD_EXT_MERGED_LINEARS=0``: each its own; a guard
+    too: switching it compiles the other graph once)."""
 
     def __init__(self, flats: dict[str, torch.Tensor]):
         self.flats, self.on = flats, False
+        self.merged = os.environ.get("SBD_EXT_MERGED_LINEARS", "1") != "0"
 
 
 def kernel_tensor(m: nn.Module, name: str) -> torch.Tensor:
@@ -103,6 +107,7 @@ def _unlink(model: nn.Module) -> None:
     for m in model.modules():
         m.__dict__.pop(LINK, None)
     model.__dict__.pop(MODEL_ARENA, None)
+    merged_linears.unlink(model)
 
 
 def _put(m: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -121,7 +126,9 @@ def _build(model: nn.Module, listed: list) -> Arena:
     does) and link the modules. New objects, not the old ones moved (``set_``): a kernel in another thread that still
     reads an old tensor (an eager generation) keeps its storage alive until it returns."""
     groups: dict[tuple, list] = {}  # (dtype, storage address) -> the listed tensors on that storage
-    for entry in listed:
+    # module order, but the tensors a class names in _arena_late (a drafter's B copies, the int8 bases' scales) after
+    # all others, by name: the kernel tensors of sibling projections lie one after another (sbd_ext.merged_linears)
+    for entry in sorted(listed, key=lambda e: (1, e[1]) if e[1] in getattr(type(e[0]), "_arena_late", ()) else (0,)):
         t = entry[2]
         groups.setdefault((t.dtype, t.untyped_storage().data_ptr()), []).append(entry)
     sizes: dict[torch.dtype, int] = {}
@@ -154,6 +161,7 @@ def _build(model: nn.Module, listed: list) -> Arena:
     for m, specs in links.values():
         m.__dict__[LINK] = (arena, specs)
     model.__dict__[MODEL_ARENA] = arena
+    merged_linears.link(model, LINK)  # sibling projections whose tensors lie one after another: one call
     _trim()
     return arena
 

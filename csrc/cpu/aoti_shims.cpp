@@ -24,7 +24,8 @@ namespace sbd_ext {
 at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                           bool quantize_x);
 at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                 const at::Tensor& gate, const std::optional<at::Tensor>& scale);
+                                 const at::Tensor& gate, const std::optional<at::Tensor>& scale,
+                                 at::IntArrayRef segments);
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
                                const at::Tensor& n_valid, double scale, double softcap, int64_t window_left);
@@ -74,9 +75,10 @@ __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_row_linear(
 
 __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_gated_lora_linear(
     AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle lora_b, AtenTensorHandle gate,
-    AtenTensorHandle* scale, AtenTensorHandle* ret0) {
+    AtenTensorHandle* scale, const int64_t* segments, int64_t segments_len_, AtenTensorHandle* ret0) {
   return guarded("gated_lora_linear", [&] {
-    *ret0 = new_tensor_handle(sbd_ext::gated_lora_linear_cpu(t(x), t(weight), t(lora_b), t(gate), opt(scale)));
+    const at::IntArrayRef segs(segments, static_cast<size_t>(segments_len_));
+    *ret0 = new_tensor_handle(sbd_ext::gated_lora_linear_cpu(t(x), t(weight), t(lora_b), t(gate), opt(scale), segs));
   });
 }
 

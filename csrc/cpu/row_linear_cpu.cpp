@@ -207,9 +207,9 @@ namespace {
 
 // The B step of gated_lora_linear over one slice of Ms rows: rows i with gate g[i] != 0 get o[i] += g[i] * (h_i B'^T),
 // h_i = h + i * h_stride (r values), B' packed [N / 16, r, 16] in fp32 (b) or bf16 (bb, its bits; the other
-// nullptr); o's rows have stride N.
-void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o, int64_t Ms, int64_t N, int64_t r,
-                     const float* b, const uint16_t* bb) {
+// nullptr); o's rows have stride o_stride (>= N).
+void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o, int64_t o_stride, int64_t Ms,
+                     int64_t N, int64_t r, const float* b, const uint16_t* bb) {
   constexpr int64_t C = sbd_cpu::kRowLinearChunk;
   static thread_local std::vector<float> ht, delta;  // this thread's scratch (the chunks get raw pointers)
   static thread_local std::vector<int64_t> rows;
@@ -231,7 +231,7 @@ void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o,
     SBD_CPU_DISPATCH(row_linear_range, pb, n0, n1);
     for (int64_t j = 0; j < G; ++j) {
       const float gj = g[rw[j]];
-      float* orow = o + rw[j] * N;
+      float* orow = o + rw[j] * o_stride;
       const float* drow = d + j * N;
       for (int64_t n = n0; n < n1; ++n) orow[n] += gj * drow[n];
     }
@@ -249,8 +249,9 @@ void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o,
 // over all of its rows, x quantised once (a row with gate 0 is then row_linear(x, W, scale) bit for bit: integer
 // sums, one scale per output), and the same B step.
 at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
-                                 const at::Tensor& gate, const std::optional<at::Tensor>& scale) {
-  check_gated_lora_linear(x, weight, lora_b, gate, scale);
+                                 const at::Tensor& gate, const std::optional<at::Tensor>& scale,
+                                 at::IntArrayRef segments) {
+  check_gated_lora_linear(x, weight, lora_b, gate, scale, segments);
   constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);
   // scale * B in fp32 panels, or in bf16 panels where its values are bf16 values (GatedLoRALinear.packed_b: the
@@ -259,6 +260,31 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const float* b = b16 ? nullptr : lora_b.data_ptr<float>();
   const uint16_t* bb = b16 ? reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()) : nullptr;
   const float* g = gate.data_ptr<float>();
+  if (segments.size() > 1) {
+    // S sibling projections (q/k/v, gate/up: sbd_ext.merged_linears) in one walk over [W_1; A_1; ...; W_S; A_S]
+    // into this thread's scratch, x transposed (or quantised) once; then per projection its W outputs into its
+    // columns of the output and its B step (B'_i: its panels of lora_b). Each output sums as in the projection's
+    // own call (row_linear's sums do not depend on the other panels): the outputs of S calls, bit for bit.
+    if (M == 0) return pooled_empty({0, N}, x.options());
+    const int64_t F = row_linear_out_features(weight), r_pad = (r + P - 1) / P * P;
+    const int64_t n_full = checked_mul("gated_lora_linear", "the [W; A] outputs M * F", {M, F});
+    XScratch xs;
+    float* full = xs.get<float>(XScratch::kLoraFull, n_full, at::kFloat);
+    row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
+    at::Tensor out = pooled_empty({M, N}, x.options());
+    float* o = out.data_ptr<float>();
+    int64_t col = 0, fcol = 0;
+    for (const int64_t n : segments) {
+      for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N + col, full + m * F + fcol, n * sizeof(float));
+      for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
+        add_gated_delta(full + m0 * F + fcol + n, F, g + m0, o + m0 * N + col, N,
+                        std::min(sbd_cpu::kRowLinearRows, M - m0), n, r, b16 ? nullptr : b + col * r,
+                        b16 ? bb + col * r : nullptr);
+      col += n;
+      fcol += n + r_pad;
+    }
+    return out;
+  }
   if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
     if (M == 0) return pooled_empty({0, N}, x.options());
     // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
@@ -275,8 +301,8 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     float* o = out.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, full + m * F, N * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
-      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r, b,
-                      bb);
+      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r,
+                      b, bb);
     return out;
   }
   const int64_t r_pad = (r + P - 1) / P * P;
@@ -307,7 +333,7 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
         SBD_CPU_DISPATCH(row_linear_range, pa, a0 * C, std::min(r_pad, a1 * C));
       }
     });
-    add_gated_delta(h.data(), r_pad, g + m0, o + m0 * N, Ms, N, r, b, bb);
+    add_gated_delta(h.data(), r_pad, g + m0, o + m0 * N, N, Ms, N, r, b, bb);
   }
   return out;
 }

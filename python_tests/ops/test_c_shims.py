@@ -38,17 +38,21 @@ def _inputs():
     kc, vc = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
     lens = torch.tensor([5], dtype=torch.int32)
     commit, valid = torch.tensor([1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    # two projections of 16 outputs with their adapters, one after another (gated_lora_linear's segments)
+    segs = torch.cat([pack_row_linear_weight(w[:16]), pack_row_linear_weight(a, pad=True),
+                      pack_row_linear_weight(w[16:]), pack_row_linear_weight(a * 0.5, pad=True)])  # fmt: skip
     return [x, pack_row_linear_weight(w), wq, sq, fused, pack_row_linear_weight(b), gate, q, k, v, kc, vc, lens, commit,
-            valid, *pack_screened_head(w)]  # fmt: skip
+            valid, *pack_screened_head(w), segs]  # fmt: skip
 
 
-def _layer(x, wp, wq, sq, fused, bp, gate, q, k, v, kc, vc, lens, commit, valid, sp, sn):
+def _layer(x, wp, wq, sq, fused, bp, gate, q, k, v, kc, vc, lens, commit, valid, sp, sn, segs):
     a = OPS.row_linear(x, wp, None, False)
     b = OPS.row_linear(x, wq, sq, True)
     c = OPS.gated_lora_linear(x, fused, bp, gate, None)
     o = OPS.block_attention(q, k, v, kc, vc, lens, commit, valid, 0.125, 0.0, -1)
     h = OPS.screened_head(x, wp, sp, sn, 3)
-    return a + 1.0, b + 1.0, c + 1.0, o + 1.0, h + 1.0
+    d = OPS.gated_lora_linear(x, segs, bp, gate, None, [16, 16])
+    return a + 1.0, b + 1.0, c + 1.0, o + 1.0, h + 1.0, d + 1.0
 
 
 def _compiled_code(fn, args):

@@ -72,7 +72,6 @@ def test_slices_threads_and_empty():
     assert bool(y[1].isnan().all()) and not bool(y[0].isnan().any())
 
 
-
 def test_many_rows_past_the_kept_scratch():
     """A prefill's rows: [W; A]'s outputs over 4 MB go to a buffer of the call's own (the kept scratch is for few
     rows), the same values as row by row; then a few rows again (the kept scratch, after the large call)."""

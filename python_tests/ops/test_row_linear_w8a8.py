@@ -63,8 +63,9 @@ def test_matches_reference(device, cpu_isa, layout, M, N, K):
 def test_scratch_kept_between_calls(cpu_isa, layout):
     """The quantised x lives in the calling thread's scratch between calls (a buffer over 4 MB is the call's own):
     calls of growing, shrinking and oversized shapes in turn each match the reference."""
-    for i, (M, N, K) in enumerate([(1, 65, 576), (70, 130, 1537), (1, 64, 1536), (2900, 4, 1537), (3, 7, 100),
-                                   (1, 65, 576)]):
+    for i, (M, N, K) in enumerate(
+        [(1, 65, 576), (70, 130, 1537), (1, 64, 1536), (2900, 4, 1537), (3, 7, 100), (1, 65, 576)]
+    ):
         x, q, s = _case(M, N, K, seed=100 + i, device="cpu")
         _check(_w8a8(x, q, s, layout), x, q, s, f"call {i}: {layout} M={M} N={N} K={K}")
 

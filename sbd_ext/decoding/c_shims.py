@@ -28,7 +28,7 @@ C_SHIMS = {
     "AtenTensorHandle* scale, int32_t quantize_x, AtenTensorHandle* ret0)",
     "gated_lora_linear": "AOTITorchError aoti_torch_cpu_gated_lora_linear(AtenTensorHandle x, "
     "AtenTensorHandle weight, AtenTensorHandle lora_b, AtenTensorHandle gate, AtenTensorHandle* scale, "
-    "AtenTensorHandle* ret0)",
+    "const int64_t* segments, int64_t segments_len_, AtenTensorHandle* ret0)",
     "block_attention": "AOTITorchError aoti_torch_cpu_block_attention(AtenTensorHandle q, AtenTensorHandle k, "
     "AtenTensorHandle v, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle cache_lens, "
     "AtenTensorHandle n_commit, AtenTensorHandle n_valid, double scale, double softcap, int64_t window_left, "

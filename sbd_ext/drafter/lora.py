@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..linear import as_rows, row_count
+from ..merged_linears import member_out
 from ..ops import gated_lora_linear, row_linear
 from ..packing import PANEL, constant_weight, is_bf16_tiles, pack_row_linear_int8, pack_row_linear_weight
 from ..quantization import Int8Linear, PackedLinear, quantize_weight
@@ -46,6 +47,7 @@ class GatedLoRALinear(nn.Module):
 
     # decoding copies a compiled step reads (weight_arena), and the base's view of _fused, which must stay its view
     _arena_tensors = ("_fused", "_fused_view", "_fused_scale", "_packed_b")
+    _arena_late = ("_packed_b",)  # after every base weight: q/k/v's and gate/up's [W; A] stay adjacent
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, holder: RowGate):
         super().__init__()
@@ -256,6 +258,9 @@ class GatedLoRALinear(nn.Module):
                 return torch.where(gate > 0, both[..., n:], both[..., :n])
         if (gate is not None or rows is not None) and self._row_kernel(x):  # decoding rows through row_linear
             return self._row_kernel_forward(x, gate, rows)
+        shared = member_out(self, x) if gate is None and rows is None else None  # q/k/v, gate/up: one call
+        if shared is not None:
+            return shared if self.base.bias is None else shared + self.base.bias
         y = self.base(x)
         if rows is not None and not torch.is_grad_enabled():  # decoding: the adapter on the block-row slice only
             lo, hi = rows
@@ -283,6 +288,9 @@ class GatedLoRALinear(nn.Module):
         (:meth:`_delta_rows`)."""
         fused = self.fused_weight()
         b = None if fused is None or rows is not None else self.packed_b()
+        shared = member_out(self, x, gate) if b is not None else None  # q/k/v, gate/up: one call for the group
+        if shared is not None:
+            return shared if self.base.bias is None else shared + self.base.bias
         if b is not None:  # a compiled step over a packed base: the whole adapter in one call
             x2 = as_rows(x, row_count(x))
             g = gate.to(x.dtype).reshape(-1)
