@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import sbd_ext
-from sbd_ext import weight_arena
+from sbd_ext import merged_linears, weight_arena
 from sbd_ext.decoding import compiled as compiled_step
 from sbd_ext.decoding.step import EagerStep
 from sbd_ext.demo import models
@@ -111,15 +111,35 @@ def _op_call(m, x: torch.Tensor) -> tuple:
     return torch.ops.sbd_ext.row_linear, _op_args(m, x)
 
 
+def _kernel_calls(model, xs: dict) -> list:
+    """(op, arguments) of each linear kernel call of a one-row greedy forward in the compiled step, in module order:
+    a group of sibling projections (q/k/v, gate/up: :mod:`sbd_ext.merged_linears`) one ``row_linear`` call over the
+    group's weights in the arena, every other quantized / packed module its own (:func:`_op_call`)."""
+    arena = weight_arena.prepare(model)
+    merged = arena is not None and arena.merged
+    grouped, calls = set(), []
+    for m in model.modules():
+        spec = m.__dict__.get(merged_linears.MERGED) if merged else None
+        if spec is not None:
+            grouped.update(id(t) for t in m.modules())  # the member and (a drafter's adapter) its base
+            if spec.index == 0:
+                w, s = merged_linears.call_weights(spec)
+                calls.append((torch.ops.sbd_ext.row_linear, (xs[m.in_features], w, s, spec.quantize_x)))
+        elif isinstance(m, (Int8Linear, PackedLinear)) and id(m) not in grouped:
+            calls.append(_op_call(m, xs[m.in_features]))
+    return calls
+
+
 def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, float]:
     """(linears + head, attention) ms of one one-row forward's kernels: ``row_linear`` at one row on each of the
-    model's linear modules' weights in turn (the arguments its forward passes), and ``block_attention`` at one row
+    model's linear modules' weights in turn, as the compiled step calls it (:func:`_kernel_calls`: a group of
+    sibling projections once), and ``block_attention`` at one row
     over ``cache_len`` cached keys once per layer (SmolLM2's heads), each less the same number of calls of the same
     kind with almost no work (a 32 -> 16 layer of the scheme; attention over an empty cache): the Python call
     overhead those loops pay and a compiled graph does not; the median of ``pairs`` paired differences."""
     mods = [m for m in model.modules() if isinstance(m, (Int8Linear, PackedLinear))]
     xs = {k: torch.randn(1, k) for k in {m.in_features for m in mods}}
-    calls = [_op_call(m, xs[m.in_features]) for m in mods]
+    calls = _kernel_calls(model, xs)
     tiny = _op_args(sbd_ext.quantize(nn.Sequential(nn.Linear(32, 16)), scheme)[0], torch.randn(1, 32))
     op = torch.ops.sbd_ext.row_linear
     cfg = model.config

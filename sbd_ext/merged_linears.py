@@ -34,7 +34,7 @@ from torch import nn
 from .linear import as_rows, row_count
 from .ops import gated_lora_linear, row_linear
 
-__all__ = ["GROUPS", "MERGED", "Group", "Member", "link", "member_out", "unlink"]
+__all__ = ["GROUPS", "MERGED", "Group", "Member", "call_weights", "link", "member_out", "unlink"]
 
 # The sibling projections of one block, by attribute name, in the order the model's forward calls them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -182,8 +182,13 @@ def _slice(spec: Member, at: tuple[str, int, tuple[int, ...]] | None) -> torch.T
     return spec.arena.flats[key][off : off + math.prod(shape)].view(shape)
 
 
+def call_weights(spec: Member) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the group's weight, its scales or None): the arena's slices its one ``row_linear`` call reads."""
+    return _slice(spec, spec.weight), _slice(spec, spec.scale)
+
+
 def _call(spec: Member, x: torch.Tensor, rows: int, gate: torch.Tensor | None) -> torch.Tensor:
-    w, s, x2 = _slice(spec, spec.weight), _slice(spec, spec.scale), as_rows(x, rows)
+    (w, s), x2 = call_weights(spec), as_rows(x, rows)
     if gate is None:
         return row_linear(x2, w, s, spec.quantize_x)
     g = gate.to(x.dtype).reshape(-1)
