@@ -144,7 +144,7 @@ def _group(members: list[nn.Module], link_key: str) -> list[Member] | None:
                 segments,
                 lora_b,
                 gated_col,
-            )  # fmt: skip
+            )
         )
         col += _columns(spec)
         gated_col += segments[i] if segments else 0

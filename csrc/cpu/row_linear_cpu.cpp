@@ -260,21 +260,27 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   const float* b = b16 ? nullptr : lora_b.data_ptr<float>();
   const uint16_t* bb = b16 ? reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()) : nullptr;
   const float* g = gate.data_ptr<float>();
-  if (segments.size() > 1) {
-    // S sibling projections (q/k/v, gate/up: sbd_ext.merged_linears) in one walk over [W_1; A_1; ...; W_S; A_S]
-    // into this thread's scratch, x transposed (or quantised) once; then per projection its W outputs into its
-    // columns of the output and its B step (B'_i: its panels of lora_b). Each output sums as in the projection's
-    // own call (row_linear's sums do not depend on the other panels): the outputs of S calls, bit for bit.
+  const int64_t r_pad = (r + P - 1) / P * P;
+  if (segments.size() > 1 || scale.has_value() || row_linear_is_bf16_tiles(weight)) {
     if (M == 0) return pooled_empty({0, N}, x.options());
-    const int64_t F = row_linear_out_features(weight), r_pad = (r + P - 1) / P * P;
+    // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
+    // into this thread's scratch, then W's outputs copied row by row: a full tensor and its
+    // narrow(1, 0, N).contiguous() were two allocations and ~7 us of dispatched ops per call (210 calls per SmolLM2
+    // verify forward: ~1.5 ms). With segments, S sibling projections (q/k/v, gate/up: sbd_ext.merged_linears) in
+    // that one walk over [W_1; A_1; ...; W_S; A_S], x transposed (or quantised) once; then per projection its W
+    // outputs into its columns of the output and its B step (B'_i: its panels of lora_b). Each output sums as in
+    // the projection's own call (row_linear's sums do not depend on the other panels): S calls' outputs, bit for bit.
+    check_row_linear(x, weight, scale, scale.has_value());
+    const int64_t F = row_linear_out_features(weight);
     const int64_t n_full = checked_mul("gated_lora_linear", "the [W; A] outputs M * F", {M, F});
-    XScratch xs;
+    XScratch xs;  // the call's own slot: row_linear_write's buffers are its own XScratch's other slots
     float* full = xs.get<float>(XScratch::kLoraFull, n_full, at::kFloat);
     row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
     at::Tensor out = pooled_empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
-    int64_t col = 0, fcol = 0;
-    for (const int64_t n : segments) {
+    const int64_t whole[] = {N};  // no segments: one projection
+    int64_t col = 0, fcol = 0;    // a projection's first column of the output, of [W_i; A_i]'s outputs
+    for (const int64_t n : segments.size() > 1 ? segments : at::IntArrayRef(whole)) {
       for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N + col, full + m * F + fcol, n * sizeof(float));
       for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
         add_gated_delta(full + m0 * F + fcol + n, F, g + m0, o + m0 * N + col, N,
@@ -285,27 +291,6 @@ at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     }
     return out;
   }
-  if (scale.has_value() || row_linear_is_bf16_tiles(weight)) {
-    if (M == 0) return pooled_empty({0, N}, x.options());
-    // [M, P * 16]: W's outputs, then h = x A^T (x quantised to int8, or rounded to bf16, once for both)
-    // into this thread's scratch, then W's outputs copied row by row: a full tensor and its
-    // narrow(1, 0, N).contiguous() were two allocations and ~7 us of dispatched ops per call (210 calls per SmolLM2
-    // verify forward: ~1.5 ms)
-    check_row_linear(x, weight, scale, scale.has_value());
-    const int64_t F = row_linear_out_features(weight);
-    const int64_t n_full = checked_mul("gated_lora_linear", "the [W; A] outputs M * F", {M, F});
-    XScratch xs;  // the call's own slot: row_linear_write's buffers are its own XScratch's other slots
-    float* full = xs.get<float>(XScratch::kLoraFull, n_full, at::kFloat);
-    row_linear_write(x, weight, scale, scale.has_value(), full, F, F);
-    at::Tensor out = pooled_empty({M, N}, x.options());
-    float* o = out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * N, full + m * F, N * sizeof(float));
-    for (int64_t m0 = 0; m0 < M; m0 += sbd_cpu::kRowLinearRows)
-      add_gated_delta(full + m0 * F + N, F, g + m0, o + m0 * N, N, std::min(sbd_cpu::kRowLinearRows, M - m0), N, r,
-                      b, bb);
-    return out;
-  }
-  const int64_t r_pad = (r + P - 1) / P * P;
   at::Tensor out = pooled_empty({M, N}, x.options());
   if (M == 0) return out;
   if (K == 0) return out.zero_();
