@@ -449,6 +449,12 @@ constexpr int kF32PrefetchMinRows = 1;
 // 1.05-1.14 / 1.11-1.19 / 1.39-1.44x; 8, 12, 24 and 32 KB into L2 in between or alike; none 1.29-1.49x at 2 rows,
 // 2.3-2.5x at 16. There fp32 panels of 2+ rows prefetch 16 KB into L2. (At 16 rows the tile runs at this core's
 // FMA rate from L2 already: 4.3 ns per 16-row step against 3.9 ns for 16 register-only zmm FMAs.)
+// One x row on the AMD Zen 4 again (2026-12-07, 1 thread, SmolLM2's shapes in the weight arena on huge pages, direct
+// op calls, the settings switched within one process, paired medians): with the hardware prefetcher alone fp32 panels
+// ran 0.96-0.97x the time of 1 KB into L2 (one call of 3.4 MB: 27.1-27.9 against 26.1-26.9 GB/s, a plain read 31),
+// bf16 panels 0.95x, and a compiled next-token decoding (packed fp32, 4 held-out chat prompts x 48) 0.93-0.99x the
+// time per forward in three runs; 512 B into L2 was slower (1.06x), 2 KB into L2 the same, 1 KB into L1 1.10x. There
+// one-row fp32 and bf16 panels prefetch nothing.
 struct PanelPrefetch {
   int64_t ahead;  // bytes ahead in the panel stream (0: no software prefetch)
   bool l2;        // into L2 (else L1)
@@ -468,8 +474,8 @@ inline PanelPrefetch f32_panel_prefetch() {
   if (zen5 && (std::is_same_v<W, float> || MR == 1)) return {8192, true};
   static const bool intel = cpu_core() == Core::INTEL;
   if (intel && std::is_same_v<W, float>) return MR == 1 ? PanelPrefetch{8192, true} : PanelPrefetch{16384, true};
-  if constexpr (MR == 1) return {1024, true};
   static const bool zen4 = cpu_core() == Core::ZEN4;
+  if constexpr (MR == 1) return zen4 ? PanelPrefetch{0, false} : PanelPrefetch{1024, true};
   if (zen4) {
     if constexpr (std::is_same_v<W, float>) return MR >= 5 ? PanelPrefetch{8192, true} : PanelPrefetch{0, false};
     if (MR >= 3) return {8192, true};
@@ -924,10 +930,16 @@ inline void q8_panel_scalar(const RowLinearParams& p, int64_t m0, int64_t rows, 
 // 4.1-4.3 ms, a plain read's time, while 4 KB into L2 ran at ~20 GB/s in two processes of three -- Zen 4 drops some
 // PREFETCHT1s -- but the compiled NTP step was the same either way, 6.4-6.7 ms) and 6-9 rows (8 KB into L2 was
 // faster in the standalone, 6 / 8 rows 5.6 / 6.4 ms against 6.3 / 7.3, but not in the verify + branch step).
+// One row again (2026-12-07, the same Zen 4, the settings switched within one process, paired medians): with the
+// hardware prefetcher alone one call over SmolLM2's shapes streamed at 0.94-1.0x a plain read once the call's own
+// overhead (a tiny call: 4.7 us) is taken out, against 0.80-0.89x with 4 KB into L2 (one 27 MB call: 0.947x
+// against 0.875x a plain read; the linears in forward order 0.92x the time); a compiled w8a8 next-token decoding
+// (4 held-out chat prompts x 48, 8 and 16 paired rounds) 0.978x the time per forward twice. 1 KB or 2 KB into L2 lay
+// between, 8 KB was slower (1.34x). There one row prefetches nothing too.
 inline PanelPrefetch q8_panel_prefetch(int64_t M) {
   static const bool zen4 = cpu_core() == Core::ZEN4;
   if (zen4 && M >= 10) return {8192, true};
-  if (zen4 && M >= 2 && M <= 5) return {0, false};
+  if (zen4 && M <= 5) return {0, false};
   return {kPanelAhead, M == 1};
 }
 
