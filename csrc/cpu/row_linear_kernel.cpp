@@ -453,8 +453,9 @@ constexpr int kF32PrefetchMinRows = 1;
 // op calls, the settings switched within one process, paired medians): with the hardware prefetcher alone fp32 panels
 // ran 0.96-0.97x the time of 1 KB into L2 (one call of 3.4 MB: 27.1-27.9 against 26.1-26.9 GB/s, a plain read 31),
 // bf16 panels 0.95x, and a compiled next-token decoding (packed fp32, 4 held-out chat prompts x 48) 0.93-0.99x the
-// time per forward in three runs; 512 B into L2 was slower (1.06x), 2 KB into L2 the same, 1 KB into L1 1.10x. There
-// one-row fp32 and bf16 panels prefetch nothing.
+// time per forward in three runs. Against 1 KB into L2 (the linears in forward order) 2 KB into L2 ran the same and
+// 1 KB into L1 1.10x; in the decoding 512 B into L2 took 1.06x the time of none. There one-row fp32 and bf16 panels
+// prefetch nothing.
 struct PanelPrefetch {
   int64_t ahead;  // bytes ahead in the panel stream (0: no software prefetch)
   bool l2;        // into L2 (else L1)
