@@ -63,6 +63,10 @@ std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cud
 }
 #endif
 
+namespace sbd_ext {
+int64_t screened_head_pairs_rows();  // csrc/cpu/screened_head_cpu.cpp
+}
+
 namespace {
 
 const char* bf16_tiles_name() {
@@ -130,6 +134,8 @@ pybind11::dict build_info() {
 #endif
   // row_linear's packed int8 weights at >= cpu_amx_min_rows x rows on AMX-INT8 tiles (cpu/isa.h): whether this CPU,
   // OS and process allow it (and if not, why), and the current mode ("on", "off", "emulate")
+  // rows from which screened_head screens with bf16 products in the active ISA variant (0: never; set_screen_pairs)
+  d["cpu_screen_pairs_rows"] = sbd_ext::screened_head_pairs_rows();
   d["cpu_amx_int8"] = sbd_cpu::amx_int8_usable();
   d["cpu_amx_int8_status"] = sbd_cpu::amx_int8_status();
   d["cpu_amx"] = std::string(sbd_cpu::amx_mode_name(sbd_cpu::amx_mode()));
@@ -177,8 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "screened_head on the CPU since the process started: [calls, rows, fp32 panels computed again, calls that "
         "ran the fp32 head whole, calls screened with bf16 products (x rounded to bf16: AVX512-BF16)].");
   m.def("set_screen_pairs", &sbd_ext::set_screen_pairs, pybind11::arg("enabled"),
-        "Whether screened_head may screen several rows with bf16 products where the CPU has them (the default: "
-        "True); False keeps the widened fp32 products. Returns the previous setting. Never changes a row's choice.");
+        "Whether screened_head may screen with bf16 products where the CPU has them (the default: True; from "
+        "build_info()['cpu_screen_pairs_rows'] rows); False keeps the widened fp32 products. Returns the previous setting. Never changes a row's choice.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

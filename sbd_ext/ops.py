@@ -269,9 +269,10 @@ def screened_head(
 ) -> torch.Tensor:
     """A greedy decoder's output head at about the bytes of a bf16 one, with the fp32 head's choice: the head runs over
     its bf16 copy (``screen``) and the few columns whose exact value may be a row's largest run again over the fp32
-    panels (csrc/cpu/screened_head_cpu.cpp; the bound it screens with is derived there). Two rows or more screen
-    with bf16 products (x rounded to bf16 too, a wider bound) where the CPU has them (AVX512-BF16);
-    ``sbd_ext._C.set_screen_pairs(False)`` keeps the widened fp32 products. Neither changes a row's choice.
+    panels (csrc/cpu/screened_head_cpu.cpp; the bound it screens with is derived there). Two rows or more (one on
+    an AMD Zen 4: ``build_info()["cpu_screen_pairs_rows"]``) screen with bf16 products (x rounded to bf16 too, a
+    wider bound) where the CPU has them (AVX512-BF16); ``sbd_ext._C.set_screen_pairs(False)`` keeps the widened
+    fp32 products. Neither changes a row's choice.
 
     Args:
         x: [M, K] fp32, contiguous along K.

@@ -13,7 +13,7 @@
 // of the fp32 ones, so |a_j - exact_j| <= (2^-8 + 3 gamma) sum_k |x_k w_jk| <= (2^-8 + 3 gamma) |x| |w_j| (Cauchy-
 // Schwarz; screen_norm holds |w_j|, rounded up), widened for the fp32 arithmetic of the screen itself and for
 // underflow (screened_head_kernel.cpp). Where the CPU has bf16 products (screened_head_pairs_usable) and a call
-// has kPairsRows rows or more, the screen runs on them with x rounded to bf16 as well: then x~_k w~_jk is within
+// has pairs_rows() rows or more, the screen runs on them with x rounded to bf16 as well: then x~_k w~_jk is within
 // (2^-7 + 2^-16) |x_k w_jk| of x_k w_jk and the fp32 sum of the exact products within gamma (1 + 2^-8)^2 of their
 // absolute sum, so the factor is 2^-7 + 2^-16 + 3 gamma; and for the operands and results the instruction flushes to
 // zero (each below 2^-126), at most 2^-126 (sum_k |w~_jk| + sum_k |x~_k| + 3 K) <= 2^-126 (1.01 sqrt(K) (|w_j| +
@@ -46,9 +46,16 @@ constexpr int64_t kPanel = sbd_cpu::kRowLinearPanel;  // the screen's panels are
 // 2026-12-07, SmolLM2's head in the weight arena, direct calls, the two paths alternated in one process, medians of
 // 7 rounds): 2 / 3 / 4 / 6 rows 1.89 / 2.04 / 2.11 / 2.48 ms against 2.41 / 2.45 / 2.66 / 3.59 with the widened
 // fp32 products; a compiled verify + branch decoding (chat, 4 held-out prompts x 64) 0.96-0.97x the time per
-// forward, the same tokens. One row ran 1.92 against 2.31 ms in the op, but a compiled next-token decoding only
-// 0.99x (noise there; 3.7 candidate panels per row against 2.6): one row keeps row_linear's tuned one-row stream.
-constexpr int64_t kPairsRows = 2;
+// forward, the same tokens. One row there too (a later session, the head's weights cold after the layers' calls,
+// 41 alternated rounds in each of three processes): 0.911-0.925x the time of the widened one-row stream (~0.92-0.96x
+// a plain read of the screen against 0.83-0.87x; 1-5 candidate panels against 1-3, a few us); a compiled next-token
+// decoding cannot resolve the ~0.7 % of a forward that is. The widened stream's loop is one load, two integer
+// operations and two FMAs per 64 bytes, the bf16 products' half that. Other cores keep one row on the widened
+// stream until measured there.
+int64_t pairs_rows() {
+  static const int64_t rows = sbd_cpu::cpu_core() == sbd_cpu::Core::ZEN4 ? 1 : 2;
+  return rows;
+}
 
 // calls, rows, candidate panels computed again, calls that ran the fp32 head whole, calls screened with bf16
 // products (screened_head_stats)
@@ -78,7 +85,7 @@ at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   float* o = out.data_ptr<float>();
   g_calls.fetch_add(1, std::memory_order_relaxed);
   g_rows.fetch_add(M, std::memory_order_relaxed);
-  const bool pairs = M >= kPairsRows && g_pairs_on.load(std::memory_order_relaxed) &&
+  const bool pairs = M >= pairs_rows() && g_pairs_on.load(std::memory_order_relaxed) &&
                      SBD_CPU_DISPATCH(screened_head_pairs_usable);
   const double factor = bound_factor(K, pairs);
   const auto whole = [&] {
@@ -140,6 +147,10 @@ at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, cons
 }
 
 bool set_screen_pairs(bool enabled) { return g_pairs_on.exchange(enabled); }
+
+int64_t screened_head_pairs_rows() {
+  return SBD_CPU_DISPATCH(screened_head_pairs_usable) ? pairs_rows() : 0;
+}
 
 std::vector<int64_t> screened_head_stats() {
   return {g_calls.load(), g_rows.load(), g_panels.load(), g_whole.load(), g_pairs.load()};

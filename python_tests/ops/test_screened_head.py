@@ -68,8 +68,14 @@ def _check(x, w, wp, sp, sn, exclude=-1):
 
 
 def _pairs_usable(M):
-    """Whether a call of M rows screens with bf16 products here (the AVX-512 variant on a CPU with AVX512-BF16)."""
-    return M >= 2 and sbd_ext.build_info()["cpu_avx512_bf16"] and sbd_ext.build_info()["cpu_isa"] == "avx512"
+    """Whether a call of M rows screens with bf16 products here (the AVX-512 variant on a CPU with AVX512-BF16,
+    from two rows; from one on an AMD Zen 4)."""
+    info = sbd_ext.build_info()
+    if not (info["cpu_avx512_bf16"] and info["cpu_isa"] == "avx512"):
+        assert info["cpu_screen_pairs_rows"] == 0
+        return False
+    assert info["cpu_screen_pairs_rows"] == (1 if info["cpu_core"] == "zen4" else 2)
+    return M >= info["cpu_screen_pairs_rows"]
 
 
 @pytest.mark.parametrize("M", [1, 2, 6, 16, 33])
