@@ -55,7 +55,7 @@ def sample_branch(
     when the rows after row 0 are all drafts), so row 0's choice is column 0 of ``ntp``."""
     B, Rb = len(seqs), fw.branch_rows
     branch = branch_tokens(fw, job, ntp, out.logits.device)
-    x = gather_rows(out, (branch_start(fw) + torch.arange(Rb)).view(1, Rb).expand(B, Rb))
+    x = gather_rows(out, [list(range(branch_start(fw), branch_start(fw) + Rb))] * B)
     _, _, pmax, top = sample_rows(x, branch, job, f, branch_keys(fw, seqs, job))
     return branch, pmax, top
 
@@ -70,7 +70,7 @@ def sample_alternates(
     use read as filler."""
     B, S, A, T = len(seqs), fw.alt_rows, fw.n_alt_groups, fw.ids.shape[1]
     k, device = S - 1, out.logits.device
-    x = gather_rows(out, (T - A * S + torch.arange(A * S)).view(1, A * S).expand(B, A * S))
+    x = gather_rows(out, [list(range(T - A * S, T))] * B)
     x = x.reshape(B * A, S, x.shape[-1])
     at = fw.branch_at
     pos = [seqs[b].n_cached + at[b] if at[b] else 0 for b in range(B) for _ in range(A)]  # the alternate's position

@@ -18,29 +18,36 @@ if TYPE_CHECKING:
 __all__ = ["gather_rows", "rescore_slot1", "runners_up", "sample_rows"]
 
 
-def gather_rows(out: StepLogits, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of absolute forward rows ``rows`` [B, R] (host) -> [B, R, V]; rows outside ``out`` are clamped (their
-    values are never used). Where every sequence reads the same run of consecutive rows (always at batch 1) it is a
-    view of ``out.logits`` (a verify forward's two copies of 2-4 rows x 49k logits cost ~0.4 ms on one CPU thread),
-    else a copy. Callers write it in place (the mask ban) and never read those rows again."""
+def gather_rows(out: StepLogits, rows: list[list[int]]) -> torch.Tensor:
+    """Logits of absolute forward rows ``rows`` (B lists of R ints, on the host) -> [B, R, V]; rows outside ``out``
+    are clamped (their values are never used). Where every sequence reads the same run of consecutive rows (always
+    at batch 1) it is a view of ``out.logits`` (a verify forward's two copies of 2-4 rows x 49k logits cost ~0.4 ms
+    on one CPU thread), else a copy. The check runs on host ints: right after a forward every torch call is slow
+    (its code and data come back from L3 or memory: ~80 us for this check as tensor ops on a Zen 4). Callers write
+    it in place (the mask ban) and never read those rows again."""
     logits = out.logits
-    rows = (rows - out.first_row).clamp_(0, logits.shape[1] - 1)
-    first, R = int(rows[0, 0]), rows.shape[1]
-    if bool((rows == first + torch.arange(R).view(1, R)).all()):
+    top = logits.shape[1] - 1
+    rel = [[min(max(r - out.first_row, 0), top) for r in row] for row in rows]
+    first, R = rel[0][0], len(rel[0])
+    run = list(range(first, first + R))
+    if all(row == run for row in rel):
         return logits[:, first : first + R]
-    rows = rows.to(logits.device)
-    return torch.gather(logits, 1, rows.unsqueeze(-1).expand(*rows.shape, logits.shape[2]))
+    idx = torch.tensor(rel, dtype=torch.int64).to(logits.device)
+    return torch.gather(logits, 1, idx.unsqueeze(-1).expand(*idx.shape, logits.shape[2]))
 
 
 def rescore_slot1(job: Job, x: torch.Tensor, block: torch.Tensor) -> None:
     """Verify with a drafter's sampler head: slot 1's logits (``x`` [B, K, V], in place) rescored given the token in
-    slot 0 (``block`` [B, K]), where slot 0 holds a token and slot 1 is still masked; no host sync."""
+    slot 0 (``block`` [B, K]), where slot 0 holds a token and slot 1 is still masked; off the CPU no host sync."""
     head, emb = job.sampler_head
     ban_mask(x, job.mask_id)
-    t0, cond = block[:, 0], (block[:, 0] != job.mask_id) & (block[:, 1] == job.mask_id)
-    if x.device.type == "cpu" and bool(cond.all()):  # every row rescored (a verify forward at batch 1): in place
-        head.rescore_(x[:, 1], t0, emb)
-        return
+    t0 = block[:, 0]
+    if x.device.type == "cpu":  # the rows read on the host (free there; fewer of the slow calls after a forward)
+        m = job.mask_id
+        if all(r[0] != m and r[1] == m for r in block[:, :2].tolist()):  # every row rescored: in place
+            head.rescore_(x[:, 1], t0, emb)
+            return
+    cond = (t0 != job.mask_id) & (block[:, 1] == job.mask_id)
     new = head.rescore_(x[:, 1].clone(), torch.where(cond, t0, 0), emb)
     x[:, 1] = torch.where(cond.view(-1, 1), new, x[:, 1])
 

@@ -236,7 +236,7 @@ class TwoForwardStep(EagerStep):
 def _reveal_ntp(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job, f: int) -> None:
     """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
     B, V = len(seqs), out.logits.shape[2]
-    x = ban_mask(gather_rows(out, (torch.tensor(fw.n_commit) - 1).view(B, 1)).reshape(B, V), job.mask_id)
+    x = ban_mask(gather_rows(out, [[c - 1] for c in fw.n_commit]).reshape(B, V), job.mask_id)
     keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)]
     tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
     for b, seq in enumerate(seqs):
@@ -253,16 +253,26 @@ def _commit_row_choices(
     live = [not seq.done and c > 0 for seq, c in zip(seqs, fw.n_commit, strict=True)]
     lo = [first_row_read(seq, c, job) if ok else 0 for seq, c, ok in zip(seqs, fw.n_commit, live, strict=True)]
     R = max(1, max(c - lb for c, lb in zip(fw.n_commit, lo, strict=True)))
-    rows = torch.tensor(lo).view(B, 1) + torch.arange(R).view(1, R)
-    keys = [position_key(b, seqs[b].n_cached + r + 1) for b in range(B) for r in rows[b].tolist()]
+    rows = [list(range(lb, lb + R)) for lb in lo]
+    keys = None  # (greedy choices draw no noise)
+    if job.temperature > 0:
+        keys = [position_key(b, seqs[b].n_cached + r + 1) for b in range(B) for r in rows[b]]
     x = ban_mask(gather_rows(out, rows).reshape(B * R, V), job.mask_id)
     ntp = sample_positions(x, job.temperature, job.seed, keys)[2]
     ntp = ntp.view(B, R)
-    last = torch.tensor([max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)], device=device)
-    first_tok = ntp.gather(1, last.view(B, 1)).view(B)
-    can = torch.tensor([ok and len(seq.block) > 0 for seq, ok in zip(seqs, live, strict=True)], device=device)
-    can &= (first_tok >= 0) & (block[:, 0] == job.mask_id)
-    block[:, 0] = torch.where(can, first_tok, block[:, 0])
+    last = [max(c - 1 - lb, 0) for c, lb in zip(fw.n_commit, lo, strict=True)]
+    if all(v == last[0] for v in last):
+        first_tok = ntp[:, last[0]]
+    else:
+        first_tok = ntp.gather(1, torch.tensor(last, device=device).view(B, 1)).view(B)
+    # where the block's first position takes it: a live sequence whose block starts masked (the host's blocks are
+    # ``block``'s rows) and a valid choice
+    can = [ok and len(seq.block) > 0 and seq.block[0] == job.mask_id for seq, ok in zip(seqs, live, strict=True)]
+    if any(can):
+        take = first_tok >= 0
+        if not all(can):
+            take &= torch.tensor(can, device=device)
+        block[:, 0] = torch.where(take, first_tok, block[:, 0])
     return ntp, lo
 
 
@@ -284,10 +294,10 @@ def _reveal_blocks(
     keys = None
     if job.verify and job.temperature > 0:  # drafts drawn with the noise their checks will use
         keys = [position_key(b, seqs[b].block_start + j) for b in range(B) for j in range(K)]
-    rows = torch.tensor(fw.n_commit).view(B, 1) + torch.arange(K).view(1, K)
+    rows = [list(range(c, c + K)) for c in fw.n_commit]
     if merge and Rb == K and not out.block_rows_only:
         branch = branch_tokens(fw, job, ntp, block.device)
-        rows = torch.cat([rows, (branch_start(fw) + torch.arange(K)).view(1, K).expand(B, K)], dim=1)
+        rows = [r + list(range(branch_start(fw), branch_start(fw) + K)) for r in rows]
         x = gather_rows(out, rows).reshape(2 * B, K, -1)  # rows (b, block) and (b, branch) in turn
         both = torch.stack([block, branch], dim=1).view(2 * B, K)
         if keys is not None:
