@@ -132,10 +132,10 @@ pybind11::dict build_info() {
   d["cpu_vnni"] = false;
   d["cpu_avx512_bf16"] = false;
 #endif
-  // row_linear's packed int8 weights at >= cpu_amx_min_rows x rows on AMX-INT8 tiles (cpu/isa.h): whether this CPU,
-  // OS and process allow it (and if not, why), and the current mode ("on", "off", "emulate")
   // rows from which screened_head screens with bf16 products in the active ISA variant (0: never; set_screen_pairs)
   d["cpu_screen_pairs_rows"] = sbd_ext::screened_head_pairs_rows();
+  // row_linear's packed int8 weights at >= cpu_amx_min_rows x rows on AMX-INT8 tiles (cpu/isa.h): whether this CPU,
+  // OS and process allow it (and if not, why), and the current mode ("on", "off", "emulate")
   d["cpu_amx_int8"] = sbd_cpu::amx_int8_usable();
   d["cpu_amx_int8_status"] = sbd_cpu::amx_int8_status();
   d["cpu_amx"] = std::string(sbd_cpu::amx_mode_name(sbd_cpu::amx_mode()));
@@ -184,7 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ran the fp32 head whole, calls screened with bf16 products (x rounded to bf16: AVX512-BF16)].");
   m.def("set_screen_pairs", &sbd_ext::set_screen_pairs, pybind11::arg("enabled"),
         "Whether screened_head may screen with bf16 products where the CPU has them (the default: True; from "
-        "build_info()['cpu_screen_pairs_rows'] rows); False keeps the widened fp32 products. Returns the previous setting. Never changes a row's choice.");
+        "build_info()['cpu_screen_pairs_rows'] rows); False keeps the widened fp32 products. Returns the previous "
+        "setting. Never changes a row's choice.");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

@@ -30,10 +30,10 @@ def ban_mask(logits: torch.Tensor, mask_id: int | None) -> torch.Tensor:
 
 
 def sample_positions(
-    logits: torch.Tensor, temperature: float, seed: int, keys: Sequence[int], impl=ops
+    logits: torch.Tensor, temperature: float, seed: int, keys: Sequence[int] | None, impl=ops
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """entropy_sample of each row of ``logits`` [N, V] with its own Philox offset ``keys[i]`` (see
-    :func:`position_key`). Greedy needs no noise: one call."""
+    :func:`position_key`; None where greedy). Greedy needs no noise: one call."""
     if temperature == 0.0 or logits.shape[0] == 0:
         return impl.entropy_sample(logits, 0.0, seed, 0)
     outs = [impl.entropy_sample(logits[i : i + 1], temperature, seed, int(key)) for i, key in enumerate(keys)]

@@ -237,11 +237,11 @@ def _reveal_ntp(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job
     """NTP mode: the next token of every sequence from its last committed row; one device-to-host read."""
     B, V = len(seqs), out.logits.shape[2]
     x = ban_mask(gather_rows(out, [[c - 1] for c in fw.n_commit]).reshape(B, V), job.mask_id)
-    keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)]
-    tok = sample_positions(x, job.temperature, job.seed, keys)[2].cpu()  # the one sync
+    keys = [position_key(b, seq.block_start) for b, seq in enumerate(seqs)] if job.temperature > 0 else None
+    tok = sample_positions(x, job.temperature, job.seed, keys)[2].tolist()  # the one sync
     for b, seq in enumerate(seqs):
         if not seq.done:
-            seq.after_ntp_forward(f, int(tok[b]), b)
+            seq.after_ntp_forward(f, tok[b], b)
 
 
 def _commit_row_choices(
@@ -339,7 +339,7 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
     if A:  # the alternates' NTP choices, blocks, confidence and runners-up
         alt = sample_alternates(out, fw, seqs, job, f)
         parts += alt[:2] + [(alt[2] * CONFIDENCE_SCALE).round().long(), alt[3]]
-    back = torch.cat(parts, dim=1).cpu()  # the one sync
+    back = torch.cat(parts, dim=1).tolist()  # the one sync, then host lists (each torch call is slow here)
     R = ntp.shape[1] if job.verify else 0  # the columns: n_rev, n_rem, block [K], ntp [R], confidence [K]
     cb = 2 + K + R + (K if lookup else 0)  # then the branch [Rb] and its confidence [Rb]
     ct = cb + (Rb + (Rb if lookup else 0) if Rb else 0)  # then the runners-up [n_top], the branch's [n_top]
@@ -350,18 +350,18 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
             continue
         ntp_b = conf = br = br_conf = top_b = br_top = alts = None
         if job.verify:
-            ntp_b = [None] * lo[b] + back[b, 2 + K : 2 + K + R].tolist()[: fw.n_commit[b] - lo[b]]
+            ntp_b = [None] * lo[b] + back[b][2 + K : 2 + K + R][: fw.n_commit[b] - lo[b]]
         if lookup:
-            conf = [c / CONFIDENCE_SCALE for c in back[b, 2 + K + R : 2 + 2 * K + R].tolist()]
+            conf = [c / CONFIDENCE_SCALE for c in back[b][2 + K + R : 2 + 2 * K + R]]
         if Rb and fw.branch_valid[b]:
-            br = back[b, cb : cb + fw.branch_valid[b]].tolist()
+            br = back[b][cb : cb + fw.branch_valid[b]]
             if lookup:
-                br_conf = [c / CONFIDENCE_SCALE for c in back[b, cb + Rb : cb + Rb + fw.branch_valid[b]].tolist()]
+                br_conf = [c / CONFIDENCE_SCALE for c in back[b][cb + Rb : cb + Rb + fw.branch_valid[b]]]
         if top is not None:
-            top_b = back[b, ct : ct + n_top].tolist()
-            br_top = back[b, ct + n_top : ct + 2 * n_top].tolist() if Rb else None
+            top_b = back[b][ct : ct + n_top]
+            br_top = back[b][ct + n_top : ct + 2 * n_top] if Rb else None
         if A and fw.alts[b]:
-            row, k = back[b, ca:].tolist(), Rb
+            row, k = back[b][ca:], Rb
             alts = []
             for j, token in enumerate(fw.alts[b]):
                 blk = row[A + j * k : A + (j + 1) * k]
@@ -370,9 +370,9 @@ def reveal(out: StepLogits, fw: ForwardRows, seqs: list[SequenceState], job: Job
                 alts.append((token, blk, a_conf if lookup else None, a_top))
         keep = seq.after_sbd_forward(
             f,
-            back[b, 2 : 2 + K].tolist(),
-            int(back[b, 0]),
-            int(back[b, 1]),
+            back[b][2 : 2 + K],
+            back[b][0],
+            back[b][1],
             b,
             ntp_b,
             confidence=conf,
