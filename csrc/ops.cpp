@@ -64,7 +64,9 @@ std::string take_block_attention_cuda_error();  // csrc/cuda/block_attention_cud
 #endif
 
 namespace sbd_ext {
-int64_t screened_head_pairs_rows();  // csrc/cpu/screened_head_cpu.cpp
+std::vector<int64_t> screened_head_stats();  // csrc/cpu/screened_head_cpu.cpp
+bool set_screen_pairs(bool enabled);          // csrc/cpu/screened_head_cpu.cpp
+int64_t screened_head_pairs_rows();           // csrc/cpu/screened_head_cpu.cpp
 }
 
 namespace {
@@ -153,11 +155,6 @@ pybind11::dict build_info() {
 }
 
 }  // namespace
-
-namespace sbd_ext {
-std::vector<int64_t> screened_head_stats();  // csrc/cpu/screened_head_cpu.cpp
-bool set_screen_pairs(bool enabled);          // csrc/cpu/screened_head_cpu.cpp
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sbd_ext compiled kernels; the ops are reached through torch.ops.sbd_ext";

@@ -55,7 +55,8 @@ def sample_branch(
     when the rows after row 0 are all drafts), so row 0's choice is column 0 of ``ntp``."""
     B, Rb = len(seqs), fw.branch_rows
     branch = branch_tokens(fw, job, ntp, out.logits.device)
-    x = gather_rows(out, [list(range(branch_start(fw), branch_start(fw) + Rb))] * B)
+    first = branch_start(fw)
+    x = gather_rows(out, [list(range(first, first + Rb))] * B)
     _, _, pmax, top = sample_rows(x, branch, job, f, branch_keys(fw, seqs, job))
     return branch, pmax, top
 

@@ -297,7 +297,8 @@ def _reveal_blocks(
     rows = [list(range(c, c + K)) for c in fw.n_commit]
     if merge and Rb == K and not out.block_rows_only:
         branch = branch_tokens(fw, job, ntp, block.device)
-        rows = [r + list(range(branch_start(fw), branch_start(fw) + K)) for r in rows]
+        tail = list(range(branch_start(fw), branch_start(fw) + K))
+        rows = [r + tail for r in rows]
         x = gather_rows(out, rows).reshape(2 * B, K, -1)  # rows (b, block) and (b, branch) in turn
         both = torch.stack([block, branch], dim=1).view(2 * B, K)
         if keys is not None:
