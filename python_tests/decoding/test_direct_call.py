@@ -77,6 +77,52 @@ def test_replayed_calls_compute_what_the_compiled_function_computes(arith, monke
         assert torch.equal(got.sequences, eager.sequences)
 
 
+def _count_captures(monkeypatch) -> list[dict]:
+    """The shapes (StaticStep's ``seen``: tokens' shape first) of each full, captured call from now on."""
+    seen: list[dict] = []
+    real = compiled.StaticStep._replay_at
+
+    def watching(self, key):
+        got = real(self, key)
+        if got is None and key not in self._direct:
+            seen.append(key)
+        return got
+
+    monkeypatch.setattr(compiled.StaticStep, "_replay_at", watching)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branch", [False, True])
+def test_a_generation_replays_row_counts_a_full_call_ran(arith, monkeypatch, branch):
+    """SBD's rows are one dynamic size: after a generation's first full call, a row count whose graph has run at
+    those shapes under the full guards (an earlier generation) is replayed, not called through dynamo again; one
+    that never ran is not. Either way the tokens and the cache are the compiled function's, bit for bit."""
+    model, info, ids, mask = arith
+    model = sbd_ext.quantize(copy.deepcopy(model), "packed")
+    kw = dict(mode="sbd", verify=True, block_size=info["block_size"], max_new_tokens=24, return_cache=True)
+    kw |= dict(branch=True, lookup=0) if branch else {}
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_VARIANTS", set())
+    monkeypatch.setattr(compiled, "_EAGER", set())
+    monkeypatch.setattr(compiled, "_RAN_AT", compiled.weakref.WeakKeyDictionary())
+    sbd_ext.generate(model, ids, mask, compile=True, **kw)  # compiles
+    full = _count_captures(monkeypatch)
+    monkeypatch.setattr(compiled, "_RAN_AT", compiled.weakref.WeakKeyDictionary())  # no row count known
+    first = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    counts = {key[0][2] for key in full}
+    assert len(full) == len(counts) >= 2  # one full call per row count: several row counts, none replayed unseen
+    full.clear()
+    got = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    assert len(full) == 1  # the generation's first call; every other row count replayed
+    monkeypatch.setattr(compiled, "DIRECT_CALLS", False)
+    want = sbd_ext.generate(model, ids, mask, compile=True, **kw)
+    for out in (first, got):
+        assert torch.equal(out.sequences, want.sequences) and torch.equal(out.nfe, want.nfe)
+        for a, b in zip(_cache_rows(out), _cache_rows(want), strict=True):
+            assert torch.equal(a, b)
+
+
 def _recorded(args, out, result):
     return [(lambda *a: out, list(args), out)], result
 

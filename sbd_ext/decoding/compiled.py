@@ -178,6 +178,20 @@ def _static_forward(
 # thread); False: every call through the compiled function (the guard-skipping stance after the first).
 DIRECT_CALLS = True
 _GRAPH_GLOBALS = _static_forward.__globals__  # where dynamo installs the compiled graphs of _static_forward
+# compiled graph -> the call shapes (StaticStep's ``seen``) a fully guarded call has run it at, in this process. An SBD
+# step's rows are one dynamic size (5-7 a forward for verify + branch), and each new row count used to cost a full
+# call in every generation (~7 ms more than a replay on SmolLM2, ~3 per verify + branch generation): a generation
+# whose captured call ran graph g replays it at another row count where a full call has run g at those shapes.
+_RAN_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ran_at(graph_fn) -> set:
+    """The shapes ``graph_fn`` ran at under the full guards (:data:`_RAN_AT`; a graph that cannot be weakly referenced
+    records nothing: its calls are never replayed at another row count)."""
+    try:
+        return _RAN_AT.setdefault(graph_fn, set())
+    except TypeError:
+        return set()
 
 
 def _compiled_forward(device: torch.device):
@@ -295,6 +309,7 @@ class StaticStep(DecodeStep):
         self.fn = _compiled_forward(device)
         self._guarded: set[tuple] = set()  # the calls (shapes, arguments) that passed the full guards
         self._direct: dict[tuple, direct_call.DirectCall] = {}  # their captured graph calls (CPU)
+        self._direct_any: dict[tuple, direct_call.DirectCall] = {}  # the same, by every shape but the row count
         self._captures: dict[tuple, int] = {}  # capture tries per call
 
     def _call_skipping(self, args: tuple):
@@ -307,6 +322,16 @@ class StaticStep(DecodeStep):
             if "skip_guard_eval_unsafe" not in str(e):
                 raise
             return None
+
+    def _replay_at(self, seen: tuple) -> direct_call.DirectCall | None:
+        """This generation's captured call of another row count, where its graph is known to run at ``seen`` (a
+        full call ran it at these shapes earlier in the process: the row count is a dynamic size of one graph, and
+        this generation's own full call checked the model and the cache); else None."""
+        direct = self._direct_any.get(seen[0][:2] + seen[1:]) if self.dynamic_rows else None
+        if direct is None or seen not in _RAN_AT.get(direct.fn, ()):
+            return None
+        self._direct[seen] = direct
+        return direct
 
     def rows(self, needed: int) -> int:
         if not self.sbd:
@@ -338,7 +363,7 @@ class StaticStep(DecodeStep):
         args = (self.model, self.cache, tokens, meta, self.block_rows, self.sbd, self.branch_rows, 0, A)
         rows_s = self.cache.layers[0].keys.shape[2]  # the cache's capacity: a grown cache is checked in full again
         seen = (tuple(tokens.shape), tuple(meta.shape), rows_s, self.block_rows, self.sbd, self.branch_rows, A)
-        direct = self._direct.get(seen)
+        direct = self._direct.get(seen) or self._replay_at(seen)
         # a full call whose argument list later calls of these shapes replay (direct_call); a second try where the
         # first call compiled the graph (it ran a function installed during the call, not the captured one)
         capture = direct is None and DIRECT_CALLS and self.device.type == "cpu" and self.fn is not _static_forward
@@ -353,7 +378,8 @@ class StaticStep(DecodeStep):
                 logits, direct = direct_call.capture(self.fn, _GRAPH_GLOBALS, args, (tokens, meta), (0, 2), {rows_s})
                 self._guarded.add(seen)
                 if direct is not None:
-                    self._direct[seen] = direct
+                    self._direct[seen] = self._direct_any[seen[0][:2] + seen[1:]] = direct
+                    _ran_at(direct.fn).add(seen)
             if logits is None:
                 logits = self.fn(*args)
                 self._guarded.add(seen)
