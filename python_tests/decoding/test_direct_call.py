@@ -77,9 +77,9 @@ def test_replayed_calls_compute_what_the_compiled_function_computes(arith, monke
         assert torch.equal(got.sequences, eager.sequences)
 
 
-def _count_captures(monkeypatch) -> list[dict]:
+def _count_captures(monkeypatch) -> list[tuple]:
     """The shapes (StaticStep's ``seen``: tokens' shape first) of each full, captured call from now on."""
-    seen: list[dict] = []
+    seen: list[tuple] = []
     real = compiled.StaticStep._replay_at
 
     def watching(self, key):

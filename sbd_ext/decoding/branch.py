@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .state import SequenceState
     from .step import ForwardRows, StepLogits
 
-__all__ = ["branch_keys", "branch_start", "branch_tokens", "sample_alternates", "sample_branch"]
+__all__ = ["branch_keys", "branch_row_run", "branch_tokens", "sample_alternates", "sample_branch"]
 
 
 def branch_tokens(fw: ForwardRows, job: Job, ntp: torch.Tensor, device) -> torch.Tensor:
@@ -41,9 +41,10 @@ def branch_keys(fw: ForwardRows, seqs: list[SequenceState], job: Job) -> list[in
     return [position_key(b, seqs[b].n_cached + at[b] + j) for b in range(len(seqs)) for j in range(fw.branch_rows)]
 
 
-def branch_start(fw: ForwardRows) -> int:
-    """The branch's first row in the forward (the alternates' rows come after the branch's)."""
-    return fw.ids.shape[1] - fw.branch_rows - fw.n_alt_groups * fw.alt_rows
+def branch_row_run(fw: ForwardRows) -> list[int]:
+    """The branch's rows in the forward, in order (the alternates' rows come after the branch's)."""
+    start = fw.ids.shape[1] - fw.branch_rows - fw.n_alt_groups * fw.alt_rows
+    return list(range(start, start + fw.branch_rows))
 
 
 def sample_branch(
@@ -53,10 +54,9 @@ def sample_branch(
     :func:`branch_tokens` revealed from the branch rows (the last Rb rows before the alternates') by the sampler, as
     the block is. A sequence with a branch reads its committed rows' choices from row 0 on (``first_row_read`` is 0
     when the rows after row 0 are all drafts), so row 0's choice is column 0 of ``ntp``."""
-    B, Rb = len(seqs), fw.branch_rows
+    B = len(seqs)
     branch = branch_tokens(fw, job, ntp, out.logits.device)
-    first = branch_start(fw)
-    x = gather_rows(out, [list(range(first, first + Rb))] * B)
+    x = gather_rows(out, [branch_row_run(fw)] * B)
     _, _, pmax, top = sample_rows(x, branch, job, f, branch_keys(fw, seqs, job))
     return branch, pmax, top
 

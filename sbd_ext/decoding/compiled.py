@@ -194,6 +194,11 @@ def _ran_at(graph_fn) -> set:
         return set()
 
 
+def _any_rows(seen: tuple) -> tuple:
+    """StaticStep's call key ``seen`` without the row count (the tokens' last dim, one dynamic size)."""
+    return seen[0][:2] + seen[1:]
+
+
 def _compiled_forward(device: torch.device):
     """torch.compile of :func:`_static_forward`, one per device type. On CUDA mode "reduce-overhead" captures each
     forward as a CUDA graph and replays it (the cache buffers are marked static, so they are written in place, not
@@ -327,8 +332,8 @@ class StaticStep(DecodeStep):
         """This generation's captured call of another row count, where its graph is known to run at ``seen`` (a
         full call ran it at these shapes earlier in the process: the row count is a dynamic size of one graph, and
         this generation's own full call checked the model and the cache); else None."""
-        direct = self._direct_any.get(seen[0][:2] + seen[1:]) if self.dynamic_rows else None
-        if direct is None or seen not in _RAN_AT.get(direct.fn, ()):
+        direct = self._direct_any.get(_any_rows(seen)) if self.dynamic_rows else None
+        if direct is None or seen not in _ran_at(direct.fn):
             return None
         self._direct[seen] = direct
         return direct
@@ -378,7 +383,7 @@ class StaticStep(DecodeStep):
                 logits, direct = direct_call.capture(self.fn, _GRAPH_GLOBALS, args, (tokens, meta), (0, 2), {rows_s})
                 self._guarded.add(seen)
                 if direct is not None:
-                    self._direct[seen] = self._direct_any[seen[0][:2] + seen[1:]] = direct
+                    self._direct[seen] = self._direct_any[_any_rows(seen)] = direct
                     _ran_at(direct.fn).add(seen)
             if logits is None:
                 logits = self.fn(*args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SBDCache
-from .branch import branch_keys, branch_start, branch_tokens, sample_alternates, sample_branch
+from .branch import branch_keys, branch_row_run, branch_tokens, sample_alternates, sample_branch
 from .rows import gather_rows, sample_rows
 from .sampling import ban_mask, position_key, sample_positions
 from .settings import Job
@@ -297,7 +297,7 @@ def _reveal_blocks(
     rows = [list(range(c, c + K)) for c in fw.n_commit]
     if merge and Rb == K and not out.block_rows_only:
         branch = branch_tokens(fw, job, ntp, block.device)
-        tail = list(range(branch_start(fw), branch_start(fw) + K))
+        tail = branch_row_run(fw)
         rows = [r + tail for r in rows]
         x = gather_rows(out, rows).reshape(2 * B, K, -1)  # rows (b, block) and (b, branch) in turn
         both = torch.stack([block, branch], dim=1).view(2 * B, K)
