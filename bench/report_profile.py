@@ -8,14 +8,16 @@ w8a8, decoding held-out chat prompts with compiled NTP (the host loop), per forw
   fp32 head's bf16 screen, :mod:`sbd_ext.greedy_head`);
   ``read_gbs``: a plain read of that many bytes on one core (``torch.sum`` over a buffer of that size on the pages
   the weight arena uses, the best of a few rounds): the copy rate the issue measures against;
-- ``linears_ms``: the linears and the head at one row, their kernels alone (:func:`kernels_ms`; a screened head:
-  ``screened_head``), with
+- ``linears_ms``: the linears and the head inside the step (each call's ``row_linear`` / ``gated_lora_linear`` /
+  ``screened_head`` time by the CPU ops' own clock, ``sbd_ext._C.op_clock``: their C++ bodies, allocation and x's
+  preparation included; the median step call), with
   ``linears_vs_read`` = the plain read's time for the same bytes over it (1.0: at the read rate);
-- ``attention_ms``: ``block_attention`` at one row over the cache's mean length, once per layer, likewise;
+  ``linear_calls``: the linear op calls per step call (a group of sibling projections is one:
+  :mod:`sbd_ext.merged_linears`);
+- ``attention_ms``: ``block_attention`` inside the step, likewise (the cache's reads from memory included);
 - ``step_ms``: the compiled step (the graph and its call), timed around its calls (the median call);
-  ``fixed_ms`` = step - linears - attention: the compiled step's cost beyond its kernels (norms, rotary and
-  residuals in inductor's code, the ~240 op calls, the graph's inputs; the issue's bar is 1 ms), a difference of
-  figures that each move by 1-3 ms between runs on a shared VM;
+  ``fixed_ms`` = step - linears - attention: the compiled step's cost beyond those ops (norms, rotary and
+  residuals in inductor's code, the way to the ~150 op calls, the graph's inputs; the issue's bar is 1 ms);
 - ``twin_step_ms``: the fixed cost measured directly: the same compiled step (median call) of a random model of the
   same structure -- SmolLM2's layers, heads, op calls and graph inputs, the same scheme, the prompts' lengths and
   answer length -- at tiny widths (hidden 72, MLP 96, vocabulary 512: ~1 MB of weights), where almost nothing is
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 import sbd_ext
-from sbd_ext import merged_linears, weight_arena
+from sbd_ext import _C, weight_arena
 from sbd_ext.decoding import compiled as compiled_step
 from sbd_ext.decoding.step import EagerStep
 from sbd_ext.demo import models
@@ -77,108 +79,31 @@ def _best(fn, rounds: int) -> float:
     return best
 
 
-def _paired(fn, base, pairs: int) -> float:
-    """The median over ``pairs`` back-to-back pairs of (a timed call of ``fn`` less a timed call of ``base``), in
-    seconds, the order within a pair alternating, after one untimed call of each. A difference of two best-of-few
-    times went negative on a small one (attention over a short cache: ~0.05 ms out of a 0.7 ms loop on the Zen 4
-    VM, 2026-12-01); the median of paired differences stays on the right side of it."""
-    fn(), base()
-    diffs = []
-    for i in range(pairs):
-        order = (fn, base) if i % 2 == 0 else (base, fn)
-        ts = []
-        for f in order:
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-        diffs.append(ts[0] - ts[1] if i % 2 == 0 else ts[1] - ts[0])
-    return statistics.median(diffs)
-
-
-def _op_args(m, x: torch.Tensor) -> tuple:
-    """The arguments a quantized / packed linear module passes ``row_linear`` for the rows ``x`` (its forward's
-    kernel call, without the module's Python around it)."""
-    if isinstance(m, Int8Linear):
-        return x, *m.kernel_weight(), m.quantize_x
-    return x, m.weight_packed, None, False
-
-
-def _op_call(m, x: torch.Tensor) -> tuple:
-    """(op, arguments) of a module's kernel call in greedy decoding: ``row_linear`` (:func:`_op_args`), or
-    ``screened_head`` for a packed head with a screen (x random: one or two fp32 panels again on SmolLM2's head)."""
-    if SCREEN[0] in m._buffers:
-        return torch.ops.sbd_ext.screened_head, (x, m.weight_packed, m.screen_packed, m.screen_norm, -1)
-    return torch.ops.sbd_ext.row_linear, _op_args(m, x)
-
-
-def _kernel_calls(model, xs: dict) -> list:
-    """(op, arguments) of each linear kernel call of a one-row greedy forward in the compiled step, in module order:
-    a group of sibling projections (q/k/v, gate/up: :mod:`sbd_ext.merged_linears`) one ``row_linear`` call over the
-    group's weights in the arena, every other quantized / packed module its own (:func:`_op_call`)."""
-    arena = weight_arena.prepare(model)
-    merged = arena is not None and arena.merged
-    grouped, calls = set(), []
-    for m in model.modules():
-        spec = m.__dict__.get(merged_linears.MERGED) if merged else None
-        if spec is not None:
-            grouped.update(id(t) for t in m.modules())  # the member and (a drafter's adapter) its base
-            if spec.index == 0:
-                w, s = merged_linears.call_weights(spec)
-                calls.append((torch.ops.sbd_ext.row_linear, (xs[m.in_features], w, s, spec.quantize_x)))
-        elif isinstance(m, (Int8Linear, PackedLinear)) and id(m) not in grouped:
-            calls.append(_op_call(m, xs[m.in_features]))
-    return calls
-
-
-def kernels_ms(model, scheme: str, cache_len: int, pairs: int) -> tuple[float, float]:
-    """(linears + head, attention) ms of one one-row forward's kernels: ``row_linear`` at one row on each of the
-    model's linear modules' weights in turn, as the compiled step calls it (:func:`_kernel_calls`: a group of
-    sibling projections once), and ``block_attention`` at one row
-    over ``cache_len`` cached keys once per layer (SmolLM2's heads), each less the same number of calls of the same
-    kind with almost no work (a 32 -> 16 layer of the scheme; attention over an empty cache): the Python call
-    overhead those loops pay and a compiled graph does not; the median of ``pairs`` paired differences."""
-    mods = [m for m in model.modules() if isinstance(m, (Int8Linear, PackedLinear))]
-    xs = {k: torch.randn(1, k) for k in {m.in_features for m in mods}}
-    calls = _kernel_calls(model, xs)
-    tiny = _op_args(sbd_ext.quantize(nn.Sequential(nn.Linear(32, 16)), scheme)[0], torch.randn(1, 32))
-    op = torch.ops.sbd_ext.row_linear
-    cfg = model.config
-    hkv, hq = cfg.num_key_value_heads, cfg.num_attention_heads
-    d = cfg.hidden_size // hq
-    cache = torch.randn(2, 1, hkv, cache_len + 8, d)
-    q, k, v = torch.randn(1, hq, 1, d), torch.randn(1, hkv, 1, d), torch.randn(1, hkv, 1, d)
-    one = torch.ones(1, dtype=torch.int32)
-
-    def attn(n: int):
-        lens = torch.tensor([n], dtype=torch.int32)
-        return lambda: [
-            sbd_ext.ops.block_attention(q, k, v, cache[0], cache[1], lens, one, one, d**-0.5, 0.0, -1)
-            for _ in range(cfg.num_hidden_layers)
-        ]
-
-    with torch.no_grad():
-        lin = _paired(lambda: [f(*a) for f, a in calls], lambda: [op(*tiny) for _ in calls], pairs)
-        att = _paired(attn(cache_len), attn(0), pairs)
-    return 1e3 * lin, 1e3 * att
+LINEAR_OPS = ("row_linear", "gated_lora_linear", "screened_head")  # the linears and the head, as the step calls them
 
 
 # Interleaved rounds per figure: 5 since 2026-12-01 (3 left single figures 1-3 ms off on a noisy hour of the Zen 4 VM).
 ROUNDS = 5
 
 
-def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
-    """(ms per call of the step: the median call, ms per forward of the whole loop) decoding ``prompts`` once each.
+def _decode_round(model, prompts, kw: dict, step_cls) -> dict:
+    """Decode ``prompts`` once each; per call of the step, its wall time and the CPU ops' own clock inside it
+    (``sbd_ext._C.op_clock``: each op's C++ body, not the graph's way to it). Returns ms: ``step`` (the median
+    call), ``linears`` and ``attention`` (the median call's :data:`LINEAR_OPS` / ``block_attention`` time),
+    ``forward`` (the whole loop per forward), and ``linear_calls`` (the median call's linear op calls).
     The median, not the mean: on a shared VM a few calls that a neighbour slowed moved the mean by 1-3 ms between
-    runs (2026-12-01, Zen 4), and the kernels it is set against are medians of paired differences."""
-    calls = []
+    runs (2026-12-01, Zen 4)."""
+    rec = []
     real = step_cls.__call__
 
     def timed(self, fw):
+        _C.op_clock(True)
         t0 = time.perf_counter()
         out = real(self, fw)
-        calls.append(time.perf_counter() - t0)
+        rec.append((time.perf_counter() - t0, _C.op_clock(True)))
         return out
 
+    was_on = _C.set_op_clock(True)
     step_cls.__call__ = timed
     try:
         wall, forwards = 0.0, 0
@@ -189,7 +114,18 @@ def _decode_round(model, prompts, kw: dict, step_cls) -> tuple[float, float]:
             forwards += int(res.nfe.sum())
     finally:
         step_cls.__call__ = real
-    return 1e3 * (statistics.median(calls) if calls else 0.0), 1e3 * wall / max(forwards, 1)
+        _C.set_op_clock(was_on)
+
+    def median(f) -> float:
+        return statistics.median(f(t, c) for t, c in rec) if rec else 0.0
+
+    return {
+        "step": 1e3 * median(lambda t, c: t),
+        "linears": 1e3 * median(lambda t, c: sum(c[op][1] for op in LINEAR_OPS)),
+        "attention": 1e3 * median(lambda t, c: c["block_attention"][1]),
+        "linear_calls": median(lambda t, c: sum(c[op][0] for op in LINEAR_OPS)),
+        "forward": 1e3 * wall / max(forwards, 1),
+    }
 
 
 TWIN = {"head_dim": 8, "mlp": 96, "vocab": 512}  # the twin's widths: ~1 MB of weights for SmolLM2's structure
@@ -219,7 +155,6 @@ def twin_model(config, scheme: str) -> nn.Module:
 
 
 def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = True) -> dict:
-    pairs = 15  # paired kernel timings per round (~0.3 s for fp32's linears)
     if device.type != "cpu":
         raise ValueError("the profile suite is the CPU's (on a GPU the roofline stage measures the forward)")
     tok = checkpoint.load_smollm2(attn_implementation="sdpa")[1]
@@ -239,14 +174,12 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
         twin_kw = {**kw, "eos_token_id": ()}  # no stop token: every answer max_new tokens long
         for p in twin_prompts:
             sbd_ext.generate(twin, p, **twin_kw)
-        mid = sum(p.shape[1] for p in prompts) // len(prompts) + max_new // 2  # the cache's mean length
-        # Each figure is the best of a few rounds, the rounds interleaved (decoding, kernels, plain read), so that
+        # Each figure is the best of a few rounds, the rounds interleaved (decoding, the twin, plain read), so that
         # one slow minute of a shared machine does not land on one figure only.
         best = {}
         for _ in range(ROUNDS if compiled else 1):
-            got = dict(zip(("step", "forward"), _decode_round(model, prompts, kw, step_cls), strict=True))
-            got.update(zip(("linears", "attention"), kernels_ms(model, scheme, mid, pairs), strict=True))
-            got["twin"] = _decode_round(twin, twin_prompts, twin_kw, step_cls)[0]
+            got = _decode_round(model, prompts, kw, step_cls)
+            got["twin"] = _decode_round(twin, twin_prompts, twin_kw, step_cls)["step"]
             got["read_s"] = nbytes / read_rate(nbytes, 5) / 1e9
             best = {k: min(v, best.get(k, v)) for k, v in got.items()}
         step, linears, attention, gbs = best["step"], best["linears"], best["attention"], nbytes / best["read_s"] / 1e9
@@ -257,6 +190,7 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
                 "read_gbs": round(gbs, 2),
                 "linears_ms": round(linears, 3),
                 "linears_vs_read": round(nbytes / gbs / 1e6 / linears, 3) if linears > 0 else None,
+                "linear_calls": int(best["linear_calls"]),
                 "attention_ms": round(attention, 3),
                 "step_ms": round(step, 3),
                 "fixed_ms": round(step - linears - attention, 3),
@@ -268,8 +202,8 @@ def suite_profile(device: torch.device, n: int, max_new: int, compiled: bool = T
     mode = "compiled" if compiled else "eager (a dry run)"
     return {
         "what": f"SmolLM2-135M-Instruct, NTP {mode}, host loop, {n} held-out chat prompts x {max_new}, per forward; "
-        "linears / attention: their kernels at one row, the calls' own overhead taken out; each figure the best of "
-        f"{ROUNDS if compiled else 1} interleaved rounds (the step: its median call)",
+        "linears / attention: those ops inside the step by their own clock (sbd_ext._C.op_clock); each figure the "
+        f"best of {ROUNDS if compiled else 1} interleaved rounds (the step: its median call)",
         "rows": rows,
     }
 

@@ -15,6 +15,7 @@
 
 #include "cpu/block_attention_kernel.h"
 #include "cpu/isa.h"
+#include "cpu/op_clock.h"
 #include "cpu/row_linear_kernel.h"
 
 TORCH_LIBRARY(sbd_ext, m) {
@@ -183,6 +184,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether screened_head may screen with bf16 products where the CPU has them (the default: True; from "
         "build_info()['cpu_screen_pairs_rows'] rows); False keeps the widened fp32 products. Returns the previous "
         "setting. Never changes a row's choice.");
+  m.def(
+      "set_op_clock",
+      [](bool enabled) { return sbd_ext::op_clock_state().on.exchange(enabled); },
+      pybind11::arg("enabled"),
+      "Switch the CPU ops' own clock on or off (cpu/op_clock.h; off by default); returns the previous setting.");
+  m.def(
+      "op_clock",
+      [](bool reset) {
+        auto& st = sbd_ext::op_clock_state();
+        pybind11::dict d;
+        for (int i = 0; i < static_cast<int>(sbd_ext::Clocked::kCount); ++i) {
+          const int64_t calls = reset ? st.calls[i].exchange(0) : st.calls[i].load();
+          const int64_t ns = reset ? st.ns[i].exchange(0) : st.ns[i].load();
+          d[sbd_ext::kClockedNames[i]] = pybind11::make_tuple(calls, static_cast<double>(ns) * 1e-9);
+        }
+        return d;
+      },
+      pybind11::arg("reset") = false,
+      "{op: (calls, seconds)} of the CPU ops' own clock since the last reset (calls made while it was on; "
+      "reset=True zeroes it after reading).");
   m.def("set_cpu_isa", &sbd_cpu::set_isa, pybind11::arg("name"),
         "Narrow the CPU kernels to one ISA variant (\"default\", \"avx2\", \"avx512\"); \"\" restores the widest.");
 }

@@ -14,6 +14,7 @@
 
 #include "block_attention_checks.h"
 #include "cpu/block_attention_kernel.h"
+#include "cpu/op_clock.h"
 #include "cpu/output_pool.h"
 
 namespace sbd_ext {
@@ -68,6 +69,7 @@ void append_committed(const sbd_cpu::BlockAttentionParams& p, int64_t elem) {
 at::Tensor block_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& n_commit,
                                const at::Tensor& n_valid, double scale, double softcap, int64_t window_left) {
+  const OpClock clock(Clocked::kBlockAttention);
   check_block_attention(q, k, v, k_cache, v_cache, cache_lens, n_commit, n_valid, scale, softcap, window_left);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), S = k_cache.size(2);
   const std::vector<int64_t> lens = host_lengths(cache_lens), commit = host_lengths(n_commit),

@@ -7,12 +7,14 @@
 #include <vector>
 
 #include "cpu/entropy_sample_kernel.h"
+#include "cpu/op_clock.h"
 #include "entropy_sample_checks.h"
 
 namespace sbd_ext {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(const at::Tensor& logits, double temperature,
                                                                   int64_t seed, int64_t offset) {
+  const OpClock clock(Clocked::kEntropySample);
   check_entropy_sample(logits, temperature);
   const int64_t N = logits.size(0), V = logits.size(1);
   auto f32 = logits.options().dtype(at::kFloat);

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "cpu/op_clock.h"
 #include "mask_replace_checks.h"
 #include "sbd/accept.h"
 
@@ -13,6 +14,7 @@ namespace sbd_ext {
 std::tuple<at::Tensor, at::Tensor> mask_replace_cpu(at::Tensor tokens, const at::Tensor& proposals,
                                                     const at::Tensor& entropy, const at::Tensor& max_prob,
                                                     int64_t mask_id, c10::string_view rule_name, double threshold) {
+  const OpClock clock(Clocked::kMaskReplace);
   const sbd::AcceptRule rule = parse_accept_rule(std::string(rule_name));
   check_mask_replace(tokens, proposals, entropy, max_prob, rule, threshold);
   const int64_t B = tokens.size(0), K = tokens.size(1);

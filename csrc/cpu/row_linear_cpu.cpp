@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu/aligned_buffer.h"
+#include "cpu/op_clock.h"
 #include "cpu/output_pool.h"
 #include "cpu/row_linear_kernel.h"
 #include "cpu/row_linear_write.h"
@@ -112,6 +113,7 @@ void row_linear_bf16_tiles(const at::Tensor& x, const at::Tensor& weight, float*
 
 at::Tensor row_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                           bool quantize_x) {
+  const OpClock clock(Clocked::kRowLinear);
   check_row_linear(x_in, weight, scale, quantize_x);
   // A bf16 layer: x widened to fp32 (exact), the sums in fp32, the result rounded to bf16 once, all inside the op (a
   // compiled graph sees bf16 in and out, as with F.linear, and cannot move the roundings)
@@ -251,6 +253,7 @@ void add_gated_delta(const float* h, int64_t h_stride, const float* g, float* o,
 at::Tensor gated_lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_b,
                                  const at::Tensor& gate, const std::optional<at::Tensor>& scale,
                                  at::IntArrayRef segments) {
+  const OpClock clock(Clocked::kGatedLoraLinear);
   check_gated_lora_linear(x, weight, lora_b, gate, scale, segments);
   constexpr int64_t P = sbd_cpu::kRowLinearPanel, C = sbd_cpu::kRowLinearChunk;
   const int64_t M = x.size(0), K = x.size(1), N = lora_b.size(0) * P, r = lora_b.size(1);

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/op_clock.h"
 #include "cpu/output_pool.h"
 #include "cpu/row_linear_write.h"
 #include "cpu/screened_head_kernel.h"
@@ -78,6 +79,7 @@ float up(double v) { return std::nextafter(static_cast<float>(v * (1.0 + 0x1p-40
 
 at::Tensor screened_head_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
                              const at::Tensor& screen_norm, int64_t exclude) {
+  const OpClock clock(Clocked::kScreenedHead);
   check_screened_head(x, weight, screen, screen_norm, exclude);
   const int64_t M = x.size(0), K = x.size(1), P = weight.size(0), N = P * kPanel, V = screen_norm.size(0);
   at::Tensor out = pooled_empty({M, N}, x.options());

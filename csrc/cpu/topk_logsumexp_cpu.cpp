@@ -5,11 +5,13 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cpu/op_clock.h"
 #include "cpu/topk_logsumexp_kernel.h"
 
 namespace sbd_ext {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logsumexp_cpu(const at::Tensor& x, int64_t k) {
+  const OpClock clock(Clocked::kTopkLogsumexp);
   constexpr const char* op = "topk_logsumexp";
   TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [N, V], got ", x.dim(), " dimensions");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());

@@ -6,7 +6,6 @@ tokens must be those of the eager forward and of the compiled step with every pr
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -136,19 +135,3 @@ def test_the_compiled_step_takes_one_call_per_group_and_decodes_the_same_tokens(
     assert len({id(s.group) for s, with_gate in calls if with_gate == gated}) == 4  # 2 layers x (q/k/v, gate/up)
     assert all(s.segments and s.lora_b is not None for s, _ in calls)
 
-
-def test_the_profile_times_one_call_per_group(monkeypatch):
-    """bench/report_profile.py times the linears as the compiled step calls them: a group once, over its weights."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    import report_profile
-
-    _, model = random_drafter(seed=8)
-    sbd_ext.quantize(model, "packed")
-    model.sbd_drafter.refresh(model, "cpu")
-    xs = {64: torch.randn(1, 64), 128: torch.randn(1, 128)}
-    calls = report_profile._kernel_calls(model, xs)
-    assert len(calls) == 2 * 4 + 1  # 2 layers x (q/k/v, o, gate/up, down) + the head
-    q = model.model.layers[0].self_attn.q_proj
-    assert calls[0][1][1] is not q.base.weight_packed and calls[0][1][1].shape[0] > q.base.weight_packed.shape[0]
-    weight_arena.prepare(model).merged = False
-    assert len(report_profile._kernel_calls(model, xs)) == 2 * 7 + 1

@@ -213,6 +213,8 @@ def test_profile_suite_splits_a_forward_and_renders(monkeypatch):
     expect = 4 * L * per_layer + 2 * h * cfg.vocab_size + 4 * cfg.vocab_size
     assert abs(row["weights_mb"] * 1e6 - expect) / expect < 0.01, (row["weights_mb"], expect)
     assert row["read_gbs"] > 0 and row["linears_ms"] > 0 and row["attention_ms"] > 0
+    # the ops' own clock inside the step: eager, each linear its own call, and the head (screened_head)
+    assert row["linear_calls"] == 7 * L + 1, row
     # The step, the forward and the ops are timed in separate runs: on a busy or noisy machine their medians cross
     # (a CI run beside other work measured the forward 3 % under the step), so only that each was measured is checked.
     assert row["step_ms"] > 0 and row["forward_ms"] > 0
