@@ -89,7 +89,7 @@ def _suite_table(suite: dict) -> list[str]:
     if "fixed_ms" in rows[0]:  # where a one-row forward's time goes
         lines = [
             "| weights | MB read | plain read GB/s | linears + head ms (× read rate) | attention ms | compiled step ms "
-            "| of it beyond those ops | fixed cost (tiny twin) ms | loop per forward ms |",
+            "| step less linears and attention ms | fixed cost (tiny twin) ms | loop per forward ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
