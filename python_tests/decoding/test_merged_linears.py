@@ -134,4 +134,3 @@ def test_the_compiled_step_takes_one_call_per_group_and_decodes_the_same_tokens(
     gated = mode == "verify"
     assert len({id(s.group) for s, with_gate in calls if with_gate == gated}) == 4  # 2 layers x (q/k/v, gate/up)
     assert all(s.segments and s.lora_b is not None for s, _ in calls)
-
